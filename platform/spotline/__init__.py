@@ -1,0 +1,1 @@
+"""Spotline: elastic LLM training on preemptible GPUs."""

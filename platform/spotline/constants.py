@@ -1,0 +1,39 @@
+"""Every timeout and interval Spotline uses, in one place.
+
+Each one can be overridden by an environment variable of the same name, so
+tests can shrink them and operators can stretch them without a code change.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name} must be a number (got {raw!r})") from e
+
+
+# How long a worker group may take to be placed and to rendezvous before the
+# start counts as a failure.
+SPOTLINE_WORKER_START_TIMEOUT_S = _env_float("SPOTLINE_WORKER_START_TIMEOUT_S", 300.0)
+# torch.distributed collective timeout. A dead peer is normally detected by Ray
+# long before this; it only bounds a hang nobody noticed.
+SPOTLINE_DIST_TIMEOUT_S = _env_float("SPOTLINE_DIST_TIMEOUT_S", 600.0)
+# How often the controller wakes to poll the worker group while a chunk of
+# steps runs.
+SPOTLINE_POLL_INTERVAL_S = _env_float("SPOTLINE_POLL_INTERVAL_S", 0.05)
+# At most this many steps run between two controller decisions (progress
+# report, failure check, preemption check).
+SPOTLINE_MAX_STEPS_PER_CHUNK = int(_env_float("SPOTLINE_MAX_STEPS_PER_CHUNK", 10))
+# How long the final flush of background uploads may take at the end of a job.
+SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S = _env_float("SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S", 1800.0)
+# How long a storage URI check may take before it counts as unreachable.
+SPOTLINE_STORAGE_CHECK_TIMEOUT_S = _env_float("SPOTLINE_STORAGE_CHECK_TIMEOUT_S", 20.0)
+# How long the driver waits between two status polls of the controller.
+SPOTLINE_DRIVER_POLL_S = _env_float("SPOTLINE_DRIVER_POLL_S", 1.0)

@@ -1,0 +1,243 @@
+"""The typed job spec: one pydantic model per section, docs next to each field.
+
+Everything a worker needs is derived from a validated `JobSpec`. Checks that
+need only the spec itself live here (cross-field rules); checks that touch the
+outside world (storage reachability, credentials, the corpus) live in
+`spotline.spec.preflight` and run before any worker starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    """The GPT decoder. Byte-level, so the vocabulary is always 256 tokens."""
+
+    n_layers: int = Field(4, gt=0)
+    """Number of transformer blocks. Pipeline stages split these blocks."""
+    d_model: int = Field(128, gt=0)
+    """Width of the residual stream."""
+    n_heads: int = Field(4, gt=0)
+    """Attention heads per block; must divide d_model."""
+    seq_len: int = Field(128, gt=1)
+    """Tokens per training sequence (context length)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability inside blocks. 0 keeps runs bit-reproducible across resumes."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelSpec:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads "
+                f"({self.n_heads}); pick n_heads from the divisors of d_model"
+            )
+        return self
+
+
+class DataSpec(_Section):
+    """Where training text comes from and how it is sampled."""
+
+    corpus: str = "stdlib"
+    """'stdlib' (the source of Python's own standard library: no network needed), a local
+    directory or file, or an fsspec URI (file://, s3://) of text files."""
+    max_bytes: int = Field(8_000_000, gt=0)
+    """Read at most this many bytes of the corpus (files in sorted order)."""
+    heldout_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    """Tail fraction of the corpus kept out of training, for held-out loss."""
+    seed: int = 1234
+    """Seed of the sampler. Batch k depends only on (seed, k), so sampling resumes exactly."""
+    file_suffixes: list[str] = Field(default_factory=lambda: [".py", ".txt", ".md", ".rst"])
+    """Only files with these suffixes are read from a directory corpus."""
+
+
+class ParallelSpec(_Section):
+    """How one replica of the model is laid out on devices."""
+
+    pipeline_stages: int = Field(1, ge=1)
+    """Pipeline stages (p) per replica. p > 1 uses DeepSpeed's PipelineModule with a 1F1B
+    schedule and ZeRO-1."""
+    micro_batches: int = Field(4, ge=1)
+    """Micro-batches per step (m): the 1F1B schedule depth when p > 1, gradient accumulation
+    steps when p = 1."""
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    """ZeRO stage. Pipelines allow 0 or 1; pp=1 allows 0-3."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Training precision. bf16 keeps fp32 master weights in the optimizer."""
+
+
+class ElasticSpec(_Section):
+    """Data-parallel replicas (each is pipeline_stages devices). A fixed size is min = max."""
+
+    min_replicas: int = Field(1, ge=1)
+    """Never run with fewer replicas than this; wait for capacity instead."""
+    max_replicas: int = Field(1, ge=1)
+    """Never run with more replicas than this."""
+
+
+class TrainSpec(_Section):
+    """The optimisation run."""
+
+    steps: int = Field(300, gt=0)
+    """Optimizer steps in the whole job."""
+    global_batch_size: int = Field(16, gt=0)
+    """Sequences per optimizer step, over all replicas and micro-batches."""
+    lr: float = Field(3e-3, gt=0.0)
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps before the cosine decay."""
+    weight_decay: float = Field(0.1, ge=0.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Gradient-norm clip; 0 disables it."""
+    seed: int = 42
+    """Seed of the model initialisation and of every rank's RNG."""
+    log_every: int = Field(10, gt=0)
+    """Report progress every this many steps."""
+    eval_batches: int = Field(4, gt=0)
+    """Held-out batches evaluated for the final held-out loss."""
+
+
+class CheckpointSpec(_Section):
+    """Where and how often checkpoints are committed."""
+
+    uri: str = "file://./spotline-runs/{job}/checkpoints"
+    """Any fsspec URI: file:// (default) or s3://bucket/prefix. '{job}' is replaced by the job
+    name. A URI that already holds committed checkpoints of this job is resumed from."""
+    interval_steps: int = Field(100, gt=0)
+    """Commit a checkpoint every this many steps (and always at the end)."""
+    keep_last: int = Field(3, ge=1)
+    """Committed checkpoints to keep; older ones are deleted after a newer one commits."""
+    staging_dir: str = "/tmp/spotline-staging"
+    """Node-local directory where ranks save before the background upload."""
+    endpoint_url: str | None = None
+    """S3 only: endpoint of an S3-compatible service (MinIO, on-prem, a test server)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the fsspec filesystem (advanced)."""
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_shape(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("checkpoint.uri is empty; use e.g. file:///data/ckpt or s3://bucket/prefix")
+        return v
+
+
+class FailureSpec(_Section):
+    """What the controller does when workers die."""
+
+    max_failures: int = Field(3, ge=-1)
+    """Restarts allowed before the job fails; -1 means unlimited."""
+
+
+class ResourcesSpec(_Section):
+    """What each worker (one per pipeline stage per replica) asks Ray for."""
+
+    device: Literal["auto", "gpu", "cpu"] = "auto"
+    """'gpu' places one worker per GPU (nccl), 'cpu' uses logical CPU workers (gloo),
+    'auto' picks gpu when the cluster has GPUs."""
+    cpus_per_worker: float = Field(0.5, ge=0.0)
+    """CPUs reserved per worker; on CPU this is also the worker's torch thread budget."""
+
+
+class JobSpec(_Section):
+    """A whole Spotline job."""
+
+    name: str = "spotline-job"
+    """Job name: names the controller actor (spotline:<name>:controller) and the checkpoint path."""
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    elastic: ElasticSpec = Field(default_factory=ElasticSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    failure: FailureSpec = Field(default_factory=FailureSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    deepspeed: dict[str, Any] = Field(default_factory=dict)
+    """Extra DeepSpeed config keys merged over the derived config (advanced)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(
+                f"name {v!r} must be 1-63 letters, digits, '_', '.' or '-', starting with a "
+                "letter or digit (it names an actor and a storage path)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobSpec:
+        p = self.parallel
+        e = self.elastic
+        if e.min_replicas > e.max_replicas:
+            raise ValueError(
+                f"elastic.min_replicas ({e.min_replicas}) must be <= elastic.max_replicas "
+                f"({e.max_replicas}); raise max_replicas or lower min_replicas"
+            )
+        if p.pipeline_stages > self.model.n_layers:
+            raise ValueError(
+                f"parallel.pipeline_stages ({p.pipeline_stages}) must be <= model.n_layers "
+                f"({self.model.n_layers}): each stage needs at least one transformer block; "
+                "lower pipeline_stages or add layers"
+            )
+        if p.pipeline_stages > 1 and p.zero_stage > 1:
+            raise ValueError(
+                f"parallel.zero_stage={p.zero_stage} cannot be combined with "
+                f"parallel.pipeline_stages={p.pipeline_stages}: DeepSpeed pipelines support "
+                "ZeRO stage 0 or 1 only; set zero_stage: 1, or pipeline_stages: 1 for ZeRO-2/3"
+            )
+        b, m = self.train.global_batch_size, p.micro_batches
+        for d in range(e.min_replicas, e.max_replicas + 1):
+            if b % (m * d) != 0:
+                raise ValueError(
+                    f"train.global_batch_size ({b}) must be divisible by parallel.micro_batches "
+                    f"x replicas ({m} x {d} = {m * d}) for every replica count in "
+                    f"[{e.min_replicas}, {e.max_replicas}]; e.g. set global_batch_size to "
+                    f"{_lcm_all(m, e.min_replicas, e.max_replicas)} or a multiple of it"
+                )
+        return self
+
+    # --- derived -----------------------------------------------------------------
+
+    def resolved_checkpoint_uri(self) -> str:
+        return self.checkpoint.uri.replace("{job}", self.name)
+
+    def micro_batch_size(self, replicas: int) -> int:
+        return self.train.global_batch_size // (self.parallel.micro_batches * replicas)
+
+    def spec_hash(self) -> str:
+        """Hash of everything that changes the training math (not where it runs or logs).
+
+        A checkpoint is only resumed by a job with the same hash for these fields, so a
+        resumed run cannot silently train a different model.
+        """
+        math = self.model_dump(
+            include={"model": True, "data": True, "train": True, "parallel": {"precision"}}
+        )
+        math["train"].pop("log_every", None)
+        math["train"].pop("steps", None)
+        blob = json.dumps(math, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _lcm_all(m: int, lo: int, hi: int) -> int:
+    from math import lcm
+
+    out = m
+    for d in range(lo, hi + 1):
+        out = lcm(out, m * d)
+    return out
