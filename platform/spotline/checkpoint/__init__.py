@@ -1,0 +1,24 @@
+"""Checkpoint storage: step files plus a manifest commit, on file:// or s3://.
+
+Imports nothing heavy: the S3 client packages load only when an s3:// URI is used.
+"""
+
+from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError
+from spotline.checkpoint.store import (
+    CheckpointStore,
+    CorruptCheckpointError,
+    StorageError,
+    hash_file,
+    restore_latest,
+)
+
+__all__ = [
+    "CheckpointStore",
+    "CorruptCheckpointError",
+    "FileEntry",
+    "Manifest",
+    "ManifestError",
+    "StorageError",
+    "hash_file",
+    "restore_latest",
+]

@@ -1,0 +1,156 @@
+"""The checkpoint manifest: the one file whose presence makes a step committed.
+
+A manifest lists every file of a checkpoint step with its size and sha256, plus
+what a resume needs to continue exactly where the run stopped (topology, data
+position, spec hash). It is written last, so a reader that sees it may trust
+that every file it names was uploaded completely.
+
+This module is pure data: it never touches storage or the network, and it never
+accepts a file path that could escape the step directory when downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+"""Manifest layout written by this code; a newer one is refused, not guessed at."""
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_REQUIRED_FIELDS = ("step", "files", "topology", "data_position", "spec_hash", "created_at")
+
+
+class ManifestError(ValueError):
+    """A manifest (or a file entry) that is malformed or was written by a newer Spotline."""
+
+
+def check_relpath(path: str) -> str:
+    """Return ``path`` if it is a safe relative posix path inside a step directory.
+
+    Manifests come from storage that other programs can write to; a path such as
+    ``../../etc/x`` or ``/abs`` would make a download write outside its directory.
+    """
+    if not isinstance(path, str) or not path:
+        raise ManifestError(f"checkpoint file path must be a non-empty string (got {path!r})")
+    if "\\" in path or path.startswith("/"):
+        raise ManifestError(
+            f"checkpoint file path {path!r} must be relative and use '/' separators"
+        )
+    if any(p in ("", ".", "..") for p in path.split("/")):
+        raise ManifestError(
+            f"checkpoint file path {path!r} must not contain empty, '.' or '..' segments"
+        )
+    if path == "manifest.json":
+        raise ManifestError("'manifest.json' is reserved for the commit record of a step")
+    return path
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint step."""
+
+    path: str
+    """Path relative to the step directory, posix separators,
+    e.g. ``rank_0/global_step100/mp_rank_00_model_states.pt``."""
+    size: int
+    """Size in bytes."""
+    sha256: str
+    """Lower-case hex sha256 of the file's content."""
+
+    def __post_init__(self) -> None:
+        check_relpath(self.path)
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
+            raise ManifestError(f"size of {self.path!r} must be an int >= 0 (got {self.size!r})")
+        if not isinstance(self.sha256, str) or not _SHA256_RE.match(self.sha256):
+            raise ManifestError(
+                f"sha256 of {self.path!r} must be 64 lower-case hex digits (got {self.sha256!r})"
+            )
+
+
+@dataclass
+class Manifest:
+    """The commit record of one checkpoint step."""
+
+    step: int
+    """Training step the checkpoint was taken after (the next step to run is in data_position)."""
+    files: list[FileEntry]
+    """Every file of the step; a restore downloads and verifies exactly these."""
+    topology: dict
+    """Parallel layout at save time, e.g.
+    ``{"pipeline_stages": 2, "replicas": 2, "world_size": 4, "zero_stage": 1}``;
+    a restore with another layout must reshard."""
+    data_position: dict
+    """Where the sampler resumes, e.g. ``{"next_step": 100, "seed": 1234}``."""
+    spec_hash: str
+    """``JobSpec.spec_hash()`` of the run that wrote it; a different hash must not resume."""
+    created_at: float
+    """Unix time the manifest was written."""
+    extra: dict = field(default_factory=dict)
+    """Anything else a resume needs (global batch policy, universal checkpoint info, ...)."""
+    format_version: int = FORMAT_VERSION
+    """Layout version of this manifest."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.step, int) or isinstance(self.step, bool) or self.step < 0:
+            raise ManifestError(f"manifest step must be an int >= 0 (got {self.step!r})")
+        seen: set[str] = set()
+        for f in self.files:
+            if not isinstance(f, FileEntry):
+                raise ManifestError(f"manifest files must be FileEntry objects (got {f!r})")
+            if f.path in seen:
+                raise ManifestError(f"manifest of step {self.step} lists {f.path!r} twice")
+            seen.add(f.path)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> Manifest:
+        try:
+            raw = json.loads(s)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest is not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ManifestError(f"manifest must be a JSON object (got {type(raw).__name__})")
+        version = raw.get("format_version", FORMAT_VERSION)
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ManifestError(
+                f"manifest format_version {version!r} is newer than this Spotline understands "
+                f"({FORMAT_VERSION}); upgrade spotline to resume from it"
+            )
+        missing = [k for k in _REQUIRED_FIELDS if k not in raw]
+        if missing:
+            raise ManifestError(f"manifest is missing field(s) {', '.join(missing)}")
+        files_raw: Any = raw["files"]
+        if not isinstance(files_raw, list):
+            raise ManifestError("manifest 'files' must be a list")
+        try:
+            files = [
+                FileEntry(path=f["path"], size=f["size"], sha256=f["sha256"]) for f in files_raw
+            ]
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"manifest file entry is malformed ({e!r})") from e
+        for key in ("topology", "data_position", "extra"):
+            if not isinstance(raw.get(key, {}), dict):
+                raise ManifestError(f"manifest {key!r} must be a JSON object")
+        try:
+            created_at = float(raw["created_at"])
+        except (TypeError, ValueError) as e:
+            raise ManifestError(f"manifest created_at must be a number ({e})") from e
+        return cls(
+            step=raw["step"],
+            files=files,
+            topology=raw["topology"],
+            data_position=raw["data_position"],
+            spec_hash=str(raw["spec_hash"]),
+            created_at=created_at,
+            extra=raw.get("extra", {}),
+            format_version=version,
+        )

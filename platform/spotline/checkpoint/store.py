@@ -1,0 +1,919 @@
+"""Checkpoint storage: upload step files, commit them with a manifest, restore the newest good one.
+
+Layout under the root URI (``file://`` or ``s3://``)::
+
+    <root>/step_00000100/<files of the step...>
+    <root>/step_00000100/manifest.json      <- written last: the commit
+
+A step directory without ``manifest.json`` is an upload in progress or an abandoned
+one; it is never restored. Every restored file is checked against the size and
+sha256 in the manifest before it is used.
+
+This module must never hand back a checkpoint it has not verified, never delete an
+upload that may still be running (an uncommitted step newer than the newest
+commit), and never let a reader see a manifest whose files are gone (the manifest
+is deleted first). Optional S3 packages are imported only when an ``s3://`` URI is
+used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import posixpath
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from spotline import constants
+from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError, check_relpath
+
+MANIFEST_NAME = "manifest.json"
+HASH_CHUNK_BYTES = 8 * 2**20
+# Files of one step move in parallel; each large S3 object is itself split into
+# concurrent parts by s3fs, so a few threads are enough to fill the link.
+TRANSFER_THREADS = 4
+# S3 refuses multipart parts smaller than this (except the last one).
+S3_MIN_PART_BYTES = 5 * 2**20
+
+SUPPORTED_URI_FORMS = (
+    "file:///absolute/path",
+    "file://./relative/path (relative to the working directory)",
+    "a plain local path such as /data/ckpt or ./ckpt",
+    "s3://bucket/prefix",
+)
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_URI_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_S3_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_CREDENTIALS_FIX = (
+    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role, "
+    "or put key/secret (or profile) in checkpoint.storage_options"
+)
+
+
+class StorageError(RuntimeError):
+    """The checkpoint storage cannot be used: bad URI, unreachable, no credentials, no access."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file is missing or its size/sha256 differs from the manifest.
+
+    ``step`` and ``path`` name the first bad file; ``failures`` lists every
+    ``(step, path, reason)`` found when several steps were tried.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        path: str,
+        reason: str,
+        *,
+        uri: str = "",
+        message: str | None = None,
+        failures: list[tuple[int, str, str]] | None = None,
+    ) -> None:
+        self.step = step
+        self.path = path
+        self.reason = reason
+        self.uri = uri
+        self.failures = failures or [(step, path, reason)]
+        where = f" at {uri}" if uri else ""
+        super().__init__(message or f"checkpoint step {step}{where} is corrupt: {path}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray ships exceptions between processes; the default reduce would call
+        # __init__ with the message only.
+        return (
+            _rebuild_corrupt,
+            (self.step, self.path, self.reason, self.uri, str(self), self.failures),
+        )
+
+
+def _rebuild_corrupt(
+    step: int, path: str, reason: str, uri: str, message: str, failures: list
+) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        step, path, reason, uri=uri, message=message, failures=[tuple(f) for f in failures]
+    )
+
+
+def hash_file(path: str | os.PathLike[str]) -> str:
+    """sha256 hex digest of a local file, read in 8 MiB chunks (never all in memory)."""
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _bad_uri(uri: object, why: str) -> StorageError:
+    forms = "; ".join(SUPPORTED_URI_FORMS)
+    return StorageError(f"checkpoint.uri {uri!r} is not usable: {why}. Supported forms: {forms}")
+
+
+def _run_with_deadline(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """Run ``fn`` in a daemon thread; raise TimeoutError if it has not finished in time.
+
+    A hung NFS mount or a black-holed endpoint must not hang the caller; the stuck
+    thread is abandoned (daemon, so it never blocks interpreter exit).
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="spotline-storage-check", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+# --- backends ---------------------------------------------------------------------
+
+
+class _Backend:
+    """One storage scheme: URI parsing, filesystem construction and error wording."""
+
+    scheme = ""
+
+    def __init__(
+        self, uri: str, rest: str, bare: bool, endpoint_url: str | None, options: dict
+    ) -> None:
+        self.endpoint_url = endpoint_url
+        self.options = dict(options)
+        self.uri = ""  # normalized, set by subclasses
+        self.root = ""  # path inside the filesystem, no scheme, no trailing '/'
+
+    def make_fs(self, probe_timeout_s: float | None = None) -> Any:
+        raise NotImplementedError
+
+    def put_kwargs(self) -> dict:
+        return {}
+
+    def write_atomic(self, fs: Any, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def check_credentials(self) -> None:
+        return None
+
+    def storage_errors(self) -> tuple[type[BaseException], ...]:
+        return (OSError,)
+
+    def explain(self, exc: BaseException) -> str:
+        raise NotImplementedError
+
+
+class _LocalBackend(_Backend):
+    """file:// and plain paths. Shared by all nodes only if the path is on a shared mount."""
+
+    scheme = "file"
+
+    def __init__(
+        self, uri: str, rest: str, bare: bool, endpoint_url: str | None, options: dict
+    ) -> None:
+        super().__init__(uri, rest, bare, endpoint_url, options)
+        if endpoint_url:
+            raise StorageError(
+                f"checkpoint.endpoint_url ({endpoint_url!r}) is set but checkpoint.uri {uri!r} "
+                "is a local path; endpoint_url only applies to s3:// URIs (did you mean "
+                "s3://bucket/prefix?)"
+            )
+        if bare:
+            path = os.path.expanduser(rest)
+        elif rest.startswith("/"):
+            path = rest
+        elif rest.startswith("localhost/"):
+            path = rest[len("localhost") :]
+        elif rest in (".", "..") or rest.startswith(("./", "../", "~")):
+            path = os.path.expanduser(rest)
+        elif not rest:
+            raise _bad_uri(uri, "'file://' is followed by no path")
+        else:
+            raise _bad_uri(
+                uri,
+                f"'file://{rest}' names no absolute path; write file:///{rest} for the "
+                f"absolute path /{rest} or file://./{rest} for a path relative to the "
+                "working directory",
+            )
+        self.root = os.path.normpath(os.path.abspath(path))
+        self.uri = "file://" + self.root
+
+    def make_fs(self, probe_timeout_s: float | None = None) -> Any:
+        from fsspec.implementations.local import LocalFileSystem
+
+        try:
+            return LocalFileSystem(**{"auto_mkdir": True, **self.options})
+        except TypeError as e:
+            raise StorageError(
+                f"checkpoint.storage_options {self.options!r} are not accepted for local "
+                f"paths ({e}); remove them or use an s3:// checkpoint.uri"
+            ) from e
+
+    def write_atomic(self, fs: Any, path: str, data: bytes) -> None:
+        # Readers list the directory at any moment: they must see either no
+        # manifest or the whole one, so write aside, fsync, then rename over.
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def explain(self, exc: BaseException) -> str:
+        if isinstance(exc, TimeoutError):
+            return (
+                f"the filesystem at {self.root} {exc}; if it is a network mount, check "
+                "that it is mounted and responding"
+            )
+        if isinstance(exc, PermissionError):
+            return (
+                f"permission denied under {self.root} ({exc}); point checkpoint.uri at a "
+                "directory this user can write, or fix its permissions"
+            )
+        if isinstance(exc, (NotADirectoryError, FileExistsError)):
+            return (
+                f"a path component of {self.root} is a file, not a directory ({exc}); "
+                "choose another checkpoint.uri"
+            )
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return f"{os.strerror(exc.errno)} ({exc}); free space or choose another checkpoint.uri"
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _import_s3fs() -> Any:
+    try:
+        import s3fs
+    except ImportError as e:
+        raise StorageError(
+            f"s3:// checkpoint.uri needs the optional S3 packages, which are not installed "
+            f"({e}); run: pip install 'spotline[s3]'"
+        ) from e
+    return s3fs
+
+
+class _S3Backend(_Backend):
+    """s3:// through s3fs (aiobotocore), with botocore's standard credential chain."""
+
+    scheme = "s3"
+
+    def __init__(
+        self, uri: str, rest: str, bare: bool, endpoint_url: str | None, options: dict
+    ) -> None:
+        super().__init__(uri, rest, bare, endpoint_url, options)
+        if not rest or rest.startswith("/"):
+            raise _bad_uri(uri, "no bucket name after 's3://'")
+        if "?" in rest or "#" in rest:
+            raise _bad_uri(uri, "query strings and fragments are not supported")
+        bucket, _, prefix = rest.partition("/")
+        if not _S3_BUCKET_RE.match(bucket) or ".." in bucket:
+            raise _bad_uri(
+                uri,
+                f"{bucket!r} is not a valid S3 bucket name (3-63 lower-case letters, digits, "
+                "'.' or '-', starting and ending with a letter or digit)",
+            )
+        parts = [p for p in prefix.split("/") if p]
+        if any(p in (".", "..") for p in parts):
+            raise _bad_uri(uri, "the prefix must not contain '.' or '..' segments")
+        self.bucket = bucket
+        self.root = "/".join([bucket, *parts])
+        self.uri = "s3://" + self.root
+        self.multipart_chunksize: int | None = None
+
+    def make_fs(self, probe_timeout_s: float | None = None) -> Any:
+        s3fs = _import_s3fs()
+        opts = dict(self.options)
+        client_kwargs = dict(opts.pop("client_kwargs", None) or {})
+        if self.endpoint_url:
+            client_kwargs["endpoint_url"] = self.endpoint_url
+        config_kwargs = dict(opts.pop("config_kwargs", None) or {})
+        if probe_timeout_s is not None:
+            # A preflight must fail in seconds: short connect timeout, one retry.
+            config_kwargs.update(
+                connect_timeout=max(1.0, min(5.0, probe_timeout_s / 4)),
+                read_timeout=max(1.0, probe_timeout_s),
+                retries={"max_attempts": 2, "mode": "standard"},
+            )
+        # Listings must always be fresh: other processes commit and delete steps.
+        opts.setdefault("use_listings_cache", False)
+        try:
+            fs = s3fs.S3FileSystem(
+                client_kwargs=client_kwargs,
+                config_kwargs=config_kwargs,
+                skip_instance_cache=True,
+                **opts,
+            )
+        except (TypeError, KeyError, ValueError) as e:
+            raise StorageError(
+                f"checkpoint.storage_options {self.options!r} were refused by s3fs ({e}); "
+                "fix or remove them"
+            ) from e
+        if probe_timeout_s is not None:
+            fs.retries = 1  # s3fs's own retry loop, on top of botocore's
+        return fs
+
+    def put_kwargs(self) -> dict:
+        return {"chunksize": self.multipart_chunksize} if self.multipart_chunksize else {}
+
+    def write_atomic(self, fs: Any, path: str, data: bytes) -> None:
+        # One PUT (s3fs uses a single put_object below 2 chunks = 100 MiB) is atomic
+        # and strongly consistent on S3: readers see the whole object or none.
+        fs.pipe_file(path, data)
+
+    def _where(self) -> str:
+        return self.endpoint_url or "the default AWS S3 endpoint"
+
+    def check_credentials(self) -> None:
+        opts = self.options
+        if opts.get("anon"):
+            return
+        client_kwargs = opts.get("client_kwargs") or {}
+        if (opts.get("key") or opts.get("username") or client_kwargs.get("aws_access_key_id")) and (
+            opts.get("secret") or opts.get("password") or client_kwargs.get("aws_secret_access_key")
+        ):
+            return
+        _import_s3fs()
+        import botocore.exceptions
+        import botocore.session
+
+        profile = opts.get("profile")
+        try:
+            session = botocore.session.Session(profile=profile)
+            creds = session.get_credentials()
+        except botocore.exceptions.ProfileNotFound as e:
+            raise StorageError(
+                f"AWS profile {profile or os.environ.get('AWS_PROFILE')!r} for {self.uri} was "
+                f"not found ({e}); fix the profile name in AWS_PROFILE or "
+                "checkpoint.storage_options.profile, or add it to ~/.aws/config"
+            ) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise StorageError(
+                f"could not load AWS credentials for {self.uri} ({e}); {_CREDENTIALS_FIX}"
+            ) from e
+        if creds is None:
+            raise StorageError(f"no AWS credentials found for {self.uri}: {_CREDENTIALS_FIX}")
+
+    def storage_errors(self) -> tuple[type[BaseException], ...]:
+        try:
+            import botocore.exceptions
+        except ImportError:
+            return (OSError,)
+        return (OSError, botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
+
+    def explain(self, exc: BaseException) -> str:
+        try:
+            from botocore import exceptions as bx
+        except ImportError:  # pragma: no cover - s3fs pulls botocore in
+            bx = None
+        for e in _exception_chain(exc):
+            if bx is not None and isinstance(e, bx.NoCredentialsError):
+                return f"no AWS credentials found for {self.uri}: {_CREDENTIALS_FIX}"
+            if bx is not None and isinstance(
+                e, (bx.ConnectionError, bx.HTTPClientError)
+            ):  # refused, DNS, TLS, connect/read timeouts
+                return (
+                    f"cannot reach the S3 endpoint {self._where()} ({e}); check "
+                    "checkpoint.endpoint_url, that the service is running, and the "
+                    "network/firewall between this node and it"
+                )
+            if isinstance(e, TimeoutError):
+                return (
+                    f"the S3 endpoint {self._where()} gave {e}; check checkpoint.endpoint_url "
+                    "and the network, or raise SPOTLINE_STORAGE_CHECK_TIMEOUT_S"
+                )
+            if isinstance(e, PermissionError):
+                return (
+                    f"access denied by {self._where()} ({e}); check that the credentials are "
+                    "valid and allow s3:PutObject, s3:GetObject, s3:DeleteObject and "
+                    f"s3:ListBucket on arn:aws:s3:::{self.bucket} and "
+                    f"arn:aws:s3:::{self.root}/*"
+                )
+            if isinstance(e, FileNotFoundError):
+                return (
+                    f"bucket {self.bucket!r} does not exist at {self._where()} or is not "
+                    f"visible to these credentials ({e}); create it (e.g. `aws s3 mb "
+                    f"s3://{self.bucket}`) or fix checkpoint.uri / checkpoint.endpoint_url"
+                )
+        return f"{type(exc).__name__}: {exc}"
+
+
+_BACKENDS: dict[str, type[_Backend]] = {"file": _LocalBackend, "s3": _S3Backend}
+"""Storage backends by URI scheme; a plain path means 'file'."""
+
+
+def _make_backend(uri: str, endpoint_url: str | None, options: dict) -> _Backend:
+    if not isinstance(uri, str) or not uri.strip():
+        raise _bad_uri(uri, "it is empty")
+    uri = uri.strip()
+    if "://" in uri:
+        scheme, rest = uri.split("://", 1)
+        backend = _BACKENDS.get(scheme.lower())
+        if backend is None:
+            raise _bad_uri(
+                uri,
+                f"unknown scheme {scheme + '://'!r} (supported schemes: "
+                f"{', '.join(s + '://' for s in _BACKENDS)})",
+            )
+        return backend(uri, rest, False, endpoint_url, options)
+    if _URI_SCHEME_RE.match(uri):
+        scheme = uri.split(":", 1)[0]
+        raise _bad_uri(uri, f"it starts with '{scheme}:' but has no '//' after it")
+    return _LocalBackend(uri, uri, True, endpoint_url, options)
+
+
+# --- the store ----------------------------------------------------------------------
+
+
+class CheckpointStore:
+    """Checkpoint steps under one root URI: upload, commit, list, restore, retain.
+
+    Safe to pickle (Ray ships it to workers); the filesystem client is rebuilt on
+    first use in each process. Safe to call from several threads.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        endpoint_url: str | None = None,
+        storage_options: dict | None = None,
+        *,
+        multipart_chunksize: int | None = None,
+    ) -> None:
+        """
+        Args:
+            uri: ``file:///abs``, ``file://./relative`` (resolved against the current
+                working directory now), a plain local path, or ``s3://bucket/prefix``.
+            endpoint_url: S3 only; an S3-compatible endpoint (MinIO, a test server).
+            storage_options: extra keyword arguments for the fsspec filesystem
+                (for S3: ``key``/``secret``/``profile``/``anon``/``client_kwargs``...).
+            multipart_chunksize: S3 only; part size in bytes for multipart uploads
+                (files of at least two parts go multipart). Default: s3fs's 50 MiB.
+        """
+        self._backend = _make_backend(uri, endpoint_url, storage_options or {})
+        if multipart_chunksize is not None:
+            if multipart_chunksize < S3_MIN_PART_BYTES:
+                raise ValueError(
+                    f"multipart_chunksize must be >= {S3_MIN_PART_BYTES} bytes (5 MiB, the "
+                    f"smallest part S3 accepts); got {multipart_chunksize}"
+                )
+            if isinstance(self._backend, _S3Backend):
+                self._backend.multipart_chunksize = multipart_chunksize
+        self._multipart_chunksize = multipart_chunksize
+        self._fs: Any = None
+        self._fs_lock = threading.Lock()
+
+    # Pickling sends the arguments and rebuilds the client lazily on the other side;
+    # the normalized URI goes, so a relative file:// path keeps meaning the same place.
+    def __getstate__(self) -> dict:
+        b = self._backend
+        return {"args": (self.uri, b.endpoint_url, b.options, self._multipart_chunksize)}
+
+    def __setstate__(self, state: dict) -> None:
+        uri, endpoint_url, options, chunk = state["args"]
+        self.__init__(uri, endpoint_url, options, multipart_chunksize=chunk)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.uri!r})"
+
+    @property
+    def uri(self) -> str:
+        """Normalized root URI: ``file:///abs/path`` or ``s3://bucket/prefix``."""
+        return self._backend.uri
+
+    @property
+    def endpoint_url(self) -> str | None:
+        return self._backend.endpoint_url
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem (created on first use)."""
+        if self._fs is None:
+            with self._fs_lock:
+                if self._fs is None:
+                    self._fs = self._backend.make_fs()
+        return self._fs
+
+    @staticmethod
+    def step_name(step: int) -> str:
+        return f"step_{step:08d}"
+
+    def step_uri(self, step: int) -> str:
+        """Full URI of a step's directory, for messages and logs."""
+        return f"{self._backend.scheme}://{self._step_path(step)}"
+
+    def _step_path(self, step: int) -> str:
+        return f"{self._backend.root}/{self.step_name(step)}"
+
+    def _manifest_path(self, step: int) -> str:
+        return f"{self._step_path(step)}/{MANIFEST_NAME}"
+
+    @contextlib.contextmanager
+    def _io(self, action: str, passthrough: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """Turn a storage failure into a StorageError that says what failed and how to fix it."""
+        try:
+            yield
+        except (StorageError, CorruptCheckpointError):
+            raise
+        except passthrough:
+            raise
+        except self._backend.storage_errors() as e:
+            raise StorageError(f"{action} at {self.uri} failed: {self._backend.explain(e)}") from e
+
+    # --- writing ----------------------------------------------------------------------
+
+    def upload_file(self, local_path: str | os.PathLike[str], step: int, relpath: str) -> FileEntry:
+        """Upload one local file to ``<root>/step_xxx/<relpath>``; return its manifest entry.
+
+        The sha256 is computed from the local file, so the manifest describes what
+        was meant to be stored and a damaged upload is caught on restore.
+        """
+        relpath = check_relpath(relpath)
+        local = Path(local_path)
+        size = local.stat().st_size
+        digest = hash_file(local)
+        remote = f"{self._step_path(step)}/{relpath}"
+        with self._io(f"uploading {local} as {relpath} of step {step}"):
+            self.fs.put_file(str(local), remote, **self._backend.put_kwargs())
+        return FileEntry(path=relpath, size=size, sha256=digest)
+
+    def upload_dir(
+        self, local_dir: str | os.PathLike[str], step: int, prefix: str = ""
+    ) -> list[FileEntry]:
+        """Upload every file under ``local_dir``; entries are sorted by path.
+
+        Each file's relpath is ``prefix`` + its path relative to ``local_dir``
+        (a '/' is added after a non-empty prefix that lacks one).
+        """
+        root = Path(local_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"checkpoint staging directory {root} does not exist")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        jobs = [(p, prefix + p.relative_to(root).as_posix()) for p in files]
+        return self._parallel([lambda p=p, r=r: self.upload_file(p, step, r) for p, r in jobs])
+
+    def commit(self, manifest: Manifest) -> None:
+        """Make a step visible to readers by writing its manifest, after checking its files.
+
+        Refuses (CorruptCheckpointError) if a listed file is absent or has another
+        size in storage: committing it would publish a checkpoint that cannot load.
+        """
+        step = manifest.step
+        step_path = self._step_path(step)
+        with self._io(f"listing step {step} before commit"):
+            try:
+                found = self.fs.find(step_path, detail=True)
+            except FileNotFoundError:
+                found = {}
+        sizes = {posixpath.relpath(k, step_path): v.get("size") for k, v in found.items()}
+        for entry in manifest.files:
+            have = sizes.get(entry.path)
+            if have is None:
+                reason = "not in storage; upload it before committing"
+            elif have != entry.size:
+                reason = f"is {have} bytes in storage, manifest says {entry.size}"
+            else:
+                continue
+            raise CorruptCheckpointError(
+                step,
+                entry.path,
+                reason,
+                uri=self.uri,
+                message=f"refusing to commit checkpoint step {step} at {self.uri}: "
+                f"{entry.path} {reason}",
+            )
+        with self._io(f"writing the manifest of step {step}"):
+            self._backend.write_atomic(
+                self.fs, self._manifest_path(step), manifest.to_json().encode()
+            )
+
+    # --- reading ----------------------------------------------------------------------
+
+    def _step_dirs(self) -> list[int]:
+        with self._io("listing checkpoint steps"):
+            try:
+                names = self.fs.ls(self._backend.root, detail=False)
+            except FileNotFoundError:
+                return []
+        steps = []
+        for name in names:
+            m = _STEP_RE.match(posixpath.basename(str(name).rstrip("/")))
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(set(steps))
+
+    def _is_committed(self, step: int) -> bool:
+        with self._io(f"checking the manifest of step {step}"):
+            return bool(self.fs.exists(self._manifest_path(step)))
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a manifest, ascending. Step directories without one are ignored."""
+        return [s for s in self._step_dirs() if self._is_committed(s)]
+
+    def load_manifest(self, step: int) -> Manifest:
+        """Read the manifest of a committed step.
+
+        Raises FileNotFoundError if the step is not committed, CorruptCheckpointError
+        if its manifest cannot be parsed.
+        """
+        path = self._manifest_path(step)
+        with self._io(f"reading the manifest of step {step}", passthrough=(FileNotFoundError,)):
+            try:
+                raw = self.fs.cat_file(path)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(
+                    f"checkpoint step {step} is not committed at {self.uri} (no {MANIFEST_NAME})"
+                ) from e
+        try:
+            manifest = Manifest.from_json(raw)
+        except ManifestError as e:
+            raise CorruptCheckpointError(step, MANIFEST_NAME, str(e), uri=self.uri) from e
+        if manifest.step != step:
+            raise CorruptCheckpointError(
+                step,
+                MANIFEST_NAME,
+                f"it says step {manifest.step} but lies in {self.step_name(step)}",
+                uri=self.uri,
+            )
+        return manifest
+
+    def latest_manifest(self) -> Manifest | None:
+        """Manifest of the newest committed step, or None if nothing is committed."""
+        steps = self.committed_steps()
+        return self.load_manifest(steps[-1]) if steps else None
+
+    def download(self, manifest: Manifest, local_dir: str | os.PathLike[str]) -> Path:
+        """Download and verify every file of ``manifest`` into ``local_dir/step_xxx/``.
+
+        A file already there with the right size and sha256 is kept (node-local
+        cache). Each download lands under a unique temporary name and is renamed
+        into place only after it verified, so several workers may share
+        ``local_dir``. On a bad file, everything this call placed is removed and
+        CorruptCheckpointError is raised.
+        """
+        step = manifest.step
+        step_dir = Path(local_dir) / self.step_name(step)
+        placed: list[Path] = []
+        placed_lock = threading.Lock()
+
+        def fetch(entry: FileEntry) -> None:
+            target = step_dir.joinpath(*entry.path.split("/"))
+            if _local_matches(target, entry):
+                return
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.part"
+            try:
+                with self._io(
+                    f"downloading {entry.path} of step {step}", passthrough=(FileNotFoundError,)
+                ):
+                    try:
+                        self.fs.get_file(f"{self._step_path(step)}/{entry.path}", str(tmp))
+                    except FileNotFoundError as e:
+                        raise CorruptCheckpointError(
+                            step, entry.path, "missing from storage", uri=self.uri
+                        ) from e
+                reason = _mismatch(tmp, entry)
+                if reason:
+                    raise CorruptCheckpointError(step, entry.path, reason, uri=self.uri)
+                os.replace(tmp, target)
+                with placed_lock:
+                    placed.append(target)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+
+        try:
+            self._parallel([lambda e=e: fetch(e) for e in manifest.files])
+        except BaseException:
+            for p in placed:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            _remove_empty_dirs(step_dir)
+            raise
+        step_dir.mkdir(parents=True, exist_ok=True)
+        return step_dir
+
+    def verify_remote(self, manifest: Manifest) -> None:
+        """Hash every file of ``manifest`` in storage (streamed); raise CorruptCheckpointError."""
+        step = manifest.step
+        for entry in manifest.files:
+            remote = f"{self._step_path(step)}/{entry.path}"
+            h = hashlib.sha256()
+            size = 0
+            with self._io(
+                f"verifying {entry.path} of step {step}", passthrough=(FileNotFoundError,)
+            ):
+                try:
+                    with self.fs.open(remote, "rb", block_size=HASH_CHUNK_BYTES) as f:
+                        while chunk := f.read(HASH_CHUNK_BYTES):
+                            h.update(chunk)
+                            size += len(chunk)
+                except FileNotFoundError as e:
+                    raise CorruptCheckpointError(
+                        step, entry.path, "missing from storage", uri=self.uri
+                    ) from e
+            reason = _describe_mismatch(size, h.hexdigest(), entry)
+            if reason:
+                raise CorruptCheckpointError(step, entry.path, reason, uri=self.uri)
+
+    # --- housekeeping -----------------------------------------------------------------
+
+    def apply_retention(self, keep_last: int) -> list[int]:
+        """Delete all but the newest ``keep_last`` committed steps, and abandoned uploads.
+
+        An uncommitted step older than the newest commit is abandoned and deleted;
+        one newer than it may still be uploading and is left alone. A committed
+        step loses its manifest before its files. Returns the deleted steps.
+        """
+        if keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1 (got {keep_last})")
+        all_steps = self._step_dirs()
+        committed = [s for s in all_steps if self._is_committed(s)]
+        if not committed:
+            return []
+        newest = committed[-1]
+        expired = committed[:-keep_last]
+        committed_set = set(committed)
+        abandoned = [s for s in all_steps if s not in committed_set and s < newest]
+        for step in expired:
+            with (
+                self._io(f"deleting the manifest of expired step {step}"),
+                contextlib.suppress(FileNotFoundError),
+            ):
+                self.fs.rm_file(self._manifest_path(step))
+            self._remove_step_dir(step)
+        for step in abandoned:
+            self._remove_step_dir(step)
+        return sorted(expired + abandoned)
+
+    def _remove_step_dir(self, step: int) -> None:
+        with self._io(f"deleting step {step}"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._step_path(step), recursive=True)
+
+    def check_credentials(self) -> None:
+        """S3: fail now (StorageError) if no credentials can be found. No-op for local paths."""
+        self._backend.check_credentials()
+
+    def check_writable(self, timeout_s: float | None = None) -> None:
+        """Preflight: write, read back and delete a small probe object under the root.
+
+        Any failure (bad bucket, unreachable endpoint, no credentials, no permission,
+        read-only disk, no answer within ``timeout_s``) becomes a StorageError that
+        says what happened and how to fix it.
+        """
+        timeout = constants.SPOTLINE_STORAGE_CHECK_TIMEOUT_S if timeout_s is None else timeout_s
+        self.check_credentials()
+        fs = self._backend.make_fs(probe_timeout_s=timeout)
+        probe = (
+            f"{self._backend.root}/.spotline-probe-{socket.gethostname()}-{os.getpid()}-"
+            f"{uuid.uuid4().hex[:8]}"
+        )
+        payload = f"spotline storage probe {time.time()}\n".encode()
+
+        def run() -> None:
+            fs.pipe_file(probe, payload)
+            back = fs.cat_file(probe)
+            fs.rm_file(probe)
+            if back != payload:
+                raise StorageError(
+                    f"checkpoint.uri {self.uri}: a probe object read back different bytes than "
+                    "were written; the storage (or a proxy in front of it) is not reliable"
+                )
+
+        try:
+            _run_with_deadline(run, timeout)
+        except StorageError:
+            raise
+        except (*self._backend.storage_errors(), TimeoutError) as e:
+            raise StorageError(
+                f"checkpoint.uri {self.uri} is not writable: {self._backend.explain(e)}"
+            ) from e
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _parallel(self, tasks: list[Callable[[], Any]]) -> list[Any]:
+        """Run tasks on a few threads; results in task order; the first error is raised
+        after the tasks already running have finished (none is left writing behind us)."""
+        if len(tasks) <= 1:
+            return [t() for t in tasks]
+        with ThreadPoolExecutor(
+            max_workers=min(TRANSFER_THREADS, len(tasks)), thread_name_prefix="spotline-ckpt"
+        ) as pool:
+            futures = [pool.submit(t) for t in tasks]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+        for f in futures:
+            if not f.cancelled() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+
+
+def _describe_mismatch(size: int, digest: str | None, entry: FileEntry) -> str | None:
+    if size != entry.size:
+        return f"size is {size} bytes, manifest says {entry.size}"
+    if digest is not None and digest != entry.sha256:
+        return f"sha256 is {digest[:16]}..., manifest says {entry.sha256[:16]}..."
+    return None
+
+
+def _mismatch(local: Path, entry: FileEntry) -> str | None:
+    size = local.stat().st_size
+    if size != entry.size:
+        return _describe_mismatch(size, None, entry)
+    return _describe_mismatch(size, hash_file(local), entry)
+
+
+def _local_matches(target: Path, entry: FileEntry) -> bool:
+    try:
+        return target.is_file() and _mismatch(target, entry) is None
+    except FileNotFoundError:  # replaced or removed by a concurrent download
+        return False
+
+
+def _remove_empty_dirs(top: Path) -> None:
+    if not top.is_dir():
+        return
+    for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda t: -len(t[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(dirpath)
+
+
+def restore_latest(
+    store: CheckpointStore,
+    local_dir: str | os.PathLike[str],
+    log: Callable[[str], Any] = print,
+) -> tuple[Manifest, Path] | None:
+    """Download the newest committed step that verifies; fall back to older ones.
+
+    Returns ``(manifest, local step dir)``, or None if nothing is committed. Raises
+    CorruptCheckpointError listing every step if none verifies.
+    """
+    steps = store.committed_steps()
+    if not steps:
+        return None
+    failures: list[tuple[int, str, str]] = []
+    newest_first = list(reversed(steps))
+    for i, step in enumerate(newest_first):
+        try:
+            manifest = store.load_manifest(step)
+            return manifest, store.download(manifest, local_dir)
+        except CorruptCheckpointError as e:
+            path, reason = e.path, e.reason
+        except FileNotFoundError:  # deleted by retention between listing and reading
+            path, reason = MANIFEST_NAME, "deleted while restoring"
+        failures.append((step, path, reason))
+        older = newest_first[i + 1] if i + 1 < len(newest_first) else None
+        then = f"falling back to step {older}" if older is not None else "no older step to try"
+        log(f"checkpoint step {step} at {store.uri} failed verification ({path}: {reason}); {then}")
+    listing = "; ".join(f"step {s} ({p}: {r})" for s, p, r in failures)
+    step, path, reason = failures[0]
+    raise CorruptCheckpointError(
+        step,
+        path,
+        reason,
+        uri=store.uri,
+        failures=failures,
+        message=(
+            f"no committed checkpoint at {store.uri} passed verification: {listing}. The "
+            "stored files were changed or damaged after they were committed. Restore them "
+            "from a backup, or, to start this job from scratch, delete these step_* "
+            "directories or point checkpoint.uri somewhere else."
+        ),
+    )

@@ -1,0 +1,1 @@
+"""Workers: one Ray actor per device, each hosting a DeepSpeed engine."""

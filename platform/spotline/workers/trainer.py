@@ -1,0 +1,301 @@
+"""One rank of a Spotline job: a DeepSpeed engine plus its data, save and load.
+
+This is plain Python with no Ray in it, so the same code runs inside a Ray
+worker actor and under `torch.multiprocessing` (benchmarks/overhead.py): the
+overhead benchmark then measures Spotline's orchestration, nothing else.
+
+The training step must never wait on storage: `save()` writes to node-local
+staging and returns; uploads happen on a background thread (see uploads.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from spotline import constants
+from spotline.data import Sampler, load_corpus
+from spotline.models import build_pipeline_module, build_sequential, lm_loss
+from spotline.spec.models import JobSpec
+
+log = logging.getLogger("spotline.trainer")
+
+RANK_STATE_DIR = "spotline"  # per-rank RNG state, next to DeepSpeed's files
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits. Rank = stage * replicas + replica (DeepSpeed's pipe-major grid)."""
+
+    pipeline_stages: int
+    replicas: int
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_stages * self.replicas
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.replicas
+
+    @property
+    def replica(self) -> int:
+        return self.rank % self.replicas
+
+    def as_dict(self, spec: JobSpec) -> dict[str, Any]:
+        return {
+            "pipeline_stages": self.pipeline_stages,
+            "replicas": self.replicas,
+            "world_size": self.world_size,
+            "zero_stage": spec.parallel.zero_stage,
+            "micro_batches": spec.parallel.micro_batches,
+            "micro_batch_size": spec.micro_batch_size(self.replicas),
+            "precision": spec.parallel.precision,
+        }
+
+
+def lr_lambda(spec: JobSpec):
+    t = spec.train
+
+    def f(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        span = max(1, t.steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def deepspeed_config(spec: JobSpec, replicas: int) -> dict[str, Any]:
+    """The DeepSpeed config derived from the spec; spec.deepspeed keys override it."""
+    p, t = spec.parallel, spec.train
+    cfg: dict[str, Any] = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": spec.micro_batch_size(replicas),
+        "gradient_accumulation_steps": p.micro_batches,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": p.zero_stage},
+        "bf16": {"enabled": p.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "checkpoint": {"load_universal": False},
+    }
+    return _deep_merge(cfg, spec.deepspeed)
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": spec.train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # torch's AdamW: DeepSpeed's fused Adam would JIT-compile a C++ op on CPU.
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=spec.train.lr, betas=(0.9, 0.95), eps=1e-8
+    )
+
+
+def init_distributed(topo: Topology, master_addr: str, master_port: int) -> str:
+    import deepspeed
+
+    os.environ.update(
+        RANK=str(topo.rank),
+        WORLD_SIZE=str(topo.world_size),
+        LOCAL_RANK="0",
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        auto_mpi_discovery=False,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=topo.rank,
+        world_size=topo.world_size,
+        timeout=timedelta(seconds=constants.SPOTLINE_DIST_TIMEOUT_S),
+    )
+    return backend
+
+
+class Trainer:
+    """Builds the engine for one rank and runs steps, saves and loads."""
+
+    def __init__(self, spec: JobSpec, topo: Topology, threads: int | None = None):
+        import deepspeed
+
+        self.spec = spec
+        self.topo = topo
+        if threads:
+            torch.set_num_threads(threads)
+        _quiet_deepspeed()
+        corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
+        t = spec.train
+        self.sampler = Sampler(corpus.train, spec.model.seq_len, t.global_batch_size, spec.data.seed)
+        self.heldout = Sampler(corpus.heldout, spec.model.seq_len, t.global_batch_size, spec.data.seed + 1)
+        self.pipelined = spec.parallel.pipeline_stages > 1
+        if self.pipelined:
+            model = build_pipeline_module(spec.model, spec.parallel.pipeline_stages, t.seed)
+        else:
+            model = build_sequential(spec.model, t.seed)
+        opt = _optimizer(model, spec)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec))
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=opt,
+            lr_scheduler=sched,
+            config=deepspeed_config(spec, topo.replicas),
+            dist_init_required=False,
+        )
+        self.device = self.engine.device
+        _seed_everything(t.seed + topo.rank)
+        self.step = 0  # optimizer steps done
+
+    # --- training -----------------------------------------------------------------
+
+    def _micro(self, sampler: Sampler, step: int):
+        return [
+            (x.to(self.device), y.to(self.device))
+            for x, y in sampler.micro_batches(
+                step, self.topo.replica, self.topo.replicas, self.spec.parallel.micro_batches
+            )
+        ]
+
+    def train_step(self) -> float:
+        """One optimizer step; returns the global-batch mean loss (same on every rank)."""
+        batches = self._micro(self.sampler, self.step)
+        if self.pipelined:
+            loss = self.engine.train_batch(data_iter=iter(batches)).item()
+        else:
+            total = torch.zeros((), device=self.device)
+            for x, y in batches:
+                micro_loss = lm_loss(self.engine(x), y)
+                self.engine.backward(micro_loss)
+                self.engine.step()
+                total += micro_loss.detach()
+            loss = self._dp_mean(total / len(batches))
+        self.step += 1
+        return loss
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        import torch.distributed as dist
+
+        if self.topo.replicas > 1:
+            dist.all_reduce(value)
+            value = value / self.topo.replicas
+        return float(value.item())
+
+    @torch.no_grad()
+    def heldout_loss(self, n_batches: int | None = None) -> float:
+        """Mean loss over the first n fixed held-out batches (the same every call)."""
+        n = n_batches or self.spec.train.eval_batches
+        losses = []
+        for k in range(n):
+            batches = self._micro(self.heldout, k)
+            if self.pipelined:
+                out = self.engine.eval_batch(data_iter=iter(batches))
+                losses.append(float(out.item()))
+            else:
+                self.engine.eval()
+                total = sum(lm_loss(self.engine(x), y) for x, y in batches) / len(batches)
+                self.engine.train()
+                losses.append(self._dp_mean(total))
+        return float(np.mean(losses))
+
+    # --- checkpoints --------------------------------------------------------------
+
+    def save(self, staging_root: Path) -> Path:
+        """Save this rank's share of the current step under staging_root; returns the dir.
+
+        Each rank writes to its own directory (no two ranks ever write the same path,
+        even when they share a node). The union of all ranks' files is one checkpoint.
+        """
+        out = Path(staging_root)
+        tag = f"global_step{self.step}"
+        self.engine.save_checkpoint(str(out), tag=tag, save_latest=False)
+        own = out / tag / RANK_STATE_DIR
+        own.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {"rng": _rng_state(), "step": self.step, "sampler": self.sampler.state(self.step)},
+            own / f"rank_{self.topo.rank:05d}.pt",
+        )
+        return out
+
+    def load(self, local_dir: Path, step: int) -> None:
+        tag = f"global_step{step}"
+        load_path, _ = self.engine.load_checkpoint(
+            str(local_dir),
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if load_path is None:
+            raise RuntimeError(
+                f"rank {self.topo.rank}: DeepSpeed found no checkpoint {tag} in {local_dir}"
+            )
+        state = torch.load(
+            Path(local_dir) / tag / RANK_STATE_DIR / f"rank_{self.topo.rank:05d}.pt",
+            weights_only=False,
+        )
+        _set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _quiet_deepspeed() -> None:
+    # DeepSpeed logs every config key at INFO on every rank; keep warnings and errors.
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    try:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+    except ImportError:
+        pass
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0

@@ -1,0 +1,138 @@
+"""Shared test fixtures.
+
+S3: a real S3-protocol HTTP server (moto's, as a subprocess) bound to 127.0.0.1, so
+the S3 tests run the same s3fs/aiobotocore/boto3 code users run. These fixtures
+must never let a test reach a real AWS endpoint, a shared credentials file or an
+instance-metadata service: every request goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_MOTO_START_TIMEOUT_S = 60.0
+
+# Every AWS variable that could make botocore find real credentials or a real endpoint.
+_AWS_ENV_TO_CLEAR = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loopback_env() -> dict[str, str]:
+    return {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Endpoint URL (http://127.0.0.1:PORT) of a moto S3 server running for the session."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("moto") / "server.log"
+    env = {**os.environ, **_loopback_env(), "AWS_EC2_METADATA_DISABLED": "true"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + _MOTO_START_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"moto S3 server exited with code {proc.returncode} before answering:\n"
+                    + Path(log_path).read_text(errors="replace")
+                )
+            try:
+                opener.open(url + "/", timeout=1).close()
+                break
+            except urllib.error.HTTPError:
+                break  # it answered, even if with an error status
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(
+                        f"moto S3 server on {url} did not answer within "
+                        f"{_MOTO_START_TIMEOUT_S:g} s:\n"
+                        + Path(log_path).read_text(errors="replace")
+                    )
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def aws_isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No AWS credentials anywhere: env cleared, config files pointed at nothing, IMDS off."""
+    for name in _AWS_ENV_TO_CLEAR:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for k, v in _loopback_env().items():
+        monkeypatch.setenv(k, v)
+
+
+@dataclass
+class S3Bucket:
+    """A fresh, empty bucket on the moto server, with test credentials in the environment."""
+
+    name: str
+    endpoint_url: str
+    client: Any  # boto3 S3 client for direct inspection and tampering
+
+    def uri(self, prefix: str = "ckpt") -> str:
+        return f"s3://{self.name}/{prefix}" if prefix else f"s3://{self.name}"
+
+
+@pytest.fixture
+def s3_bucket(
+    s3_server: str, aws_isolated_env: None, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[S3Bucket]:
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    name = f"spotline-test-{uuid.uuid4().hex[:12]}"
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    client.create_bucket(Bucket=name)
+    yield S3Bucket(name=name, endpoint_url=s3_server, client=client)

@@ -1,0 +1,447 @@
+"""Checkpoint store on the local filesystem (file://): commit protocol, verification,
+fallback, retention, URI parsing. No Ray, no network.
+
+The helpers at the top are shared with test_s3_store.py, which runs the same
+protocol against a real S3-protocol server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from spotline.checkpoint import (
+    CheckpointStore,
+    CorruptCheckpointError,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    StorageError,
+    hash_file,
+    restore_latest,
+)
+
+pytestmark = pytest.mark.unit
+
+TOPOLOGY = {"pipeline_stages": 2, "replicas": 2, "world_size": 4, "zero_stage": 1}
+
+# A DeepSpeed-like step layout: per-rank model and optimizer shards plus 'latest'.
+STEP_FILES = {
+    "rank_0/global_step{step}/mp_rank_00_model_states.pt": 3000,
+    "rank_0/global_step{step}/zero_pp_rank_0_mp_rank_00_optim_states.pt": 5000,
+    "rank_1/global_step{step}/zero_pp_rank_1_mp_rank_00_optim_states.pt": 4000,
+    "rank_0/latest": 0,
+}
+
+
+# --- helpers shared with test_s3_store.py ----------------------------------------------
+
+
+def make_staging(root: Path, step: int) -> Path:
+    """Write a fake DeepSpeed save of ``step`` under ``root``; content depends on the step."""
+    rng = random.Random(step)
+    for pattern, size in STEP_FILES.items():
+        path = root / pattern.format(step=step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.randbytes(size) if size else f"global_step{step}".encode())
+    return root
+
+
+def save_step(store: CheckpointStore, step: int, tmp_path: Path) -> Manifest:
+    """Upload a fake save of ``step`` and commit it; return the manifest."""
+    staging = make_staging(tmp_path / f"staging_{step}", step)
+    files = store.upload_dir(staging, step)
+    manifest = Manifest(
+        step=step,
+        files=files,
+        topology=dict(TOPOLOGY),
+        data_position={"next_step": step, "seed": 1234},
+        spec_hash="0123456789abcdef",
+        created_at=time.time(),
+        extra={"global_batch_size": 8},
+    )
+    store.commit(manifest)
+    return manifest
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Relative posix path -> content of every file under ``root``."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def first_shard(step: int) -> str:
+    return next(iter(STEP_FILES)).format(step=step)
+
+
+# --- local helpers ---------------------------------------------------------------------
+
+
+def _root(store: CheckpointStore) -> Path:
+    assert store.uri.startswith("file://")
+    return Path(store.uri[len("file://") :])
+
+
+def _flip_byte(path: Path, offset: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(f"file://{tmp_path}/ckpt")
+
+
+# --- URIs ------------------------------------------------------------------------------
+
+
+def test_uri_forms_are_normalized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert CheckpointStore(f"file://{tmp_path}/a/").uri == f"file://{tmp_path}/a"
+    assert CheckpointStore("file://./runs/x").uri == f"file://{tmp_path}/runs/x"
+    assert CheckpointStore("runs/y").uri == f"file://{tmp_path}/runs/y"
+    assert CheckpointStore(str(tmp_path / "z")).uri == f"file://{tmp_path}/z"
+    assert CheckpointStore("s3://my-bucket/some//prefix/").uri == "s3://my-bucket/some/prefix"
+    assert CheckpointStore("s3://my-bucket").uri == "s3://my-bucket"
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "",
+        "   ",
+        "s3://",
+        "s3:///prefix",
+        "ftp://x",
+        "file://",
+        "gs://bucket/x",
+        "s3:/bucket/x",
+        "s3://Not_A_Bucket/x",
+        "file://data/ckpt",
+    ],
+)
+def test_malformed_uri_names_the_setting_and_the_valid_forms(uri: str) -> None:
+    with pytest.raises(StorageError) as ei:
+        CheckpointStore(uri)
+    msg = str(ei.value)
+    assert "checkpoint.uri" in msg
+    assert "s3://bucket/prefix" in msg and "file:///absolute/path" in msg
+
+
+def test_endpoint_url_with_a_local_path_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="endpoint_url"):
+        CheckpointStore(str(tmp_path), endpoint_url="http://127.0.0.1:9000")
+
+
+def test_store_pickles_with_its_absolute_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = CheckpointStore("file://./ckpt")
+    save_step(store, 5, tmp_path)
+    monkeypatch.chdir("/")
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.uri == store.uri
+    assert clone.committed_steps() == [5]
+
+
+# --- manifest --------------------------------------------------------------------------
+
+
+def test_manifest_json_round_trip() -> None:
+    entry = FileEntry("rank_0/a.pt", 3, hashlib.sha256(b"abc").hexdigest())
+    m = Manifest(7, [entry], dict(TOPOLOGY), {"next_step": 7, "seed": 1}, "h", 12.5, {"k": [1]})
+    again = Manifest.from_json(m.to_json())
+    assert again == m
+    assert again.total_bytes == 3
+    assert json.loads(m.to_json())["format_version"] == 1
+
+
+@pytest.mark.parametrize("path", ["../x", "/abs", "a/../../b", "a//b", "a\\b", "manifest.json", ""])
+def test_file_entry_refuses_paths_outside_the_step_dir(path: str) -> None:
+    with pytest.raises(ManifestError):
+        FileEntry(path, 1, "0" * 64)
+
+
+def test_manifest_from_a_newer_format_is_refused() -> None:
+    m = Manifest(1, [], {}, {}, "h", 0.0)
+    raw = json.loads(m.to_json())
+    raw["format_version"] = 99
+    with pytest.raises(ManifestError, match="upgrade spotline"):
+        Manifest.from_json(json.dumps(raw))
+
+
+def test_hash_file_matches_hashlib_across_chunks(tmp_path: Path) -> None:
+    data = random.Random(0).randbytes(9 * 2**20 + 17)  # more than one 8 MiB chunk
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    assert hash_file(p) == hashlib.sha256(data).hexdigest()
+
+
+# --- commit protocol -------------------------------------------------------------------
+
+
+def test_upload_commit_load_download_round_trip(store: CheckpointStore, tmp_path: Path) -> None:
+    manifest = save_step(store, 100, tmp_path)
+    assert store.committed_steps() == [100]
+    assert store.load_manifest(100) == manifest
+    assert store.latest_manifest() == manifest
+    assert manifest.total_bytes == sum(len(b) for b in tree(tmp_path / "staging_100").values())
+
+    local = store.download(manifest, tmp_path / "restore")
+    assert local == tmp_path / "restore" / "step_00000100"
+    assert tree(local) == tree(tmp_path / "staging_100")
+    assert not [p for p in local.rglob("*") if p.name.startswith(".")]  # no temp files left
+
+
+def test_upload_file_entry_describes_the_local_file(store: CheckpointStore, tmp_path: Path) -> None:
+    src = tmp_path / "one.bin"
+    src.write_bytes(b"hello")
+    entry = store.upload_file(src, 3, "sub/one.bin")
+    assert entry == FileEntry("sub/one.bin", 5, hashlib.sha256(b"hello").hexdigest())
+    assert (_root(store) / "step_00000003" / "sub" / "one.bin").read_bytes() == b"hello"
+
+
+def test_upload_dir_prefix(store: CheckpointStore, tmp_path: Path) -> None:
+    staging = make_staging(tmp_path / "s", 1)
+    entries = store.upload_dir(staging, 1, prefix="stage_1")
+    assert [e.path for e in entries] == sorted("stage_1/" + p for p in tree(staging))
+
+
+def test_committed_steps_ignores_dirs_without_manifest(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    assert store.committed_steps() == []  # root does not even exist yet
+    assert store.latest_manifest() is None
+    save_step(store, 100, tmp_path)
+    staging = make_staging(tmp_path / "partial", 200)
+    store.upload_dir(staging, 200)  # uploaded, never committed
+    (_root(store) / "not_a_step").mkdir()
+    (_root(store) / "step_junk").mkdir()
+    assert store.committed_steps() == [100]
+    assert store.latest_manifest().step == 100
+    with pytest.raises(FileNotFoundError, match="not committed"):
+        store.load_manifest(200)
+
+
+def test_commit_is_an_atomic_rename(store: CheckpointStore, tmp_path: Path) -> None:
+    save_step(store, 1, tmp_path)
+    names = sorted(p.name for p in (_root(store) / "step_00000001").iterdir())
+    assert names == ["manifest.json", "rank_0", "rank_1"]  # no temp file left behind
+
+
+def test_commit_refuses_a_manifest_whose_files_are_not_uploaded(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    staging = make_staging(tmp_path / "s", 4)
+    files = store.upload_dir(staging, 4)
+    (_root(store) / "step_00000004" / files[0].path).unlink()
+    manifest = Manifest(4, files, dict(TOPOLOGY), {"next_step": 4}, "h", time.time())
+    with pytest.raises(CorruptCheckpointError, match="refusing to commit") as ei:
+        store.commit(manifest)
+    assert ei.value.path == files[0].path
+    assert store.committed_steps() == []
+
+
+# --- verification and fallback ---------------------------------------------------------
+
+
+def test_download_detects_a_flipped_byte_and_removes_what_it_downloaded(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    manifest = save_step(store, 100, tmp_path)
+    bad = first_shard(100)
+    _flip_byte(_root(store) / "step_00000100" / bad)
+    with pytest.raises(CorruptCheckpointError) as ei:
+        store.download(manifest, tmp_path / "restore")
+    assert (ei.value.step, ei.value.path) == (100, bad)
+    assert "sha256" in ei.value.reason
+    assert not [p for p in (tmp_path / "restore").rglob("*") if p.is_file()]
+    with pytest.raises(CorruptCheckpointError):
+        store.verify_remote(manifest)
+
+
+def test_download_detects_truncated_and_missing_files(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    manifest = save_step(store, 100, tmp_path)
+    step_dir = _root(store) / "step_00000100"
+    victim = step_dir / manifest.files[-1].path
+    victim.write_bytes(victim.read_bytes()[:-1])
+    with pytest.raises(CorruptCheckpointError, match="size is"):
+        store.download(manifest, tmp_path / "r1")
+    victim.unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing from storage") as ei:
+        store.download(manifest, tmp_path / "r2")
+    assert ei.value.path == manifest.files[-1].path
+    with pytest.raises(CorruptCheckpointError, match="missing from storage"):
+        store.verify_remote(manifest)
+
+
+def test_download_keeps_verified_local_files_and_replaces_bad_ones(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    manifest = save_step(store, 100, tmp_path)
+    local = store.download(manifest, tmp_path / "cache")
+    store.verify_remote(manifest)
+    # The remote copy goes bad after this node cached a good one: the cache is used.
+    _flip_byte(_root(store) / "step_00000100" / first_shard(100))
+    assert tree(store.download(manifest, tmp_path / "cache")) == tree(tmp_path / "staging_100")
+    # A damaged local copy is not trusted: it is fetched again (and here, found bad).
+    _flip_byte(local / first_shard(100), offset=5)
+    with pytest.raises(CorruptCheckpointError):
+        store.download(manifest, tmp_path / "cache")
+
+
+def test_concurrent_downloads_into_one_dir(store: CheckpointStore, tmp_path: Path) -> None:
+    manifest = save_step(store, 100, tmp_path)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            store.download(manifest, tmp_path / "node")
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert tree(tmp_path / "node" / "step_00000100") == tree(tmp_path / "staging_100")
+
+
+def test_restore_latest_falls_back_to_the_previous_committed_step(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    save_step(store, 100, tmp_path)
+    save_step(store, 200, tmp_path)
+    bad = first_shard(200)
+    _flip_byte(_root(store) / "step_00000200" / bad)
+    lines: list[str] = []
+    result = restore_latest(store, tmp_path / "restore", log=lines.append)
+    assert result is not None
+    manifest, local = result
+    assert manifest.step == 100
+    assert tree(local) == tree(tmp_path / "staging_100")
+    assert len(lines) == 1
+    assert lines[0].startswith(f"checkpoint step 200 at {store.uri} failed verification ({bad}: ")
+    assert lines[0].endswith("; falling back to step 100")
+
+
+def test_restore_latest_skips_an_unreadable_manifest(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    save_step(store, 100, tmp_path)
+    save_step(store, 200, tmp_path)
+    (_root(store) / "step_00000200" / "manifest.json").write_text("{not json")
+    lines: list[str] = []
+    manifest, _ = restore_latest(store, tmp_path / "restore", log=lines.append)
+    assert manifest.step == 100
+    assert "(manifest.json: " in lines[0]
+
+
+def test_restore_latest_with_nothing_committed(store: CheckpointStore, tmp_path: Path) -> None:
+    assert restore_latest(store, tmp_path / "restore", log=lambda s: None) is None
+
+
+def test_restore_latest_when_every_step_is_corrupt(store: CheckpointStore, tmp_path: Path) -> None:
+    save_step(store, 100, tmp_path)
+    save_step(store, 200, tmp_path)
+    for step in (100, 200):
+        _flip_byte(_root(store) / store.step_name(step) / first_shard(step))
+    lines: list[str] = []
+    with pytest.raises(CorruptCheckpointError) as ei:
+        restore_latest(store, tmp_path / "restore", log=lines.append)
+    assert [s for s, _, _ in ei.value.failures] == [200, 100]
+    assert "step 200" in str(ei.value) and "step 100" in str(ei.value)
+    assert lines[-1].endswith("no older step to try")
+
+
+def test_corrupt_checkpoint_error_survives_pickling() -> None:
+    e = CorruptCheckpointError(3, "a.pt", "sha256 differs", uri="file:///x")
+    again = pickle.loads(pickle.dumps(e))
+    assert (again.step, again.path, again.reason, str(again)) == (
+        3,
+        "a.pt",
+        "sha256 differs",
+        str(e),
+    )
+
+
+# --- retention -------------------------------------------------------------------------
+
+
+def test_retention_keeps_last_k_and_removes_abandoned_but_not_in_flight(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    for step in (100, 200, 300, 400):
+        save_step(store, step, tmp_path)
+    store.upload_dir(make_staging(tmp_path / "p150", 150), 150)  # abandoned partial
+    store.upload_dir(make_staging(tmp_path / "p500", 500), 500)  # still uploading
+    deleted = store.apply_retention(keep_last=2)
+    assert deleted == [100, 150, 200]
+    assert store.committed_steps() == [300, 400]
+    assert sorted(p.name for p in _root(store).iterdir()) == [
+        "step_00000300",
+        "step_00000400",
+        "step_00000500",
+    ]
+    assert store.apply_retention(keep_last=2) == []
+
+
+def test_retention_with_nothing_committed_deletes_nothing(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    store.upload_dir(make_staging(tmp_path / "p", 50), 50)
+    assert store.apply_retention(keep_last=1) == []
+    assert (_root(store) / "step_00000050").is_dir()
+
+
+def test_retention_needs_keep_last_of_at_least_one(store: CheckpointStore) -> None:
+    with pytest.raises(ValueError, match="keep_last"):
+        store.apply_retention(0)
+
+
+# --- preflight -------------------------------------------------------------------------
+
+
+def test_check_writable_on_a_local_dir_leaves_nothing_behind(store: CheckpointStore) -> None:
+    store.check_writable(timeout_s=10)
+    assert list(_root(store).iterdir()) == []
+
+
+def test_check_writable_fails_under_a_regular_file(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    store = CheckpointStore(str(tmp_path / "afile" / "ckpt"))
+    with pytest.raises(StorageError, match="checkpoint.uri") as ei:
+        store.check_writable(timeout_s=10)
+    assert "not a directory" in str(ei.value)
+
+
+def test_missing_s3_packages_give_the_install_command() -> None:
+    # A child interpreter where 's3fs' cannot be imported, as on a plain install.
+    code = (
+        "import sys; sys.modules['s3fs'] = None\n"
+        "from spotline.checkpoint import CheckpointStore, StorageError\n"
+        "try:\n"
+        "    CheckpointStore('s3://bucket/x').committed_steps()\n"
+        "except StorageError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert "pip install 'spotline[s3]'" in out.stdout, out.stderr

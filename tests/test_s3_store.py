@@ -1,0 +1,186 @@
+"""Checkpoint store on s3:// against moto's S3 server on 127.0.0.1 (see conftest.py).
+
+These run the real s3fs/aiobotocore request path; nothing inside the client is
+replaced. No Ray. Tampering goes through a plain boto3 client, as another program
+(or a failing disk) would.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from spotline.checkpoint import (
+    CheckpointStore,
+    CorruptCheckpointError,
+    Manifest,
+    StorageError,
+    restore_latest,
+)
+from test_checkpoint_store import first_shard, make_staging, save_step, tree
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
+
+pytestmark = pytest.mark.unit
+
+
+def _store(bucket: S3Bucket, prefix: str = "ckpt", **kw) -> CheckpointStore:
+    return CheckpointStore(bucket.uri(prefix), endpoint_url=bucket.endpoint_url, **kw)
+
+
+def _key(store: CheckpointStore, step: int, relpath: str) -> str:
+    prefix = store.uri.split("/", 3)[3]
+    return f"{prefix}/{store.step_name(step)}/{relpath}"
+
+
+def _flip_remote_byte(bucket: S3Bucket, key: str, offset: int = 100) -> None:
+    data = bytearray(bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read())
+    data[offset] ^= 0xFF
+    bucket.client.put_object(Bucket=bucket.name, Key=key, Body=bytes(data))
+
+
+def _keys(bucket: S3Bucket) -> list[str]:
+    pages = bucket.client.get_paginator("list_objects_v2").paginate(Bucket=bucket.name)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def _closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_round_trip_and_uncommitted_steps_are_ignored(s3_bucket: S3Bucket, tmp_path: Path) -> None:
+    store = _store(s3_bucket)
+    assert store.committed_steps() == []
+    manifest = save_step(store, 100, tmp_path)
+    store.upload_dir(make_staging(tmp_path / "partial", 200), 200)  # never committed
+    assert store.committed_steps() == [100]
+    assert store.load_manifest(100) == manifest
+    assert store.latest_manifest() == manifest
+    store.verify_remote(manifest)
+    local = store.download(manifest, tmp_path / "restore")
+    assert tree(local) == tree(tmp_path / "staging_100")
+
+
+def test_store_at_bucket_root(s3_bucket: S3Bucket, tmp_path: Path) -> None:
+    store = _store(s3_bucket, prefix="")
+    save_step(store, 1, tmp_path)
+    assert store.committed_steps() == [1]
+    assert any(k == "step_00000001/manifest.json" for k in _keys(s3_bucket))
+
+
+def test_download_detects_a_flipped_byte_on_the_remote(s3_bucket: S3Bucket, tmp_path: Path) -> None:
+    store = _store(s3_bucket)
+    manifest = save_step(store, 100, tmp_path)
+    _flip_remote_byte(s3_bucket, _key(store, 100, first_shard(100)))
+    with pytest.raises(CorruptCheckpointError) as ei:
+        store.download(manifest, tmp_path / "restore")
+    assert (ei.value.step, ei.value.path) == (100, first_shard(100))
+    assert not [p for p in (tmp_path / "restore").rglob("*") if p.is_file()]
+    with pytest.raises(CorruptCheckpointError):
+        store.verify_remote(manifest)
+
+
+def test_restore_latest_falls_back_on_s3(s3_bucket: S3Bucket, tmp_path: Path) -> None:
+    store = _store(s3_bucket)
+    save_step(store, 100, tmp_path)
+    save_step(store, 200, tmp_path)
+    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key=_key(store, 200, first_shard(200)))
+    lines: list[str] = []
+    manifest, local = restore_latest(store, tmp_path / "restore", log=lines.append)
+    assert manifest.step == 100
+    assert tree(local) == tree(tmp_path / "staging_100")
+    assert lines == [
+        f"checkpoint step 200 at {store.uri} failed verification "
+        f"({first_shard(200)}: missing from storage); falling back to step 100"
+    ]
+
+
+def test_retention_on_s3(s3_bucket: S3Bucket, tmp_path: Path) -> None:
+    store = _store(s3_bucket)
+    for step in (100, 200, 300):
+        save_step(store, step, tmp_path)
+    store.upload_dir(make_staging(tmp_path / "p150", 150), 150)
+    store.upload_dir(make_staging(tmp_path / "p400", 400), 400)
+    assert store.apply_retention(keep_last=1) == [100, 150, 200]
+    assert store.committed_steps() == [300]
+    steps_left = {k.split("/")[1] for k in _keys(s3_bucket)}
+    assert steps_left == {"step_00000300", "step_00000400"}
+
+
+def test_large_file_goes_multipart_and_round_trips(s3_bucket: S3Bucket, tmp_path: Path) -> None:
+    store = _store(s3_bucket, multipart_chunksize=5 * 2**20)
+    big = tmp_path / "staging" / "rank_0" / "model_states.pt"
+    big.parent.mkdir(parents=True)
+    big.write_bytes(random.Random(1).randbytes(12 * 2**20 + 3))
+    files = store.upload_dir(tmp_path / "staging", 7)
+    head = s3_bucket.client.head_object(Bucket=s3_bucket.name, Key=_key(store, 7, files[0].path))
+    assert head["ContentLength"] == 12 * 2**20 + 3
+    assert head["ETag"].strip('"').endswith("-3")  # 5 + 5 + 2 MiB parts: a multipart upload
+    manifest = Manifest(7, files, {}, {"next_step": 7}, "h", 0.0)
+    store.commit(manifest)
+    local = store.download(store.load_manifest(7), tmp_path / "restore")
+    assert (local / "rank_0" / "model_states.pt").read_bytes() == big.read_bytes()
+
+
+def test_check_writable_passes_and_leaves_nothing(s3_bucket: S3Bucket) -> None:
+    store = _store(s3_bucket)
+    store.check_writable(timeout_s=10)
+    assert _keys(s3_bucket) == []
+
+
+def test_missing_bucket_is_a_storage_error(s3_bucket: S3Bucket) -> None:
+    store = CheckpointStore("s3://no-such-bucket-here/x", endpoint_url=s3_bucket.endpoint_url)
+    with pytest.raises(StorageError) as ei:
+        store.check_writable(timeout_s=10)
+    msg = str(ei.value)
+    assert "checkpoint.uri" in msg and "'no-such-bucket-here' does not exist" in msg
+
+
+def test_unreachable_endpoint_is_a_storage_error(s3_bucket: S3Bucket) -> None:
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    store = CheckpointStore(s3_bucket.uri(), endpoint_url=endpoint)
+    with pytest.raises(StorageError) as ei:
+        store.check_writable(timeout_s=10)
+    msg = str(ei.value)
+    assert f"cannot reach the S3 endpoint {endpoint}" in msg
+    assert "checkpoint.endpoint_url" in msg
+
+
+def test_missing_credentials_are_a_storage_error(s3_server: str, aws_isolated_env: None) -> None:
+    store = CheckpointStore("s3://some-bucket/ckpt", endpoint_url=s3_server)
+    with pytest.raises(StorageError) as ei:
+        store.check_credentials()
+    msg = str(ei.value)
+    assert msg.startswith("no AWS credentials found for s3://some-bucket/ckpt: ")
+    assert "AWS_ACCESS_KEY_ID" in msg and "AWS_PROFILE" in msg
+    with pytest.raises(StorageError, match="no AWS credentials"):
+        store.check_writable(timeout_s=10)
+
+
+def test_credentials_from_storage_options(s3_server: str, aws_isolated_env: None) -> None:
+    import boto3
+
+    boto3.client(
+        "s3", endpoint_url=s3_server, aws_access_key_id="k", aws_secret_access_key="s"
+    ).create_bucket(Bucket="spotline-opts-creds")
+    store = CheckpointStore(
+        "s3://spotline-opts-creds/ckpt",
+        endpoint_url=s3_server,
+        storage_options={"key": "k", "secret": "s"},
+    )
+    store.check_writable(timeout_s=10)
+
+
+def test_unknown_profile_is_a_storage_error(s3_server: str, aws_isolated_env: None) -> None:
+    store = CheckpointStore(
+        "s3://some-bucket/ckpt", endpoint_url=s3_server, storage_options={"profile": "nope"}
+    )
+    with pytest.raises(StorageError, match="AWS profile 'nope'"):
+        store.check_credentials()
