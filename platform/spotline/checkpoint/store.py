@@ -19,7 +19,9 @@ used.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import json
 import os
 import posixpath
 import re
@@ -36,6 +38,7 @@ from spotline import constants
 from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError, check_relpath
 
 MANIFEST_NAME = "manifest.json"
+RECEIPTS_DIR = "_receipts"  # per-rank upload receipts; not part of the checkpoint
 HASH_CHUNK_BYTES = 8 * 2**20
 # Files of one step move in parallel; each large S3 object is itself split into
 # concurrent parts by s3fs, so a few threads are enough to fill the link.
@@ -622,6 +625,41 @@ class CheckpointStore:
             self._backend.write_atomic(
                 self.fs, self._manifest_path(step), manifest.to_json().encode()
             )
+
+    def write_receipt(self, step: int, rank: int, world_size: int, files: list[FileEntry]) -> None:
+        """Record that `rank` finished uploading its files of `step`.
+
+        Receipts let a restarted controller commit a step whose uploads all finished
+        but whose completion reports were lost with the workers that sent them.
+        """
+        body = json.dumps(
+            {
+                "rank": rank,
+                "world_size": world_size,
+                "files": [dataclasses.asdict(f) for f in files],
+            }
+        ).encode()
+        path = f"{self._step_path(step)}/{RECEIPTS_DIR}/rank_{rank:05d}.json"
+        with self._io(f"writing the upload receipt of rank {rank}, step {step}"):
+            self._backend.write_atomic(self.fs, path, body)
+
+    def read_receipts(self, step: int) -> list[dict[str, Any]]:
+        """Every rank's upload receipt for an uncommitted step (empty if none)."""
+        base = f"{self._step_path(step)}/{RECEIPTS_DIR}"
+        with self._io(f"reading upload receipts of step {step}"):
+            try:
+                names = sorted(self.fs.ls(base, detail=False))
+            except FileNotFoundError:
+                return []
+            out = []
+            for name in names:
+                if str(name).endswith(".json"):
+                    out.append(json.loads(self.fs.cat_file(name)))
+        return out
+
+    def uncommitted_steps(self) -> list[int]:
+        """Step directories without a manifest, ascending (uploads in flight or abandoned)."""
+        return [s for s in self._step_dirs() if not self._is_committed(s)]
 
     # --- reading ----------------------------------------------------------------------
 

@@ -68,9 +68,7 @@ def _read_fsspec(uri: str, spec: DataSpec) -> bytes:
         if fs.isfile(path):
             files = [path]
         else:
-            files = sorted(
-                p for p in fs.find(path) if p.endswith(tuple(spec.file_suffixes))
-            )
+            files = sorted(p for p in fs.find(path) if p.endswith(tuple(spec.file_suffixes)))
     except ImportError as e:
         raise CorpusError(f"data.corpus: {uri} needs an optional package: {e}") from None
     except Exception as e:  # noqa: BLE001 - any backend error means unreadable

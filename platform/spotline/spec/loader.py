@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,25 @@ from spotline.spec.models import JobSpec
 
 class SpecError(ValueError):
     """A job spec that cannot run. The message names the field and the fix."""
+
+
+class _SpecYamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads exponent floats without a dot (1e-3, 5E+2) as floats.
+
+    PyYAML follows YAML 1.1, where `1e-3` is the *string* '1e-3'. Typed fields coerce it,
+    but untyped ones (the `deepspeed:` section) would hand DeepSpeed a string.
+    """
+
+
+_SpecYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_SpecYamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def load_spec(
@@ -47,13 +67,15 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise SpecError(f"config file {path} cannot be read: {e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = _yaml_load(text)
     except yaml.YAMLError as e:
         raise SpecError(f"config file {path} is not valid YAML: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise SpecError(f"config file {path} must hold a mapping at the top (got {type(data).__name__})")
+        raise SpecError(
+            f"config file {path} must hold a mapping at the top (got {type(data).__name__})"
+        )
     return data
 
 
@@ -68,7 +90,7 @@ def parse_override_list(items: list[str]) -> dict[str, Any]:
         if not key:
             raise SpecError(f"override {item!r} has an empty key; use e.g. train.steps=50")
         try:
-            out[key] = yaml.safe_load(value) if value.strip() else ""
+            out[key] = _yaml_load(value) if value.strip() else ""
         except yaml.YAMLError:
             out[key] = value
     return out
@@ -113,13 +135,15 @@ def _format_error(err: dict[str, Any]) -> str:
         if parent is not None:
             names = list(parent.model_fields)
             close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
-            msg += f"; did you mean {close[0]!r}?" if close else f"; valid fields: {', '.join(names)}"
+            msg += (
+                f"; did you mean {close[0]!r}?" if close else f"; valid fields: {', '.join(names)}"
+            )
         return msg
     msg = err.get("msg", "invalid")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
-        # Cross-field messages already name their fields.
-        return msg if not loc else f"{path}: {msg}"
+        # Cross-field messages already name their fields (model.d_model ...): no prefix.
+        return msg if not loc or re.match(rf"{re.escape(path)}\b", msg) else f"{path}: {msg}"
     got = err.get("input")
     suffix = "" if isinstance(got, dict) else f" (got {got!r})"
     return f"{path}: {msg}{suffix}"

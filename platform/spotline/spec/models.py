@@ -132,7 +132,9 @@ class CheckpointSpec(_Section):
     @classmethod
     def _uri_shape(cls, v: str) -> str:
         if not v.strip():
-            raise ValueError("checkpoint.uri is empty; use e.g. file:///data/ckpt or s3://bucket/prefix")
+            raise ValueError(
+                "checkpoint.uri is empty; use e.g. file:///data/ckpt or s3://bucket/prefix"
+            )
         return v
 
 
@@ -218,6 +220,19 @@ class JobSpec(_Section):
 
     def micro_batch_size(self, replicas: int) -> int:
         return self.train.global_batch_size // (self.parallel.micro_batches * replicas)
+
+    def topology(self, replicas: int) -> dict[str, Any]:
+        """The layout a checkpoint records, and a resume compares against."""
+        p = self.parallel
+        return {
+            "pipeline_stages": p.pipeline_stages,
+            "replicas": replicas,
+            "world_size": p.pipeline_stages * replicas,
+            "zero_stage": p.zero_stage,
+            "micro_batches": p.micro_batches,
+            "micro_batch_size": self.micro_batch_size(replicas),
+            "precision": p.precision,
+        }
 
     def spec_hash(self) -> str:
         """Hash of everything that changes the training math (not where it runs or logs).

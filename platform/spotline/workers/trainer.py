@@ -53,17 +53,6 @@ class Topology:
     def replica(self) -> int:
         return self.rank % self.replicas
 
-    def as_dict(self, spec: JobSpec) -> dict[str, Any]:
-        return {
-            "pipeline_stages": self.pipeline_stages,
-            "replicas": self.replicas,
-            "world_size": self.world_size,
-            "zero_stage": spec.parallel.zero_stage,
-            "micro_batches": spec.parallel.micro_batches,
-            "micro_batch_size": spec.micro_batch_size(self.replicas),
-            "precision": spec.parallel.precision,
-        }
-
 
 def lr_lambda(spec: JobSpec):
     t = spec.train
@@ -99,7 +88,9 @@ def deepspeed_config(spec: JobSpec, replicas: int) -> dict[str, Any]:
 def _deep_merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -153,8 +144,12 @@ class Trainer:
         _quiet_deepspeed()
         corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
         t = spec.train
-        self.sampler = Sampler(corpus.train, spec.model.seq_len, t.global_batch_size, spec.data.seed)
-        self.heldout = Sampler(corpus.heldout, spec.model.seq_len, t.global_batch_size, spec.data.seed + 1)
+        self.sampler = Sampler(
+            corpus.train, spec.model.seq_len, t.global_batch_size, spec.data.seed
+        )
+        self.heldout = Sampler(
+            corpus.heldout, spec.model.seq_len, t.global_batch_size, spec.data.seed + 1
+        )
         self.pipelined = spec.parallel.pipeline_stages > 1
         if self.pipelined:
             model = build_pipeline_module(spec.model, spec.parallel.pipeline_stages, t.seed)
@@ -270,7 +265,11 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state

@@ -1,0 +1,127 @@
+"""`spotline` command line: run, validate, submit, status."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+
+from spotline.spec import SpecError
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML job spec, e.g. configs/quickstart.yaml")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set train.steps=50 (repeatable)",
+    )
+    p.add_argument("--spec-b64", help=argparse.SUPPRESS)
+
+
+def _job_from_args(args):
+    from spotline.job import Job
+    from spotline.spec import load_spec
+    from spotline.spec.loader import validate_dict
+
+    if args.spec_b64:
+        raw = json.loads(base64.urlsafe_b64decode(args.spec_b64.encode()))
+        job = Job(validate_dict(raw, "--spec-b64"))
+        return job.with_overrides(args.set) if args.set else job
+    if not args.config:
+        raise SpecError("give a config file, e.g. spotline run configs/quickstart.yaml")
+    return Job(load_spec(args.config, args.set))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spotline", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="run a job to completion in this driver")
+    _add_spec_args(run)
+    run.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS or a new local cluster)",
+    )
+    run.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+
+    val = sub.add_parser(
+        "validate", help="check a spec (and its storage and corpus) without running it"
+    )
+    _add_spec_args(val)
+    val.add_argument("--offline", action="store_true", help="skip the storage and corpus checks")
+
+    submit = sub.add_parser("submit", help="submit through Ray's job submission API")
+    _add_spec_args(submit)
+    submit.add_argument(
+        "--address", required=True, help="dashboard address, e.g. http://127.0.0.1:8265"
+    )
+    submit.add_argument("--working-dir", default=".")
+
+    status = sub.add_parser("status", help="show a running job's controller status")
+    status.add_argument("name", help="job name")
+    status.add_argument("--address", default="auto")
+
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except SpecError as e:
+        print(f"spotline: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from spotline.checkpoint import StorageError
+        from spotline.data import CorpusError
+        from spotline.job import JobFailed
+
+        if isinstance(e, (StorageError, CorpusError)):
+            print(f"spotline: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, JobFailed):
+            print(e.result.summary(), file=sys.stderr)
+            print(f"spotline: job failed: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _dispatch(args) -> int:
+    if args.cmd == "run":
+        job = _job_from_args(args)
+        result = job.run(address=args.address)
+        print(result.summary())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result.__dict__, f, indent=2, default=str)
+        return 0
+    if args.cmd == "validate":
+        job = _job_from_args(args)
+        if not args.offline:
+            from spotline.spec.preflight import preflight
+
+            preflight(job.spec)
+        print(f"{job.spec.name}: OK (spec hash {job.spec.spec_hash()})")
+        return 0
+    if args.cmd == "submit":
+        handle = _job_from_args(args).submit(args.address, args.working_dir)
+        print(
+            f"submitted {handle.submission_id}; follow with: ray job logs -f {handle.submission_id}"
+        )
+        return 0
+    if args.cmd == "status":
+        import ray
+
+        from spotline.controller.actor import controller_name
+
+        ray.init(address=args.address, logging_level="WARNING")
+        st = ray.get(ray.get_actor(controller_name(args.name)).status.remote(0))
+        st["events"] = st["events"][-10:]
+        print(json.dumps(st, indent=2))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The controller as a Ray actor on the head node, named for the dashboard.
+
+`max_concurrency` lets `status()` answer while `run()` drives the job on
+another thread of the same actor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spotline.checkpoint import CheckpointStore
+from spotline.controller.controller import Controller
+from spotline.spec.models import JobSpec
+
+
+def controller_name(job: str) -> str:
+    return f"spotline:{job}:controller"
+
+
+class ControllerActor:
+    def __init__(self, spec_json: str, store: CheckpointStore):
+        import logging
+
+        from spotline.workers.group import RayWorkerGroup, cluster_capacity, resolve_device
+
+        # Events also go to this actor's log, which the Ray dashboard shows.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        spec = JobSpec.model_validate_json(spec_json)
+        device = resolve_device(spec)
+        self.controller = Controller(
+            spec,
+            store,
+            group_factory=lambda replicas: RayWorkerGroup(spec, replicas, store, device),
+            capacity_fn=lambda: cluster_capacity(spec, device),
+        )
+
+    def run(self) -> dict[str, Any]:
+        return self.controller.run()
+
+    def status(self, since_event: int = 0) -> dict[str, Any]:
+        return self.controller.status(since_event)
+
+    def result(self) -> dict[str, Any]:
+        return self.controller.result()
+
+
+def start_controller(spec: JobSpec, store: CheckpointStore):
+    """Create the named controller actor, pinned to the head node (the driver's node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = ray.get_runtime_context().get_node_id()
+    cls = ray.remote(ControllerActor)
+    return cls.options(
+        name=controller_name(spec.name),
+        num_cpus=0,
+        max_concurrency=4,
+        max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=head, soft=False),
+    ).remote(spec.model_dump_json(), store)

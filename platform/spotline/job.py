@@ -1,0 +1,213 @@
+"""The Python SDK: `spotline.Job`.
+
+job = spotline.Job.from_yaml("configs/quickstart.yaml").with_overrides({"train.steps": 50})
+result = job.run()      # blocking, in this driver
+handle = job.submit("http://127.0.0.1:8265")   # through Ray's job submission
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotline import constants
+from spotline.spec import JobSpec, apply_overrides, load_spec
+from spotline.spec.loader import validate_dict
+
+
+class JobFailed(RuntimeError):
+    """The job ended in FAILED. `.result` holds what it did before failing."""
+
+    def __init__(self, message: str, result: JobResult):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class JobResult:
+    name: str
+    state: str
+    steps: int
+    losses: dict[int, float]
+    final_train_loss: float | None
+    heldout_loss: float | None
+    steps_per_s: float
+    tokens_per_s: float
+    checkpoint_uri: str
+    committed_steps: list[int]
+    failures: int
+    wall_s: float
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_blocked_s: list[float] = field(default_factory=list)
+    checkpoint_upload_s: list[float] = field(default_factory=list)
+    checkpoint_bytes: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobResult:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def summary(self) -> str:
+        def fmt(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.4f}"
+
+        last = self.committed_steps[-1] if self.committed_steps else None
+        where = f"{self.checkpoint_uri}/step_{last:08d}" if last is not None else "none committed"
+        blocked = (
+            f"{sum(self.checkpoint_blocked_s) / len(self.checkpoint_blocked_s):.2f}s"
+            if self.checkpoint_blocked_s
+            else "n/a"
+        )
+        return "\n".join(
+            [
+                f"Spotline job {self.name}: {self.state}",
+                f"  steps             {self.steps}",
+                f"  throughput        {self.steps_per_s:.2f} steps/s, {self.tokens_per_s:,.0f} tokens/s",
+                f"  train loss        {fmt(self.final_train_loss)} (first step: "
+                f"{fmt(self.losses[min(self.losses)] if self.losses else None)})",
+                f"  held-out loss     {fmt(self.heldout_loss)}",
+                f"  worker failures   {self.failures}",
+                f"  checkpoint save   {blocked} blocked per checkpoint (upload runs in background)",
+                f"  checkpoints       {where}",
+                f"  committed steps   {self.committed_steps}",
+            ]
+        )
+
+
+def _ensure_ray(address: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
+    # the driver prints the controller's events, and failures arrive grouped by rank.
+    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+
+
+class JobRun:
+    """A job running under its controller actor; poll it or wait for it."""
+
+    def __init__(self, spec: JobSpec, controller: Any):
+        self.spec = spec
+        self.controller = controller
+        self._next_event = 0
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.controller.status.remote(0))
+
+    def wait(self, verbose: bool = True, out=None) -> JobResult:
+        import ray
+
+        out = out or sys.stdout
+        done = self.controller.run.remote()
+        while True:
+            ready, _ = ray.wait([done], timeout=constants.SPOTLINE_DRIVER_POLL_S)
+            self._print_events(verbose, out)
+            if ready:
+                break
+        result = JobResult.from_dict(ray.get(done))
+        self._print_events(verbose, out)
+        ray.kill(self.controller)
+        if result.state != "finished":
+            raise JobFailed(result.error or f"job {result.name} ended in {result.state}", result)
+        return result
+
+    def _print_events(self, verbose: bool, out) -> None:
+        import ray
+
+        st = ray.get(self.controller.status.remote(self._next_event))
+        self._next_event = st["next_event"]
+        if verbose:
+            for line in st["events"]:
+                print(f"[spotline {self.spec.name}] {line}", file=out, flush=True)
+
+
+@dataclass
+class SubmittedJob:
+    """A job handed to Ray's job submission server."""
+
+    submission_id: str
+    address: str
+
+    def _client(self):
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.address)
+
+    def status(self) -> str:
+        return str(self._client().get_job_status(self.submission_id))
+
+    def logs(self) -> str:
+        return self._client().get_job_logs(self.submission_id)
+
+    def wait(self, timeout_s: float = 3600.0) -> str:
+        from ray.job_submission import JobStatus
+
+        deadline = time.monotonic() + timeout_s
+        client = self._client()
+        while time.monotonic() < deadline:
+            st = client.get_job_status(self.submission_id)
+            if st in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+                return str(st)
+            time.sleep(1.0)
+        raise TimeoutError(f"job {self.submission_id} still running after {timeout_s:.0f}s")
+
+
+class Job:
+    """A validated job spec plus the ways to run it."""
+
+    def __init__(self, spec: JobSpec):
+        self.spec = spec
+
+    @classmethod
+    def from_yaml(
+        cls, path: str | Path, overrides: dict[str, Any] | list[str] | None = None
+    ) -> Job:
+        return cls(load_spec(path, overrides))
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], overrides: dict[str, Any] | list[str] | None = None
+    ) -> Job:
+        return cls(load_spec(raw, overrides))
+
+    def with_overrides(self, overrides: dict[str, Any] | list[str]) -> Job:
+        raw = apply_overrides(self.spec.model_dump(mode="json"), overrides)
+        return Job(validate_dict(raw, f"{self.spec.name} with overrides"))
+
+    def start(self, address: str | None = None) -> JobRun:
+        """Preflight (before any worker starts), then start the controller actor."""
+        from spotline.controller.actor import start_controller
+        from spotline.spec.preflight import preflight
+
+        store = preflight(self.spec)
+        _ensure_ray(address)
+        return JobRun(self.spec, start_controller(self.spec, store))
+
+    def run(self, address: str | None = None, verbose: bool = True) -> JobResult:
+        """Run to completion in this driver; returns losses, figures and the checkpoint URI."""
+        return self.start(address).wait(verbose)
+
+    def submit(self, address: str, working_dir: str | Path = ".") -> SubmittedJob:
+        """Submit through Ray's job submission API; the entrypoint is jobs/train.py."""
+        from ray.job_submission import JobSubmissionClient
+
+        from spotline.spec.preflight import preflight
+
+        store = preflight(self.spec)
+        # A relative file:// URI would resolve inside Ray's per-job working-dir copy.
+        spec = self.with_overrides({"checkpoint.uri": store.uri}).spec
+        blob = base64.urlsafe_b64encode(spec.model_dump_json().encode()).decode()
+        client = JobSubmissionClient(address)
+        sid = client.submit_job(
+            entrypoint=f"python jobs/train.py --spec-b64 {blob}",
+            runtime_env={"working_dir": str(working_dir)},
+            metadata={"spotline_job": self.spec.name},
+        )
+        return SubmittedJob(sid, address)

@@ -1,0 +1,265 @@
+"""The controller state machine, stepped one iteration at a time against a fake group.
+
+No Ray and no DeepSpeed: the fake group trains a deterministic "loss" (a pure
+function of the step), stores checkpoint files in a real file:// store through
+the same upload path shape, and can be told to fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry
+from spotline.controller import Controller, State
+from spotline.spec import load_spec
+from spotline.workers.group import ChunkResult, WorkerFailure
+from spotline.workers.uploads import UploadResult
+
+pytestmark = pytest.mark.unit
+
+
+def fake_loss(step: int) -> float:
+    return 10.0 / (1 + step)
+
+
+class FakeGroup:
+    """Queued events instead of workers. Uploads surface on the next train/flush call."""
+
+    instances: list[FakeGroup] = []
+
+    def __init__(self, spec, replicas, store, script):
+        self.spec, self.replicas, self.store, self.script = spec, replicas, store, script
+        self.world_size = spec.parallel.pipeline_stages * replicas
+        self.step = 0
+        self.pending: list[UploadResult] = []
+        self.restored: list[int] = []
+        self.shut = False
+        FakeGroup.instances.append(self)
+
+    def start(self):
+        if self.script.pop("fail_start", False):
+            raise WorkerFailure("start", {"boom": [0]})
+
+    def restore(self, manifest):
+        if manifest.step in self.script.get("corrupt_steps", ()):
+            raise CorruptCheckpointError(manifest.step, "x.pt", "sha256 mismatch")
+        self.restored.append(manifest.step)
+        self.step = manifest.step
+        return self.step
+
+    def train(self, n):
+        kill_at = self.script.get("kill_at")
+        losses = []
+        for _ in range(n):
+            if kill_at is not None and self.step == kill_at:
+                self.script.pop("kill_at")
+                raise WorkerFailure("training", {"worker process died": [3]}, {3: "node-abc"})
+            self.step += 1
+            losses.append((self.step, fake_loss(self.step)))
+        up, self.pending = self.pending, []
+        return ChunkResult(losses=losses, seconds=0.01 * n, uploads=up)
+
+    def save(self):
+        for rank in range(self.world_size):
+            rel = f"global_step{self.step}/rank{rank}.pt"
+            data = f"{self.step}:{rank}".encode()
+            import hashlib
+            import tempfile
+
+            with tempfile.NamedTemporaryFile() as f:
+                f.write(data)
+                f.flush()
+                entry = self.store.upload_file(f.name, self.step, rel)
+            assert entry.sha256 == hashlib.sha256(data).hexdigest()
+            if self.script.get("upload_error_step") == self.step and rank == 1:
+                self.pending.append(UploadResult(self.step, rank, error="OSError: disk full"))
+            else:
+                self.store.write_receipt(self.step, rank, self.world_size, [entry])
+                self.pending.append(UploadResult(self.step, rank, [entry], 0.01))
+        return 0.001
+
+    def flush_uploads(self):
+        up, self.pending = self.pending, []
+        return up
+
+    def heldout_loss(self):
+        return fake_loss(self.step) + 0.5
+
+    def worker_info(self):
+        return [{"rank": r, "pid": 1000 + r, "node_id": "n"} for r in range(self.world_size)]
+
+    def shutdown(self):
+        self.shut = True
+
+
+def make(tmp_path, script=None, capacity=2, **over):
+    raw = {
+        "name": "ctl",
+        "model": {"n_layers": 2},
+        "parallel": {"pipeline_stages": 2, "micro_batches": 2},
+        "elastic": {"min_replicas": 1, "max_replicas": 2},
+        "train": {"steps": 25, "global_batch_size": 8, "log_every": 5},
+        "checkpoint": {"uri": f"file://{tmp_path}/ckpt", "interval_steps": 10, "keep_last": 2},
+        "failure": {"max_failures": 2},
+    }
+    spec = load_spec(raw, over)
+    store = CheckpointStore(spec.resolved_checkpoint_uri())
+    FakeGroup.instances = []
+    script = script if script is not None else {}
+    cap = capacity if callable(capacity) else (lambda: capacity)
+    ctl = Controller(
+        spec, store, lambda r: FakeGroup(spec, r, store, script), cap, sleep=lambda s: None
+    )
+    return ctl, store
+
+
+def test_states_advance_one_iteration_at_a_time(tmp_path):
+    ctl, store = make(tmp_path)
+    assert ctl.state is State.PENDING
+    assert ctl.step() is State.SCHEDULING
+    assert ctl.step() is State.RUNNING
+    assert FakeGroup.instances[0].replicas == 2
+    # Steps 1..10 run as one chunk, which ends on the checkpoint boundary.
+    assert ctl.step() is State.CHECKPOINTING
+    assert ctl.step_count == 10
+    assert ctl.step() is State.RUNNING  # saved locally; upload pending, not committed yet
+    assert ctl.committed == []
+    assert ctl.step() is State.CHECKPOINTING  # steps 11..20; step-10 uploads arrive, commit
+    assert ctl.committed == [10]
+    assert ctl.step() is State.RUNNING
+    assert ctl.step() is State.CHECKPOINTING  # steps 21..25: the end is a boundary too
+    assert ctl.step() is State.FINISHING
+    assert ctl.step() is State.FINISHED
+    assert ctl.committed == [20, 25]
+
+
+def test_full_run_commits_every_interval_and_the_end(tmp_path):
+    ctl, store = make(tmp_path)
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert res["steps"] == 25
+    assert res["losses"] == {s: fake_loss(s) for s in range(1, 26)}
+    # keep_last=2: step 10 was committed, then deleted by retention.
+    assert store.committed_steps() == [20, 25]
+    m = store.load_manifest(25)
+    assert m.topology["replicas"] == 2 and m.topology["world_size"] == 4
+    assert m.data_position["next_step"] == 25
+    assert m.spec_hash == ctl.spec.spec_hash()
+    assert len(m.files) == 4
+    assert res["heldout_loss"] == pytest.approx(fake_loss(25) + 0.5)
+    assert FakeGroup.instances[-1].shut
+
+
+def test_worker_failure_restarts_from_latest_commit(tmp_path):
+    ctl, store = make(tmp_path, script={"kill_at": 15})
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert res["failures"] == 1
+    first, second = FakeGroup.instances
+    assert first.shut and second.restored == [10]
+    assert res["attempts"][1]["restored_from"] == 10
+    assert [s for s, _ in res["attempts"][1]["losses"]][0] == 11
+    assert "worker process died" in res["attempts"][0]["error"]
+    assert "[ranks 3@node-abc]" in res["attempts"][0]["error"]
+
+
+def test_max_failures_exhausted_fails_with_clear_message(tmp_path):
+    script = {"kill_at": 3}
+    ctl, _ = make(tmp_path, script=script, **{"failure.max_failures": 0})
+    res = ctl.run()
+    assert res["state"] == "failed"
+    assert "failure.max_failures=0" in res["error"]
+    assert "worker process died" in res["error"]
+
+
+def test_corrupt_latest_falls_back_to_previous(tmp_path):
+    ctl, store = make(tmp_path, **{"train.steps": 20, "checkpoint.keep_last": 3})
+    assert ctl.run()["state"] == "finished"
+    assert store.committed_steps() == [10, 20]
+    ctl2, _ = make(
+        tmp_path, script={"corrupt_steps": {20}}, **{"train.steps": 30, "checkpoint.keep_last": 3}
+    )
+    res = ctl2.run()
+    assert res["state"] == "finished"
+    assert FakeGroup.instances[0].restored == [10]
+    events = ctl2.status()["events"]
+    assert any(
+        "step 20" in e and "failed verification" in e and "falling back to step 10" in e
+        for e in events
+    )
+    # Steps 11..30 were retrained from the step-10 weights.
+    assert res["attempts"][0]["losses"][0][0] == 11
+
+
+def test_all_checkpoints_corrupt_refuses_to_start_over(tmp_path):
+    ctl, store = make(tmp_path, **{"train.steps": 10})
+    ctl.run()
+    ctl2, _ = make(tmp_path, script={"corrupt_steps": {10}}, **{"train.steps": 20})
+    res = ctl2.run()
+    assert res["state"] == "failed"
+    assert "every committed checkpoint" in res["error"]
+
+
+def test_failed_upload_abandons_that_checkpoint_only(tmp_path):
+    ctl, store = make(tmp_path, script={"upload_error_step": 10}, **{"checkpoint.keep_last": 5})
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert store.committed_steps() == [20, 25]
+    assert any("step 10 abandoned: rank 1" in e for e in ctl.status()["events"])
+
+
+def test_resume_of_finished_job_does_not_retrain(tmp_path):
+    ctl, _ = make(tmp_path)
+    ctl.run()
+    ctl2, _ = make(tmp_path)
+    res = ctl2.run()
+    assert res["state"] == "finished"
+    assert res["losses"] == {}
+    assert FakeGroup.instances[0].restored == [25]
+
+
+def test_spec_change_refuses_foreign_checkpoint(tmp_path):
+    ctl, _ = make(tmp_path, **{"train.steps": 10})
+    ctl.run()
+    ctl2, _ = make(tmp_path, **{"train.steps": 20, "model.d_model": 64})
+    res = ctl2.run()
+    assert res["state"] == "failed"
+    assert "different model/data/train spec" in res["error"]
+
+
+def test_waits_below_min_then_fails(tmp_path, monkeypatch):
+    from spotline import constants
+
+    monkeypatch.setattr(constants, "SPOTLINE_WORKER_START_TIMEOUT_S", 0.0)
+    ctl, _ = make(tmp_path, capacity=0)
+    assert ctl.step() is State.SCHEDULING
+    assert ctl.step() is State.SCHEDULING  # first Wait: starts the clock
+    res = ctl.run()
+    assert res["state"] == "failed"
+    assert "elastic.min_replicas" in res["error"]
+
+
+def test_capacity_sizes_the_group_within_bounds(tmp_path):
+    ctl, _ = make(tmp_path, capacity=1)
+    ctl.step()
+    ctl.step()
+    assert FakeGroup.instances[0].replicas == 1
+    ctl, _ = make(tmp_path / "b", capacity=9)
+    ctl.step()
+    ctl.step()
+    assert FakeGroup.instances[0].replicas == 2
+
+
+def test_start_failure_counts_as_failure_and_retries(tmp_path):
+    ctl, _ = make(tmp_path, script={"fail_start": True})
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert res["failures"] == 1
+
+
+def test_file_entries_are_recorded_in_manifest(tmp_path):
+    ctl, store = make(tmp_path, **{"train.steps": 10})
+    ctl.run()
+    m = store.load_manifest(10)
+    assert all(isinstance(f, FileEntry) for f in m.files)
+    assert sorted(f.path for f in m.files) == [f"global_step10/rank{r}.pt" for r in range(4)]
