@@ -136,3 +136,44 @@ def s3_bucket(
     client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
     client.create_bucket(Bucket=name)
     yield S3Bucket(name=name, endpoint_url=s3_server, client=client)
+
+
+# --- Ray -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray cluster for every `ray` test: start-ups are the slow part."""
+    import ray
+
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": {"SPOTLINE_DIST_TIMEOUT_S": "120"}},
+    )
+    yield
+    ray.shutdown()
+
+
+def tiny_spec(tmp_path: Path, name: str, **overrides: Any):
+    """A 2-stage x 2-replica GPT small enough to train tens of steps in seconds on CPU."""
+    from spotline.spec import load_spec
+
+    raw = {
+        "name": name,
+        "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32},
+        "data": {"max_bytes": 300_000},
+        "parallel": {"pipeline_stages": 2, "micro_batches": 2},
+        "elastic": {"min_replicas": 2, "max_replicas": 2},
+        "train": {"steps": 30, "global_batch_size": 8, "warmup_steps": 5, "log_every": 10},
+        "checkpoint": {
+            "uri": f"file://{tmp_path}/ckpt",
+            "interval_steps": 10,
+            "keep_last": 3,
+            "staging_dir": str(tmp_path / "staging"),
+        },
+        "resources": {"cpus_per_worker": 0.5},
+    }
+    return load_spec(raw, overrides)

@@ -1,0 +1,61 @@
+"""Failure and scaling policies: plain decisions from plain inputs, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotline.controller.policies import Fail, FailurePolicy, Resize, Restart, ScalingPolicy, Wait
+
+pytestmark = pytest.mark.unit
+
+
+def test_restarts_until_max_failures_then_fails() -> None:
+    policy = FailurePolicy(max_failures=2)
+    first = policy.decide(1, "worker 3 died")
+    second = policy.decide(2, "worker 1 died")
+    assert isinstance(first, Restart)
+    assert isinstance(second, Restart)
+    assert "1/2" in first.reason and "worker 3 died" in first.reason
+    assert "2/2" in second.reason
+    third = policy.decide(3, "OOM on rank 0")
+    assert isinstance(third, Fail)
+    assert "after 3 worker failures" in third.reason
+    assert "failure.max_failures=2" in third.reason
+    assert "OOM on rank 0" in third.reason
+
+
+def test_unlimited_failures_never_fail() -> None:
+    policy = FailurePolicy(max_failures=-1)
+    for failures in (1, 2, 10, 10_000):
+        decision = policy.decide(failures, "boom")
+        assert isinstance(decision, Restart), failures
+        assert "unlimited" in decision.reason
+
+
+def test_zero_max_failures_fails_on_the_first() -> None:
+    decision = FailurePolicy(max_failures=0).decide(1, "boom")
+    assert isinstance(decision, Fail)
+    assert "failure.max_failures=0" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("capacity", "expected"),
+    [(10, Resize(4)), (5, Resize(4)), (4, Resize(4)), (3, Resize(3)), (2, Resize(2))],
+)
+def test_scaling_within_bounds(capacity: int, expected: Resize) -> None:
+    assert ScalingPolicy(min_replicas=2, max_replicas=4).decide(capacity) == expected
+
+
+@pytest.mark.parametrize("capacity", [0, 1])
+def test_scaling_below_min_waits(capacity: int) -> None:
+    decision = ScalingPolicy(min_replicas=2, max_replicas=4).decide(capacity)
+    assert isinstance(decision, Wait)
+    assert f"can hold {capacity} replica(s)" in decision.reason
+    assert "elastic.min_replicas is 2" in decision.reason
+
+
+def test_fixed_size_group() -> None:
+    policy = ScalingPolicy(min_replicas=3, max_replicas=3)
+    assert policy.decide(3) == Resize(3)
+    assert policy.decide(8) == Resize(3)
+    assert isinstance(policy.decide(2), Wait)

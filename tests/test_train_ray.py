@@ -1,0 +1,193 @@
+"""End-to-end training on a local Ray cluster with real DeepSpeed engines (gloo, CPU).
+
+One uninterrupted reference run is shared: the loss test reads it, and the
+SIGKILL and corrupt-checkpoint tests compare their per-step losses to it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+
+import spotline
+from conftest import tiny_spec
+from spotline.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def reference(ray_session, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    spec = tiny_spec(tmp, "reference")
+    result = spotline.Job(spec).run(verbose=False)
+    return spec, result, tmp
+
+
+def test_quickstart_shape_trains_and_commits(reference):
+    spec, result, tmp = reference
+    assert result.state == "finished"
+    assert result.steps == 30
+    assert sorted(result.losses) == list(range(1, 31))
+    first, last = result.losses[1], result.losses[30]
+    assert first == pytest.approx(math.log(256), abs=0.3)  # untrained byte model
+    assert last < first - 1.0, result.losses
+    assert result.heldout_loss is not None and result.heldout_loss < first - 0.5
+    store = CheckpointStore(result.checkpoint_uri)
+    assert store.committed_steps() == [10, 20, 30]
+    m = store.load_manifest(30)
+    assert m.topology["pipeline_stages"] == 2 and m.topology["replicas"] == 2
+    assert m.data_position == {"next_step": 30, "seed": spec.data.seed}
+    # One ZeRO-1 optimizer shard per rank, and one per-rank RNG file per rank.
+    names = [f.path for f in m.files]
+    assert sum("optim_states" in n for n in names) == 4
+    assert sum("/spotline/rank_" in n for n in names) == 4
+    assert all(b < 30 for b in result.checkpoint_blocked_s)
+
+
+def _kill_a_worker_mid_run(
+    run: spotline.JobRun, after_commit: int, rank: int, killed: dict
+) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        st = run.status()
+        if after_commit in st["committed_steps"] and st["step"] > after_commit and st["workers"]:
+            pid = next(w["pid"] for w in st["workers"] if w["rank"] == rank)
+            killed["step"] = st["step"]
+            killed["pid"] = pid
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
+def test_sigkill_mid_step_resumes_with_identical_losses(reference, tmp_path):
+    ref_spec, ref, _ = reference
+    spec = tiny_spec(tmp_path, "sigkill")
+    assert spec.spec_hash() == ref_spec.spec_hash()
+    run = spotline.Job(spec).start()
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_a_worker_mid_run, args=(run, 10, 3, killed))
+    killer.start()
+    result = run.wait(verbose=False)
+    killer.join()
+    assert killed, "the worker was never killed"
+    assert result.state == "finished"
+    assert result.failures == 1
+    first, second = result.attempts
+    assert "worker process died" in first["error"]
+    resumed_from = second["restored_from"]
+    assert resumed_from is not None and resumed_from >= 10
+    assert second["losses"][0][0] == resumed_from + 1
+    # Every step after the checkpoint equals the uninterrupted run, bit for bit.
+    for step, loss in second["losses"]:
+        assert loss == ref.losses[step], (step, loss, ref.losses[step])
+    for step, loss in first["losses"]:
+        assert loss == ref.losses[step]
+    assert result.losses == ref.losses
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(reference, tmp_path, capsys):
+    ref_spec, ref, ref_tmp = reference
+    uri = f"file://{tmp_path}/ckpt"
+    shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
+    store = CheckpointStore(uri)
+    victim = next(f for f in store.load_manifest(30).files if "optim_states" in f.path)
+    path = tmp_path / "ckpt" / "step_00000030" / victim.path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    # Same spec (train.steps sets the LR schedule), so retrained steps must match exactly.
+    spec = tiny_spec(tmp_path, "corrupt")
+    result = spotline.Job(spec).run(verbose=True)
+    out = capsys.readouterr().out
+    assert "checkpoint step 30" in out and "failed verification" in out
+    assert "falling back to step 20" in out
+    (attempt,) = result.attempts
+    assert attempt["restored_from"] == 20
+    # Steps 21..30 were retrained from step 20 and match the reference exactly.
+    assert [s for s, _ in attempt["losses"]] == list(range(21, 31))
+    for step, loss in attempt["losses"]:
+        assert loss == ref.losses[step]
+    assert result.steps == 30
+
+
+def test_max_failures_exhausted_is_a_clear_failure(ray_session, tmp_path):
+    spec = tiny_spec(tmp_path, "nofail", **{"failure.max_failures": 0, "train.steps": 400})
+    run = spotline.Job(spec).start()
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_a_worker_mid_run, args=(run, 10, 1, killed))
+    killer.start()
+    with pytest.raises(spotline.JobFailed) as info:
+        run.wait(verbose=False)
+    killer.join()
+    msg = str(info.value)
+    assert "failure.max_failures=0" in msg
+    assert "worker process died" in msg
+    assert info.value.result.state == "failed"
+
+
+@pytest.mark.parametrize(
+    ("zero", "precision"),
+    [(2, "fp32"), (3, "bf16")],
+)
+def test_pp1_zero_stages_train_save_and_resume(ray_session, tmp_path, zero, precision):
+    over = {
+        "parallel.pipeline_stages": 1,
+        "parallel.zero_stage": zero,
+        "parallel.precision": precision,
+        "train.steps": 6,
+        "checkpoint.interval_steps": 3,
+    }
+    spec = tiny_spec(tmp_path, f"zero{zero}", **over)
+    first = spotline.Job(spec).run(verbose=False)
+    assert first.committed_steps == [3, 6]
+    assert first.losses[6] < first.losses[1]
+    longer = spotline.Job(spec).with_overrides({"train.steps": 9})
+    second = longer.run(verbose=False)
+    assert second.attempts[0]["restored_from"] == 6
+    assert sorted(second.losses) == [7, 8, 9]
+    assert all(math.isfinite(v) for v in second.losses.values())
+
+
+def test_s3_checkpoints_commit_and_resume(ray_session, s3_bucket, tmp_path):
+    over = {
+        "checkpoint.uri": s3_bucket.uri("jobs/s3"),
+        "checkpoint.endpoint_url": s3_bucket.endpoint_url,
+        # Workers are long-lived processes of the shared cluster: hand them the keys.
+        "checkpoint.storage_options": {"key": "testing", "secret": "testing"},
+        "elastic.min_replicas": 1,
+        "elastic.max_replicas": 1,
+        "train.steps": 4,
+        "checkpoint.interval_steps": 2,
+    }
+    spec = tiny_spec(tmp_path, "s3job", **over)
+    result = spotline.Job(spec).run(verbose=False)
+    assert result.committed_steps == [2, 4]
+    keys = [
+        o["Key"]
+        for o in s3_bucket.client.list_objects_v2(Bucket=s3_bucket.name, Prefix="jobs/s3/")[
+            "Contents"
+        ]
+    ]
+    assert "jobs/s3/step_00000004/manifest.json" in keys
+    resumed = spotline.Job(spec).with_overrides({"train.steps": 6}).run(verbose=False)
+    assert resumed.attempts[0]["restored_from"] == 4
+    assert sorted(resumed.losses) == [5, 6]
+
+
+def test_bad_uri_fails_before_any_worker_starts(ray_session, tmp_path):
+    import ray
+
+    spec = tiny_spec(tmp_path, "baduri", **{"checkpoint.uri": "ftp://nowhere/x"})
+    before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    with pytest.raises(spotline.checkpoint.StorageError, match="checkpoint.uri"):
+        spotline.Job(spec).run(verbose=False)
+    after = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert not any("baduri" in n for n in after - before)
