@@ -13,6 +13,9 @@ from spotline.spec import SpecError
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML job spec, e.g. configs/quickstart.yaml")
     p.add_argument(
+        "--config", dest="config_opt", metavar="CONFIG", help="same as the positional CONFIG"
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -31,9 +34,10 @@ def _job_from_args(args):
         raw = json.loads(base64.urlsafe_b64decode(args.spec_b64.encode()))
         job = Job(validate_dict(raw, "--spec-b64"))
         return job.with_overrides(args.set) if args.set else job
-    if not args.config:
+    config = args.config or args.config_opt
+    if not config:
         raise SpecError("give a config file, e.g. spotline run configs/quickstart.yaml")
-    return Job(load_spec(args.config, args.set))
+    return Job(load_spec(config, args.set))
 
 
 def main(argv: list[str] | None = None) -> int:

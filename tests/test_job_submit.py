@@ -1,0 +1,138 @@
+"""`ray job submit` against a real `ray start --head` cluster, and `Job.submit()`.
+
+The head runs in its own process group on free loopback ports, next to (not
+instead of) the shared test cluster, and is torn down without `ray stop`, which
+would stop every Ray process on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spotline.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _client_env() -> dict[str, str]:
+    # `ray start` turns on token authentication; clients opt in with RAY_AUTH_MODE=token
+    # and find the token in ~/.ray/auth_token, as the README says.
+    return {**os.environ, "RAY_AUTH_MODE": "token", "NO_PROXY": "127.0.0.1,localhost"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("head")
+    # Every fixed default port of a head (the agent's 52365, metrics...) may already be
+    # taken by the shared test cluster on this machine: pick free ones.
+    gcs, dash, agent, agent_grpc, metrics, rt_env, client = (_free_port() for _ in range(7))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # A short temp dir: Ray's unix sockets live under it and have a path-length limit.
+    temp_dir = f"/tmp/sl-head-{os.getpid()}"
+    cmd = [
+        shutil.which("ray") or "ray", "start", "--head", "--block",
+        f"--port={gcs}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+        f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
+        f"--ray-client-server-port={client}",
+        "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+    ]  # fmt: skip
+    log = open(tmp / "head.log", "w")  # noqa: SIM115 - closed at teardown
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    address = f"http://127.0.0.1:{dash}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        # Ready means a job can run end to end: the dashboard's job agent starts last.
+        # `ray job submit` reads the cluster's token (~/.ray/auth_token) in token mode.
+        probe = subprocess.run(
+            [shutil.which("ray") or "ray", "job", "submit", "--address", address,
+             "--", sys.executable, "-c", "print('ready')"],
+            capture_output=True, text=True, env=_client_env(),
+        )  # fmt: skip
+        if probe.returncode == 0 and "ready" in probe.stdout:
+            break
+        time.sleep(1)
+        assert proc.poll() is None, (tmp / "head.log").read_text()
+    else:
+        pytest.fail(f"ray head did not come up:\n{(tmp / 'head.log').read_text()}")
+    yield address
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _tiny_sets(tmp: Path, name: str) -> list[str]:
+    return [
+        f"name={name}",
+        "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=32",
+        "data.max_bytes=200000",
+        "elastic.min_replicas=1", "elastic.max_replicas=1",
+        "train.steps=6", "train.global_batch_size=8", "train.log_every=2",
+        "checkpoint.interval_steps=3",
+        f"checkpoint.uri=file://{tmp}/ckpt",
+        f"checkpoint.staging_dir={tmp}/staging",
+    ]  # fmt: skip
+
+
+def test_ray_job_submit_cli_runs_jobs_train(ray_head, tmp_path):
+    sets = [a for s in _tiny_sets(tmp_path, "submitted") for a in ("--set", s)]
+    cmd = [
+        shutil.which("ray") or "ray", "job", "submit", "--address", ray_head,
+        "--working-dir", str(REPO), "--",
+        sys.executable, "jobs/train.py", "--config", "configs/quickstart.yaml", *sets,
+    ]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_client_env()
+    )
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs
+    assert "Spotline job submitted: finished" in logs
+    assert "held-out loss" in logs
+    assert CheckpointStore(f"file://{tmp_path}/ckpt").committed_steps() == [3, 6]
+
+
+def test_job_submit_sdk(ray_head, tmp_path):
+    # In a fresh interpreter: the auth mode is read once per process, and this test
+    # process already talks to the shared (token-less) test cluster.
+    script = f"""
+import spotline
+job = spotline.Job.from_yaml("configs/quickstart.yaml", {_tiny_sets(tmp_path, "sdk-submit")!r})
+handle = job.submit({ray_head!r}, working_dir={str(REPO)!r})
+print("STATUS", handle.wait(timeout_s=600))
+print(handle.logs())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=700,
+        cwd=REPO, env=_client_env(),
+    )  # fmt: skip
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs
+    assert "STATUS SUCCEEDED" in logs, logs
+    assert "Spotline job sdk-submit: finished" in logs
+    manifest = CheckpointStore(f"file://{tmp_path}/ckpt").load_manifest(6)
+    assert json.loads(manifest.to_json())["topology"]["replicas"] == 1
