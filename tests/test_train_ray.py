@@ -157,7 +157,9 @@ def test_pp1_zero_stages_train_save_and_resume(ray_session, tmp_path, zero, prec
 
 
 def test_s3_checkpoints_commit_and_resume(ray_session, s3_bucket, tmp_path):
+    # Also the bf16 pipeline (BF16 optimizer with ZeRO-1) save/load path.
     over = {
+        "parallel.precision": "bf16",
         "checkpoint.uri": s3_bucket.uri("jobs/s3"),
         "checkpoint.endpoint_url": s3_bucket.endpoint_url,
         # Workers are long-lived processes of the shared cluster: hand them the keys.

@@ -37,3 +37,14 @@ SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S = _env_float("SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S", 
 SPOTLINE_STORAGE_CHECK_TIMEOUT_S = _env_float("SPOTLINE_STORAGE_CHECK_TIMEOUT_S", 20.0)
 # How long the driver waits between two status polls of the controller.
 SPOTLINE_DRIVER_POLL_S = _env_float("SPOTLINE_DRIVER_POLL_S", 1.0)
+
+# Timeout of one metadata HTTP request (and of the TCP probe of a GCS address). Metadata
+# services answer in milliseconds; a longer wait only delays the other sources.
+SPOTLINE_NOTICE_HTTP_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_HTTP_TIMEOUT_S", 0.5)
+# Lifetime asked for an AWS IMDSv2 session token (1 s .. 6 h). The token is reused until
+# it nearly expires, so a poll normally costs one GET.
+SPOTLINE_AWS_IMDS_TOKEN_TTL_S = _env_float("SPOTLINE_AWS_IMDS_TOKEN_TTL_S", 21600.0)
+# Timeout of one GetDrainingNodes RPC to the GCS.
+SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S = _env_float("SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S", 2.0)
+# How long stop() waits for the polling thread to finish its current poll.
+SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S", 5.0)

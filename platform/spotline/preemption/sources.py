@@ -1,0 +1,639 @@
+"""Preemption notice sources: one class per protocol, registered by name.
+
+A source answers one question, cheaply and often: "is this node about to go, and when?"
+`poll()` makes at most one short request (AWS may add a token request), never blocks for
+long, and never raises on a network error: an unreachable metadata service is normal on
+the wrong cloud, or on a laptop, so it is logged at debug level and read as "no notice".
+A source must make its deadline stable across polls (anchored at the first sighting when
+the protocol gives none), because the watcher treats a changed deadline as a new notice.
+
+Nothing here talks to the controller; `spotline.preemption.watcher` does the polling.
+Ray is imported only by the ray-drain source, and only when it polls.
+"""
+
+from __future__ import annotations
+
+import abc
+import difflib
+import email.utils
+import http.client
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from spotline.constants import (
+    SPOTLINE_AWS_IMDS_TOKEN_TTL_S,
+    SPOTLINE_NOTICE_HTTP_TIMEOUT_S,
+    SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S,
+)
+
+if TYPE_CHECKING:
+    from spotline.preemption.spec import NoticeSourceSpec
+
+logger = logging.getLogger(__name__)
+
+# Errors that mean "the endpoint did not answer properly this time".
+_NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, OSError)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A node will be taken away at `deadline`.
+
+    Two notices are the same notice when source, node_id, deadline and reason match;
+    `detail` (the raw protocol payload) is informational and takes no part in equality
+    or hashing, so a watcher can dedupe notices in a set.
+    """
+
+    source: str
+    """Registry name of the source that saw it ('aws', 'ray-drain', ...)."""
+    node_id: str | None
+    """Hex Ray node id of the doomed node; None when the watcher was not told its node."""
+    deadline: float
+    """Unix epoch seconds when the node is expected to be gone."""
+    reason: str
+    """Short human-readable cause, for logs and status."""
+    detail: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Protocol payload (event JSON, drain deadline in ms, ...), for logs only."""
+
+    def remaining_s(self, now: float | None = None) -> float:
+        """Seconds left until the deadline (negative once it has passed)."""
+        return self.deadline - (time.time() if now is None else now)
+
+
+class NoticeSource(abc.ABC):
+    """One protocol's view of "is this node being preempted?"."""
+
+    name: ClassVar[str] = ""
+    """Registry name; set by `register`."""
+    default_endpoint: ClassVar[str | None] = None
+    """Where the source asks when the spec gives no endpoint."""
+    default_deadline_s: ClassVar[float] = 30.0
+    """Seconds to the node's end assumed when the protocol gives no deadline."""
+
+    def __init__(self, spec: NoticeSourceSpec, node_id: str | None = None) -> None:
+        endpoint = spec.endpoint if spec.endpoint is not None else self.default_endpoint
+        if spec.endpoint is not None:
+            self.check_endpoint(spec.endpoint)
+        self.endpoint = endpoint
+        self.node_id = node_id
+        self.poll_interval_s = spec.poll_interval_s
+        self.deadline_s = (
+            spec.default_deadline_s
+            if spec.default_deadline_s is not None
+            else type(self).default_deadline_s
+        )
+        self._warned: set[str] = set()
+
+    @classmethod
+    def check_endpoint(cls, endpoint: str) -> None:
+        """Raise ValueError when `endpoint` cannot be an endpoint of this source."""
+        raise ValueError(f"notice source {cls.name!r} takes no endpoint (got {endpoint!r})")
+
+    @abc.abstractmethod
+    def poll(self) -> Notice | None:
+        """The current notice for the watched node, or None. Never raises on network errors."""
+
+    def poll_all(self) -> list[Notice]:
+        """Every current notice; more than one only for sources that watch several nodes."""
+        notice = self.poll()
+        return [] if notice is None else [notice]
+
+    def open(self) -> None:  # noqa: B027 (a no-op hook, not abstract)
+        """Called by the watcher before the first poll (from the thread that starts it)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Called by the watcher after the last poll."""
+
+    def _notice(self, deadline: float, reason: str, detail: dict[str, Any]) -> Notice:
+        return Notice(self.name, self.node_id, deadline, reason, detail)
+
+    def _warn_once(self, message: str) -> None:
+        """A protocol anomaly repeats on every poll: warn once, then log at debug."""
+        if message in self._warned:
+            logger.debug("%s: %s", self.name, message)
+        else:
+            self._warned.add(message)
+            logger.warning("%s notice source: %s", self.name, message)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(endpoint={self.endpoint!r}, node_id={self.node_id!r})"
+
+
+# --- registry ------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[NoticeSource]] = {}
+_S = TypeVar("_S", bound=type[NoticeSource])
+
+
+def register(name: str) -> Callable[[_S], _S]:
+    """Class decorator: make a NoticeSource available under `name` in specs."""
+
+    def deco(cls: _S) -> _S:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"notice source {name!r} is already registered ({_REGISTRY[name]})")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def source_names() -> list[str]:
+    """Registered source names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def source_class(name: str) -> type[NoticeSource]:
+    """The class registered as `name`; ValueError with a suggestion when there is none."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        names = source_names()
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown notice source {name!r}; {hint}valid kinds: {', '.join(names)}")
+    return cls
+
+
+def make_source(spec: NoticeSourceSpec, *, node_id: str | None = None) -> NoticeSource:
+    """Build the source a spec names. `node_id` is the hex Ray node id of the node the
+    watcher runs on: it labels cloud and SIGTERM notices, and restricts ray-drain to
+    that node (None: ray-drain reports every draining node)."""
+    return source_class(spec.kind)(spec, node_id=node_id)
+
+
+# --- time parsing --------------------------------------------------------------------
+
+
+def _parse_iso8601(text: str) -> float:
+    """'2026-11-30T06:00:00Z' -> epoch seconds (naive times are UTC)."""
+    dt = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def _parse_rfc1123(text: str) -> float:
+    """'Mon, 19 Sep 2016 18:29:47 GMT' -> epoch seconds."""
+    dt = email.utils.parsedate_to_datetime(text.strip())
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+# --- HTTP metadata sources -----------------------------------------------------------
+
+
+@dataclass
+class _Response:
+    status: int
+    headers: dict[str, str]  # lower-cased names
+    body: str
+
+
+class HttpNoticeSource(NoticeSource):
+    """A source that asks a link-local metadata service over plain HTTP."""
+
+    def __init__(self, spec: NoticeSourceSpec, node_id: str | None = None) -> None:
+        super().__init__(spec, node_id)
+        assert self.endpoint is not None
+        self._base = self.endpoint.rstrip("/")
+        # Metadata services are link-local: a proxy from the environment must never
+        # carry these requests (the AWS SDKs bypass proxies for IMDS for the same reason).
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    @classmethod
+    def check_endpoint(cls, endpoint: str) -> None:
+        try:
+            parts = urllib.parse.urlsplit(endpoint)
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError as e:
+            raise ValueError(f"endpoint {endpoint!r} is not a valid URL: {e}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+            raise ValueError(
+                f"endpoint {endpoint!r} of notice source {cls.name!r} must be an http(s) "
+                f"base URL such as {cls.default_endpoint} or http://127.0.0.1:8080"
+            )
+        if parts.query or parts.fragment:
+            raise ValueError(
+                f"endpoint {endpoint!r} must be a base URL without '?query' or '#fragment'"
+            )
+
+    def _request(
+        self, method: str, path: str, headers: dict[str, str], *, reason: str = "request"
+    ) -> _Response | None:
+        """One request; any HTTP status is a response, a network failure is None."""
+        req = urllib.request.Request(
+            self._base + path, method=method, headers=headers, data=b"" if method == "PUT" else None
+        )
+        try:
+            with self._opener.open(req, timeout=SPOTLINE_NOTICE_HTTP_TIMEOUT_S) as resp:
+                return _Response(
+                    resp.status,
+                    {k.lower(): v for k, v in resp.headers.items()},
+                    resp.read().decode("utf-8", "replace"),
+                )
+        except urllib.error.HTTPError as e:
+            try:
+                body = e.read().decode("utf-8", "replace") if e.fp is not None else ""
+            except _NETWORK_ERRORS:
+                body = ""
+            finally:
+                e.close()
+            headers_in = {k.lower(): v for k, v in (e.headers or {}).items()}
+            return _Response(e.code, headers_in, body)
+        except _NETWORK_ERRORS as e:
+            logger.debug("%s: %s %s%s failed: %s", self.name, reason, self._base, path, e)
+            return None
+
+
+@register("aws")
+class AwsSource(HttpNoticeSource):
+    """AWS EC2 spot interruption notice through IMDSv2.
+
+    PUT /latest/api/token gets a session token, reused until it nearly expires; then
+    GET /latest/meta-data/spot/instance-action answers 404 until the interruption is
+    scheduled, and then {"action": "terminate"|"stop"|"hibernate", "time": ISO-8601}
+    about two minutes ahead. A 401 means the token expired or was revoked: get a new one
+    and ask again.
+    """
+
+    default_endpoint = "http://169.254.169.254"
+    default_deadline_s = 120.0
+    TOKEN_PATH = "/latest/api/token"
+    ACTION_PATH = "/latest/meta-data/spot/instance-action"
+    TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+    TOKEN_HEADER = "X-aws-ec2-metadata-token"
+
+    def __init__(
+        self,
+        spec: NoticeSourceSpec,
+        node_id: str | None = None,
+        *,
+        token_ttl_s: float | None = None,
+    ) -> None:
+        super().__init__(spec, node_id)
+        ttl = SPOTLINE_AWS_IMDS_TOKEN_TTL_S if token_ttl_s is None else token_ttl_s
+        self.token_ttl_s = int(min(max(ttl, 1), 21600))
+        self._token: str | None = None
+        self._token_expires = 0.0  # time.monotonic()
+        self._first_seen: float | None = None
+
+    def _get_token(self, refresh: bool = False) -> str | None:
+        # Renew a little before expiry so a GET never carries a token that dies in flight.
+        margin = min(60.0, self.token_ttl_s * 0.1)
+        if not refresh and self._token and time.monotonic() < self._token_expires - margin:
+            return self._token
+        self._token = None
+        asked_at = time.monotonic()
+        resp = self._request(
+            "PUT", self.TOKEN_PATH, {self.TTL_HEADER: str(self.token_ttl_s)}, reason="token PUT"
+        )
+        if resp is None:
+            return None
+        if resp.status != 200 or not resp.body.strip():
+            self._warn_once(f"token PUT {self.TOKEN_PATH} answered HTTP {resp.status}")
+            return None
+        self._token = resp.body.strip()
+        self._token_expires = asked_at + self.token_ttl_s
+        return self._token
+
+    def _get_action(self, token: str) -> _Response | None:
+        return self._request("GET", self.ACTION_PATH, {self.TOKEN_HEADER: token})
+
+    def poll(self) -> Notice | None:
+        token = self._get_token()
+        if token is None:
+            return None
+        resp = self._get_action(token)
+        if resp is not None and resp.status == 401:
+            token = self._get_token(refresh=True)
+            resp = None if token is None else self._get_action(token)
+        if resp is None:
+            return None
+        if resp.status == 404:
+            self._first_seen = None
+            return None
+        if resp.status != 200:
+            self._warn_once(f"GET {self.ACTION_PATH} answered HTTP {resp.status}")
+            return None
+        try:
+            doc = json.loads(resp.body)
+            action = str(doc["action"])
+        except (ValueError, KeyError, TypeError):
+            self._warn_once(f"unreadable instance-action {resp.body[:200]!r}")
+            return None
+        if self._first_seen is None:
+            self._first_seen = time.time()
+        try:
+            deadline = _parse_iso8601(str(doc["time"]))
+        except (KeyError, ValueError):
+            self._warn_once(f"instance-action without a readable time: {resp.body[:200]!r}")
+            deadline = self._first_seen + self.deadline_s
+        return self._notice(deadline, f"spot instance-action: {action}", doc)
+
+
+@register("gcp")
+class GcpSource(HttpNoticeSource):
+    """GCP preemption (spot/preemptible VMs) through the metadata server.
+
+    GET /computeMetadata/v1/instance/preempted with Metadata-Flavor: Google answers TRUE
+    once the VM is being preempted, FALSE before. GCP gives 30 s and no deadline, so the
+    deadline is the first TRUE + default_deadline_s. An answer without the
+    Metadata-Flavor: Google header is not from the metadata server and is ignored.
+    """
+
+    default_endpoint = "http://metadata.google.internal"
+    default_deadline_s = 30.0
+    PATH = "/computeMetadata/v1/instance/preempted"
+
+    def __init__(self, spec: NoticeSourceSpec, node_id: str | None = None) -> None:
+        super().__init__(spec, node_id)
+        self._first_seen: float | None = None
+
+    def poll(self) -> Notice | None:
+        resp = self._request("GET", self.PATH, {"Metadata-Flavor": "Google"})
+        if resp is None:
+            return None
+        if resp.headers.get("metadata-flavor") != "Google":
+            self._warn_once(
+                f"ignoring an answer without 'Metadata-Flavor: Google' from {self._base} "
+                "(not the GCP metadata server)"
+            )
+            return None
+        if resp.status != 200:
+            self._warn_once(f"GET {self.PATH} answered HTTP {resp.status}")
+            return None
+        value = resp.body.strip().upper()
+        if value == "FALSE":
+            self._first_seen = None
+            return None
+        if value != "TRUE":
+            self._warn_once(f"unexpected instance/preempted value {resp.body[:100]!r}")
+            return None
+        if self._first_seen is None:
+            self._first_seen = time.time()
+        return self._notice(
+            self._first_seen + self.deadline_s, "instance preempted", {"preempted": "TRUE"}
+        )
+
+
+@register("azure")
+class AzureSource(HttpNoticeSource):
+    """Azure spot eviction through Scheduled Events.
+
+    GET /metadata/scheduledevents?api-version=2020-07-01 with Metadata: true answers
+    {"DocumentIncarnation": n, "Events": [...]}; an event with EventType "Preempt" is an
+    eviction, at NotBefore (RFC 1123; empty once the event has started). Other types
+    (Freeze, Reboot, Redeploy, Terminate) are maintenance and are ignored. Events can name
+    other VMs of the same availability set or scale set, so the source learns this VM's
+    name once (instance/compute/name) and reports only events whose Resources include
+    it. The source never acknowledges an event: that would start the eviction early.
+    """
+
+    default_endpoint = "http://169.254.169.254"
+    default_deadline_s = 30.0
+    EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
+    NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+
+    def __init__(self, spec: NoticeSourceSpec, node_id: str | None = None) -> None:
+        super().__init__(spec, node_id)
+        self._vm_name: str | None = None
+        self._name_known = False
+        self._deadlines: dict[str, float] = {}  # EventId -> deadline, kept across polls
+
+    def _resolve_vm_name(self) -> None:
+        if self._name_known:
+            return
+        resp = self._request("GET", self.NAME_PATH, {"Metadata": "true"}, reason="VM name")
+        if resp is None:
+            return  # ask again next poll
+        self._name_known = True
+        if resp.status == 200 and resp.body.strip():
+            self._vm_name = resp.body.strip()
+        else:
+            self._warn_once(
+                f"VM name unknown (HTTP {resp.status}); reporting Preempt events for any VM"
+            )
+
+    def poll(self) -> Notice | None:
+        self._resolve_vm_name()
+        resp = self._request("GET", self.EVENTS_PATH, {"Metadata": "true"})
+        if resp is None:
+            return None
+        if resp.status != 200:
+            self._warn_once(f"GET {self.EVENTS_PATH} answered HTTP {resp.status}")
+            return None
+        try:
+            doc = json.loads(resp.body)
+            events = [e for e in doc.get("Events", []) if isinstance(e, dict)]
+        except (ValueError, AttributeError):
+            self._warn_once(f"unreadable scheduled events {resp.body[:200]!r}")
+            return None
+        notices = []
+        live_ids = set()
+        for event in events:
+            if event.get("EventType") != "Preempt":
+                continue
+            resources = event.get("Resources") or []
+            if self._vm_name is not None and resources and self._vm_name not in resources:
+                continue
+            event_id = str(event.get("EventId", ""))
+            live_ids.add(event_id)
+            deadline = self._deadlines.get(event_id)
+            not_before = str(event.get("NotBefore") or "").strip()
+            if not_before:
+                try:
+                    deadline = _parse_rfc1123(not_before)
+                except (TypeError, ValueError):
+                    self._warn_once(f"unreadable NotBefore {not_before!r}")
+            if deadline is None:
+                deadline = time.time() + self.deadline_s
+            self._deadlines[event_id] = deadline
+            detail = {"DocumentIncarnation": doc.get("DocumentIncarnation"), **event}
+            notices.append(self._notice(deadline, "scheduled event Preempt", detail))
+        self._deadlines = {k: v for k, v in self._deadlines.items() if k in live_ids}
+        return min(notices, key=lambda n: n.deadline, default=None)
+
+
+# --- SIGTERM -------------------------------------------------------------------------
+
+
+@register("sigterm")
+class SigtermSource(NoticeSource):
+    """SIGTERM to this process, as Kubernetes sends before it kills a pod.
+
+    `install()` replaces the SIGTERM handler with one that only records the time. It
+    deliberately does NOT chain to the previous handler: the default action (and Ray's
+    own worker handler) ends the process, and the point is to stay alive until the
+    just-in-time checkpoint commits. The sender enforces the end anyway (Kubernetes sends
+    SIGKILL after terminationGracePeriodSeconds, 30 s by default, the default deadline).
+
+    Python runs signal handlers only in the main thread, so `install()` must be called
+    there, and the handler runs when that thread next executes Python code (a main thread
+    parked inside a C call, as in a Ray worker's task loop, delays it).
+    """
+
+    default_deadline_s = 30.0
+
+    def __init__(self, spec: NoticeSourceSpec, node_id: str | None = None) -> None:
+        super().__init__(spec, node_id)
+        self._signalled_at: float | None = None
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self) -> None:
+        """Take over SIGTERM. Idempotent; main thread only."""
+        if self._installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "the sigterm notice source must be installed from the main thread (Python "
+                "delivers signals only there): start the NoticeWatcher from the main thread"
+            )
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        """Put back the handler that was there before `install()`."""
+        if not self._installed:
+            return
+        previous = self._previous if self._previous is not None else signal.SIG_DFL
+        signal.signal(signal.SIGTERM, previous)
+        self._installed = False
+
+    @property
+    def installed(self) -> bool:
+        return self._installed
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Keep the first one: a repeated SIGTERM does not move the deadline.
+        if self._signalled_at is None:
+            self._signalled_at = time.time()
+
+    def open(self) -> None:
+        self.install()
+
+    def close(self) -> None:
+        self.uninstall()
+
+    def poll(self) -> Notice | None:
+        at = self._signalled_at
+        if at is None:
+            return None
+        return self._notice(at + self.deadline_s, "SIGTERM", {"signal": "SIGTERM", "at": at})
+
+
+# --- Ray node drain ------------------------------------------------------------------
+
+
+@register("ray-drain")
+class RayDrainSource(NoticeSource):
+    """Ray's own node drain: nodes the GCS marks as draining, with their deadline.
+
+    The autoscaler (v2), KubeRay, `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+    --deadline-remaining-seconds N` and `ray start --block` on SIGTERM all call the GCS
+    DrainNode RPC with a deadline in ms. One GetDrainingNodes RPC
+    (`GcsClient.get_draining_nodes()`, {node_id_hex: deadline_ms}, 0 for no deadline)
+    answers in about a millisecond, so polling every second is cheap. A drain without a
+    deadline gets first sighting + default_deadline_s.
+
+    The GCS is the spec's endpoint (host:port) if given, else the cluster this process
+    is connected to (ray.init), else RAY_ADDRESS or the latest local cluster.
+    """
+
+    default_deadline_s = 30.0
+
+    def __init__(self, spec: NoticeSourceSpec, node_id: str | None = None) -> None:
+        super().__init__(spec, node_id)
+        self._client: Any = None
+        self._first_seen: dict[str, float] = {}
+
+    @classmethod
+    def check_endpoint(cls, endpoint: str) -> None:
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not host or "/" in endpoint or not port.isdigit() or int(port) == 0:
+            raise ValueError(
+                f"endpoint {endpoint!r} of notice source 'ray-drain' must be a GCS address "
+                "host:port such as 10.0.0.5:6379 (the address `ray start --head` prints)"
+            )
+
+    def _gcs_client(self) -> Any:
+        if self._client is not None:
+            return self._client
+        import ray
+        import ray._raylet
+
+        address = self.endpoint
+        if address is None and ray.is_initialized():
+            self._client = ray._private.worker.global_worker.gcs_client
+            return self._client
+        if address is None:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            try:
+                address = canonicalize_bootstrap_address(None)
+            except Exception as e:  # a malformed RAY_ADDRESS, a stale cluster file
+                self._warn_once(f"no Ray cluster address found: {e}")
+                return None
+            if address is None:
+                logger.debug("ray-drain: no Ray cluster to watch yet")
+                return None
+        # GcsClient() blocks for tens of seconds on an address nobody listens on; a TCP
+        # probe first keeps a poll short when the GCS is not up (yet).
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), SPOTLINE_NOTICE_HTTP_TIMEOUT_S).close()
+        except OSError as e:
+            logger.debug("ray-drain: GCS %s unreachable: %s", address, e)
+            return None
+        self._client = ray._raylet.GcsClient(address=address)
+        return self._client
+
+    def poll_all(self) -> list[Notice]:
+        client = self._gcs_client()
+        if client is None:
+            return []
+        from ray.exceptions import RpcError
+
+        try:
+            draining: dict[str, int] = client.get_draining_nodes(
+                timeout=SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S
+            )
+        except (RpcError, TimeoutError, OSError) as e:
+            logger.debug("ray-drain: GetDrainingNodes failed: %s", e)
+            return []
+        now = time.time()
+        self._first_seen = {k: v for k, v in self._first_seen.items() if k in draining}
+        notices = []
+        for node_hex, deadline_ms in draining.items():
+            if self.node_id is not None and node_hex != self.node_id:
+                continue
+            if deadline_ms > 0:
+                deadline = deadline_ms / 1000.0
+            else:
+                deadline = self._first_seen.setdefault(node_hex, now) + self.deadline_s
+            notices.append(
+                Notice(
+                    self.name,
+                    node_hex,
+                    deadline,
+                    "node draining",
+                    {"deadline_timestamp_ms": deadline_ms},
+                )
+            )
+        return sorted(notices, key=lambda n: n.deadline)
+
+    def poll(self) -> Notice | None:
+        notices = self.poll_all()
+        return notices[0] if notices else None
