@@ -49,10 +49,20 @@ def start_controller(spec: JobSpec, store: CheckpointStore):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    name = controller_name(spec.name)
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        pass
+    else:
+        raise RuntimeError(
+            f"a Spotline job named {spec.name!r} is already running on this cluster (actor {name}); "
+            "wait for it, stop it (ray job stop / Ctrl-C its driver), or give this job another name"
+        )
     head = ray.get_runtime_context().get_node_id()
     cls = ray.remote(ControllerActor)
     return cls.options(
-        name=controller_name(spec.name),
+        name=name,
         num_cpus=0,
         max_concurrency=4,
         max_restarts=0,
