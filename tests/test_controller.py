@@ -40,10 +40,11 @@ class FakeGroup:
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
 
-    def restore(self, manifest):
+    def restore(self, manifest, reshard=False):
         if manifest.step in self.script.get("corrupt_steps", ()):
             raise CorruptCheckpointError(manifest.step, "x.pt", "sha256 mismatch")
         self.restored.append(manifest.step)
+        self.resharded = reshard
         self.step = manifest.step
         return self.step
 
@@ -263,3 +264,33 @@ def test_file_entries_are_recorded_in_manifest(tmp_path):
     m = store.load_manifest(10)
     assert all(isinstance(f, FileEntry) for f in m.files)
     assert sorted(f.path for f in m.files) == [f"global_step10/rank{r}.pt" for r in range(4)]
+
+
+def test_replica_change_reshards_instead_of_failing(tmp_path):
+    ctl, _ = make(tmp_path, capacity=2, **{"train.steps": 10})
+    assert ctl.run()["committed_steps"] == [10]
+    ctl2, _ = make(tmp_path, capacity=1, **{"train.steps": 20})
+    res = ctl2.run()
+    assert res["state"] == "finished"
+    group = FakeGroup.instances[0]
+    assert group.replicas == 1 and group.restored == [10] and group.resharded is True
+    assert any("resharded from 2 to 1 replica(s)" in e for e in ctl2.status()["events"])
+
+
+def test_zero3_checkpoint_does_not_reshard(tmp_path):
+    over = {"parallel.pipeline_stages": 1, "parallel.zero_stage": 3, "train.steps": 10}
+    ctl, _ = make(tmp_path, capacity=2, **over)
+    ctl.run()
+    ctl2, _ = make(tmp_path, capacity=1, **{**over, "train.steps": 20})
+    res = ctl2.run()
+    assert res["state"] == "failed"
+    assert "ZeRO-3" in res["error"] and "elastic.min_replicas" in res["error"]
+
+
+def test_pipeline_stage_change_is_refused(tmp_path):
+    ctl, _ = make(tmp_path, **{"train.steps": 10})
+    ctl.run()
+    ctl2, _ = make(tmp_path, **{"train.steps": 20, "parallel.pipeline_stages": 1})
+    res = ctl2.run()
+    assert res["state"] == "failed"
+    assert "parallel.pipeline_stages" in res["error"]

@@ -118,6 +118,22 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(reference, tmp_path, c
     assert result.steps == 30
 
 
+def test_resume_on_fewer_replicas_reshards(reference, tmp_path, capsys):
+    ref_spec, ref, ref_tmp = reference
+    shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
+    over = {"elastic.min_replicas": 1, "elastic.max_replicas": 1, "train.steps": 36}
+    spec = tiny_spec(tmp_path, "shrunk", **over)
+    result = spotline.Job(spec).run(verbose=True)
+    assert "resharded from 2 to 1 replica(s)" in capsys.readouterr().out
+    (attempt,) = result.attempts
+    assert attempt["restored_from"] == 30 and attempt["replicas"] == 1
+    assert sorted(result.losses) == list(range(31, 37))
+    # The trained weights came back: far below an untrained model's ~ln(256).
+    assert result.losses[31] < ref.losses[1] - 1.0
+    m = CheckpointStore(result.checkpoint_uri).load_manifest(36)
+    assert m.topology["replicas"] == 1 and m.topology["micro_batch_size"] == 4
+
+
 def test_max_failures_exhausted_is_a_clear_failure(ray_session, tmp_path):
     spec = tiny_spec(tmp_path, "nofail", **{"failure.max_failures": 0, "train.steps": 400})
     run = spotline.Job(spec).start()

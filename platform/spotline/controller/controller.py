@@ -204,9 +204,9 @@ class Controller:
         self.committed = sorted(steps)
         for i, step in enumerate(steps):
             manifest = self.store.load_manifest(step)
-            self._check_compatible(manifest)
+            reshard = self._check_compatible(manifest)
             try:
-                restored = self.group.restore(manifest)
+                restored = self.group.restore(manifest, reshard)
             except CorruptCheckpointError as e:
                 older = steps[i + 1] if i + 1 < len(steps) else None
                 nxt = (
@@ -219,7 +219,12 @@ class Controller:
                 )
                 continue
             attempt.restored_from = step
-            self._event(f"restored committed checkpoint step {step} (sha256 verified)")
+            how = (
+                f", resharded from {manifest.topology['replicas']} to {self.group.replicas} replica(s)"
+                if reshard
+                else ""
+            )
+            self._event(f"restored committed checkpoint step {step} (sha256 verified{how})")
             return restored
         if steps:
             raise CorruptCheckpointError(
@@ -233,25 +238,31 @@ class Controller:
             )
         return 0
 
-    def _check_compatible(self, m: Manifest) -> None:
+    def _check_compatible(self, m: Manifest) -> bool:
+        """Raise if this job cannot resume `m`; return True if it must reshard to do so."""
         if m.spec_hash != self.spec.spec_hash():
             raise CheckpointMismatchError(
                 f"checkpoint step {m.step} at {self.store.uri} was written by a job with a different "
                 f"model/data/train spec (hash {m.spec_hash}, this job {self.spec.spec_hash()}). "
                 "Point checkpoint.uri at a new location, or restore the original spec."
             )
-        topo = m.topology
         assert self.group is not None
-        if (topo.get("pipeline_stages"), topo.get("replicas")) != (
-            self.spec.parallel.pipeline_stages,
-            self.group.replicas,
-        ):
+        saved_pp, saved_d = m.topology.get("pipeline_stages"), m.topology.get("replicas")
+        pp = self.spec.parallel.pipeline_stages
+        if saved_pp != pp:
             raise CheckpointMismatchError(
-                f"checkpoint step {m.step} was saved with {topo.get('pipeline_stages')} stage(s) x "
-                f"{topo.get('replicas')} replica(s), this group has "
-                f"{self.spec.parallel.pipeline_stages} x {self.group.replicas}; resharding across "
-                "sizes is not supported by this version: run with the saved elastic size."
+                f"checkpoint step {m.step} was saved with {saved_pp} pipeline stage(s), this job has "
+                f"{pp}; changing parallel.pipeline_stages on resume is not supported: keep {saved_pp}."
             )
+        if saved_d == self.group.replicas:
+            return False
+        if self.spec.parallel.zero_stage > 2:
+            raise CheckpointMismatchError(
+                f"checkpoint step {m.step} was saved with {saved_d} replica(s) and this group has "
+                f"{self.group.replicas}; ZeRO-3 checkpoints reload only at the size that wrote them. "
+                f"Give the job {saved_d} replica(s) (elastic.min_replicas), or use ZeRO 1-2."
+            )
+        return True
 
     def _next_boundary(self) -> int:
         interval = self.spec.checkpoint.interval_steps

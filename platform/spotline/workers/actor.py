@@ -60,9 +60,9 @@ class TrainWorker:
         manifest = Manifest.from_json(manifest_json)
         return str(self.store.download(manifest, self.restore_dir))
 
-    def load_checkpoint(self, local_dir: str, step: int) -> int:
+    def load_checkpoint(self, local_dir: str, step: int, reshard: bool) -> int:
         assert self.trainer is not None
-        self.trainer.load(Path(local_dir), step)
+        self.trainer.load(Path(local_dir), step, reshard)
         return self.trainer.step
 
     # --- steady state -------------------------------------------------------------

@@ -64,7 +64,7 @@ class WorkerGroup(Protocol):
     replicas: int
 
     def start(self) -> None: ...
-    def restore(self, manifest: Manifest) -> int: ...
+    def restore(self, manifest: Manifest, reshard: bool = False) -> int: ...
     def train(self, n_steps: int) -> ChunkResult: ...
     def save(self) -> float: ...
     def flush_uploads(self) -> list[Any]: ...
@@ -205,7 +205,7 @@ class RayWorkerGroup:
         addr = self._info[0]["ip"]
         self._call_all("rendezvous", "setup", addr, port, timeout_s=timeout)
 
-    def restore(self, manifest: Manifest) -> int:
+    def restore(self, manifest: Manifest, reshard: bool = False) -> int:
         """Two phases: every rank downloads and verifies, and only then does any rank load.
 
         A corrupt file found by any rank raises CorruptCheckpointError before a single
@@ -225,7 +225,7 @@ class RayWorkerGroup:
         steps = self._call_all(
             f"load of checkpoint step {manifest.step}",
             "load_checkpoint",
-            per_rank_args=[(d, manifest.step) for d in dirs],
+            per_rank_args=[(d, manifest.step, reshard) for d in dirs],
         )
         return steps[0]
 

@@ -27,6 +27,7 @@ from spotline import constants
 from spotline.data import Sampler, load_corpus
 from spotline.models import build_pipeline_module, build_sequential, lm_loss
 from spotline.spec.models import JobSpec
+from spotline.workers import portable
 
 log = logging.getLogger("spotline.trainer")
 
@@ -232,14 +233,36 @@ class Trainer:
         self.engine.save_checkpoint(str(out), tag=tag, save_latest=False)
         own = out / tag / RANK_STATE_DIR
         own.mkdir(parents=True, exist_ok=True)
+        if self.reshardable:
+            # Collective over each stage's replicas; replica 0 writes the stage's file.
+            state = portable.gather(self.engine)
+            if self.topo.replica == 0:
+                torch.save(state, own / f"stage_{self.topo.stage:03d}.pt")
         torch.save(
             {"rng": _rng_state(), "step": self.step, "sampler": self.sampler.state(self.step)},
             own / f"rank_{self.topo.rank:05d}.pt",
         )
         return out
 
-    def load(self, local_dir: Path, step: int) -> None:
+    @property
+    def reshardable(self) -> bool:
+        return self.spec.parallel.zero_stage <= 2
+
+    def load(self, local_dir: Path, step: int, reshard: bool = False) -> None:
+        """Load a checkpoint; `reshard` when it was written with another replica count."""
         tag = f"global_step{step}"
+        if reshard:
+            files = sorted((Path(local_dir) / tag / RANK_STATE_DIR).glob("stage_*.pt"))
+            if len(files) != self.topo.pipeline_stages:
+                raise RuntimeError(
+                    f"rank {self.topo.rank}: checkpoint step {step} has {len(files)} stage "
+                    f"state file(s), this job has {self.topo.pipeline_stages} stage(s)"
+                )
+            portable.load(self.engine, portable.load_files(files))
+            # Per-rank RNG streams do not map across sizes: reseed from (seed, rank, step).
+            _seed_everything(self.spec.train.seed + 7919 * step + self.topo.rank)
+            self.step = step
+            return
         load_path, _ = self.engine.load_checkpoint(
             str(local_dir),
             tag=tag,
