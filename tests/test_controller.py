@@ -294,3 +294,21 @@ def test_pipeline_stage_change_is_refused(tmp_path):
     res = ctl2.run()
     assert res["state"] == "failed"
     assert "parallel.pipeline_stages" in res["error"]
+
+
+def test_failed_commit_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
+    from spotline.checkpoint import StorageError
+
+    ctl, store = make(tmp_path, **{"checkpoint.keep_last": 5})
+    real_commit = store.commit
+
+    def flaky(manifest):
+        if manifest.step == 10:
+            raise StorageError("bucket unreachable")
+        real_commit(manifest)
+
+    monkeypatch.setattr(store, "commit", flaky)
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert store.committed_steps() == [20, 25]
+    assert any("step 10 not committed: bucket unreachable" in e for e in ctl.status()["events"])

@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotline import constants
-from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry, Manifest
+from spotline.checkpoint import (
+    CheckpointStore,
+    CorruptCheckpointError,
+    FileEntry,
+    Manifest,
+    StorageError,
+)
 from spotline.controller.policies import Fail, FailurePolicy, Resize, ScalingPolicy, Wait
 from spotline.controller.state import State
 from spotline.spec.models import JobSpec
@@ -153,6 +159,9 @@ class Controller:
             self.state = self._on_failure(str(e))
         except (CheckpointMismatchError, CorruptCheckpointError) as e:
             self.state = self._fail(str(e))
+        except StorageError as e:
+            # Storage unreachable while scheduling or restoring: a restart retries it.
+            self.state = self._on_failure(f"checkpoint storage: {e}")
         if self.state.terminal:
             self.finished_at = time.time()
         return self.state
@@ -403,7 +412,12 @@ class Controller:
             created_at=time.time(),
             extra={"job": self.spec.name, "global_batch_size": self.spec.train.global_batch_size},
         )
-        self.store.commit(manifest)
+        try:
+            self.store.commit(manifest)
+        except (StorageError, CorruptCheckpointError) as e:
+            # Training goes on; the next checkpoint commits in its place.
+            self._event(f"checkpoint step {step} not committed: {e}", logging.WARNING)
+            return
         self.committed.append(step)
         if upload_s is not None:
             self.upload_s.append(upload_s)
