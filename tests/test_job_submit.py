@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import _free_port
 from spotline.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.ray
@@ -30,12 +30,6 @@ def _client_env() -> dict[str, str]:
     # `ray start` turns on token authentication; clients opt in with RAY_AUTH_MODE=token
     # and find the token in ~/.ray/auth_token, as the README says.
     return {**os.environ, "RAY_AUTH_MODE": "token", "NO_PROXY": "127.0.0.1,localhost"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

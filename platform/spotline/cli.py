@@ -7,6 +7,9 @@ import base64
 import json
 import sys
 
+from spotline.checkpoint import StorageError
+from spotline.data import CorpusError
+from spotline.job import JobFailed
 from spotline.spec import SpecError
 
 
@@ -73,22 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _dispatch(args)
-    except SpecError as e:
+    except (SpecError, StorageError, CorpusError) as e:
         print(f"spotline: {e}", file=sys.stderr)
         return 2
-    except Exception as e:
-        from spotline.checkpoint import StorageError
-        from spotline.data import CorpusError
-        from spotline.job import JobFailed
-
-        if isinstance(e, (StorageError, CorpusError)):
-            print(f"spotline: {e}", file=sys.stderr)
-            return 2
-        if isinstance(e, JobFailed):
-            print(e.result.summary(), file=sys.stderr)
-            print(f"spotline: job failed: {e}", file=sys.stderr)
-            return 1
-        raise
+    except JobFailed as e:
+        print(e.result.summary(), file=sys.stderr)
+        print(f"spotline: job failed: {e}", file=sys.stderr)
+        return 1
 
 
 def _dispatch(args) -> int:

@@ -11,7 +11,6 @@ class State(str, enum.Enum):
     RUNNING = "running"
     CHECKPOINTING = "checkpointing"
     RECOVERING = "recovering"
-    RESIZING = "resizing"
     FINISHING = "finishing"
     FINISHED = "finished"
     FAILED = "failed"

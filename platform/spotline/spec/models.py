@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from math import lcm
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -250,8 +251,6 @@ class JobSpec(_Section):
 
 
 def _lcm_all(m: int, lo: int, hi: int) -> int:
-    from math import lcm
-
     out = m
     for d in range(lo, hi + 1):
         out = lcm(out, m * d)

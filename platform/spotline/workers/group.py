@@ -9,7 +9,6 @@ node where they fit. Rank = stage * replicas + replica, as DeepSpeed's grid expe
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import uuid
 from collections import defaultdict
@@ -20,8 +19,6 @@ from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.spec.models import JobSpec
 from spotline.workers.trainer import Topology
-
-log = logging.getLogger("spotline.group")
 
 
 class WorkerFailure(RuntimeError):
@@ -201,8 +198,9 @@ class RayWorkerGroup:
                 ).remote(spec_json, topo, self.store, self.run_id)
             )
         self._info = self._call_all("start", "info", timeout_s=timeout)
-        port = self._call_all("start", "free_port", timeout_s=timeout)[0]
+        # Rank 0 hosts the torch.distributed store: its node and a port free there.
         addr = self._info[0]["ip"]
+        port = ray.get(self.actors[0].free_port.remote(), timeout=timeout)
         self._call_all("rendezvous", "setup", addr, port, timeout_s=timeout)
 
     def restore(self, manifest: Manifest, reshard: bool = False) -> int:

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import random
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,8 +27,6 @@ from spotline.data import Sampler, load_corpus
 from spotline.models import build_pipeline_module, build_sequential, lm_loss
 from spotline.spec.models import JobSpec
 from spotline.workers import portable
-
-log = logging.getLogger("spotline.trainer")
 
 RANK_STATE_DIR = "spotline"  # per-rank RNG state, next to DeepSpeed's files
 
@@ -315,9 +312,3 @@ def _quiet_deepspeed() -> None:
         ds_logger.setLevel(logging.WARNING)
     except ImportError:
         pass
-
-
-def timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

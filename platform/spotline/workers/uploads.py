@@ -25,10 +25,6 @@ class UploadResult:
     seconds: float = 0.0
     error: str | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(f.size for f in self.files)
-
 
 class Uploader:
     def __init__(self, store: CheckpointStore, rank: int, world_size: int):
