@@ -96,6 +96,8 @@ class Controller:
             self._events.append(text)
 
     def status(self, since_event: int = 0) -> dict[str, Any]:
+        # Called from another thread of the actor while run() may swap the group out.
+        group = self.group
         with self._lock:
             events = self._events[since_event:]
             n_events = len(self._events)
@@ -104,10 +106,10 @@ class Controller:
             "state": self.state.value,
             "step": self.step_count,
             "total_steps": self.spec.train.steps,
-            "replicas": self.group.replicas if self.group else 0,
+            "replicas": group.replicas if group else 0,
             "failures": self.failures,
             "committed_steps": list(self.committed),
-            "workers": self.group.worker_info() if self.group else [],
+            "workers": group.worker_info() if group else [],
             "events": events,
             "next_event": n_events,
             "error": self.error,
