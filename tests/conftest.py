@@ -141,9 +141,7 @@ def s3_bucket(
 # --- Ray -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    """One local Ray cluster for every `ray` test: start-ups are the slow part."""
+def init_local_ray() -> None:
     import ray
 
     ray.init(
@@ -153,6 +151,18 @@ def ray_session() -> Iterator[None]:
         logging_level="WARNING",
         runtime_env={"env_vars": {"SPOTLINE_DIST_TIMEOUT_S": "120"}},
     )
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray cluster for every `ray` test: start-ups are the slow part.
+
+    A multi-node `chaos` module borrows the process for its own cluster and starts
+    this one again when it is done.
+    """
+    import ray
+
+    init_local_ray()
     yield
     ray.shutdown()
 

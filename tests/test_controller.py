@@ -33,6 +33,7 @@ class FakeGroup:
         self.step = 0
         self.pending: list[UploadResult] = []
         self.restored: list[int] = []
+        self.stop_requests: list[str] = []
         self.shut = False
         FakeGroup.instances.append(self)
 
@@ -51,14 +52,29 @@ class FakeGroup:
     def train(self, n):
         kill_at = self.script.get("kill_at")
         losses = []
+        interrupted = False
         for _ in range(n):
             if kill_at is not None and self.step == kill_at:
                 self.script.pop("kill_at")
-                raise WorkerFailure("training", {"worker process died": [3]}, {3: "node-abc"})
+                lost = self.script.pop("lose_node", None)
+                if lost is not None:
+                    self.cluster.nodes.discard(lost)
+                raise WorkerFailure(
+                    "training",
+                    {"worker process died (killed, out of memory, or its node was lost)": [3]},
+                    {3: "node-1"},
+                )
             self.step += 1
             losses.append((self.step, fake_loss(self.step)))
+            notice = self.script.get("notices", {}).pop(self.step, None)
+            if notice is not None:
+                self.controller.notify(notice)
+            if self.stop_requests:
+                self.stop_requests.clear()
+                interrupted = True
+                break
         up, self.pending = self.pending, []
-        return ChunkResult(losses=losses, seconds=0.01 * n, uploads=up)
+        return ChunkResult(losses=losses, seconds=0.01 * n, uploads=up, interrupted=interrupted)
 
     def save(self):
         for rank in range(self.world_size):
@@ -87,10 +103,63 @@ class FakeGroup:
         return fake_loss(self.step) + 0.5
 
     def worker_info(self):
-        return [{"rank": r, "pid": 1000 + r, "node_id": "n"} for r in range(self.world_size)]
+        return [
+            {"rank": r, "pid": 1000 + r, "node_id": self.node_of(r)} for r in range(self.world_size)
+        ]
+
+    def node_of(self, rank):
+        # One node per replica: node-0 holds replica 0's stages, and so on.
+        return f"node-{rank % self.replicas}"
+
+    def node_ids(self):
+        return {self.node_of(r) for r in range(self.world_size)}
+
+    def request_checkpoint(self, reason):
+        self.stop_requests.append(reason)
 
     def shutdown(self):
         self.shut = True
+
+
+class FakeCluster:
+    """Scripted capacity and nodes; records drains."""
+
+    def __init__(self, capacity):
+        self._capacity = capacity
+        self.nodes = {"node-0", "node-1", "node-2", "node-3"}
+        self.drained: list[str] = []
+        self.closed = False
+
+    def capacity(self, held_workers=0):
+        cap = self._capacity
+        return cap(held_workers) if callable(cap) else cap
+
+    def alive_nodes(self):
+        return set(self.nodes)
+
+    def gone(self, node_ids):
+        return set(node_ids) - self.nodes
+
+    def drain(self, node_id, deadline, reason):
+        self.drained.append(node_id)
+        return True
+
+    def watch(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
 
 
 def make(tmp_path, script=None, capacity=2, **over):
@@ -107,10 +176,16 @@ def make(tmp_path, script=None, capacity=2, **over):
     store = CheckpointStore(spec.resolved_checkpoint_uri())
     FakeGroup.instances = []
     script = script if script is not None else {}
-    cap = capacity if callable(capacity) else (lambda: capacity)
-    ctl = Controller(
-        spec, store, lambda r: FakeGroup(spec, r, store, script), cap, sleep=lambda s: None
-    )
+    cluster = FakeCluster(capacity)
+    clock = FakeClock()
+
+    def group(replicas):
+        g = FakeGroup(spec, replicas, store, script)
+        g.cluster, g.controller = cluster, ctl
+        return g
+
+    ctl = Controller(spec, store, group, cluster, sleep=clock.sleep, clock=clock)
+    ctl.fake_cluster = cluster
     return ctl, store
 
 
@@ -161,7 +236,7 @@ def test_worker_failure_restarts_from_latest_commit(tmp_path):
     assert res["attempts"][1]["restored_from"] == 10
     assert [s for s, _ in res["attempts"][1]["losses"]][0] == 11
     assert "worker process died" in res["attempts"][0]["error"]
-    assert "[ranks 3@node-abc]" in res["attempts"][0]["error"]
+    assert "[ranks 3@node-1]" in res["attempts"][0]["error"]
 
 
 def test_max_failures_exhausted_fails_with_clear_message(tmp_path):
@@ -228,16 +303,17 @@ def test_spec_change_refuses_foreign_checkpoint(tmp_path):
     assert "different model/data/train spec" in res["error"]
 
 
-def test_waits_below_min_then_fails(tmp_path, monkeypatch):
-    from spotline import constants
-
-    monkeypatch.setattr(constants, "SPOTLINE_WORKER_START_TIMEOUT_S", 0.0)
-    ctl, _ = make(tmp_path, capacity=0)
+def test_waits_below_min_then_fails(tmp_path):
+    ctl, _ = make(tmp_path, capacity=0, **{"elastic.wait_for_capacity_s": 30})
     assert ctl.step() is State.SCHEDULING
-    assert ctl.step() is State.SCHEDULING  # first Wait: starts the clock
+    assert ctl.step() is State.WAITING  # first Wait: starts the clock
+    assert "elastic.min_replicas is 1" in ctl.status()["waiting"]
     res = ctl.run()
     assert res["state"] == "failed"
     assert "elastic.min_replicas" in res["error"]
+    assert "elastic.wait_for_capacity_s" in res["error"]
+    assert 30 <= res["waited_s"] <= 32
+    assert not FakeGroup.instances  # no worker was ever started
 
 
 def test_capacity_sizes_the_group_within_bounds(tmp_path):
@@ -312,3 +388,143 @@ def test_failed_commit_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
     assert res["state"] == "finished"
     assert store.committed_steps() == [20, 25]
     assert any("step 10 not committed: bucket unreachable" in e for e in ctl.status()["events"])
+
+
+# --- spot capacity ------------------------------------------------------------------
+
+
+def _notice(node, deadline=4e9, source="ray-drain"):
+    return {"source": source, "node_id": node, "deadline": deadline, "reason": "node draining"}
+
+
+def test_notice_commits_a_jit_checkpoint_and_restarts_off_the_doomed_node(tmp_path):
+    # The notice arrives during step 13; capacity then drops to one replica.
+    left = {"replicas": 2}
+    script = {"notices": {13: _notice("node-1")}}
+    ctl, store = make(tmp_path, script=script, capacity=lambda held: left["replicas"])
+    orig_notify = ctl.notify
+
+    def notify(n):
+        orig_notify(n)
+        left["replicas"] = 1
+
+    ctl.notify = notify
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert res["failures"] == 0 and res["node_losses"] == 0
+    first, second = FakeGroup.instances
+    assert first.replicas == 2 and second.replicas == 1
+    # Every rank stopped at the boundary after step 13, which committed before the restart.
+    assert second.restored == [13] and second.resharded
+    assert res["attempts"][1]["start_step"] == 13
+    (n,) = res["notices"]
+    assert n["committed_step"] == 13 and n["notice_to_commit_s"] is not None
+    assert n["outcome"] == "just-in-time checkpoint committed"
+    assert ctl.fake_cluster.drained == ["node-1"]
+    assert res["resizes"] == [
+        {
+            "step": 13,
+            "from_replicas": 2,
+            "why": "preemption",
+            "detail": res["resizes"][0]["detail"],
+            "to_replicas": 1,
+        }
+    ]
+    assert [r["why"] for r in res["recoveries"]] == ["preemption"]
+    # No step was trained twice: the losses of both attempts tile 1..25.
+    steps = [s for a in res["attempts"] for s, _ in a["losses"]]
+    assert steps == list(range(1, 26))
+
+
+def test_notice_for_a_node_without_ranks_only_drains_it(tmp_path):
+    script = {"notices": {4: _notice("node-3")}}
+    ctl, _ = make(tmp_path, script=script)
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert len(FakeGroup.instances) == 1
+    assert ctl.fake_cluster.drained == ["node-3"]
+    assert res["notices"][0]["outcome"] == "no ranks of this job on that node"
+
+
+def test_repeated_notice_is_answered_once(tmp_path):
+    ctl, _ = make(tmp_path, capacity=1)
+    for _ in range(3):
+        ctl.notify(_notice("node-9", deadline=123.0))
+    assert len(ctl._pending_notices) == 1
+
+
+def test_node_loss_resumes_from_latest_commit_without_using_a_failure(tmp_path):
+    script = {"kill_at": 17, "lose_node": "node-1"}
+    left = {"replicas": 2}
+
+    def capacity(held):
+        return 1 if "node-1" not in ctl.fake_cluster.nodes else left["replicas"]
+
+    ctl, _ = make(tmp_path, script=script, capacity=capacity)
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert res["failures"] == 0 and res["node_losses"] == 1
+    first, second = FakeGroup.instances
+    assert second.replicas == 1 and second.restored == [10]
+    assert res["attempts"][0]["ended_by"] == "node lost"
+    assert res["recoveries"][0]["why"] == "node loss"
+
+
+def _devices(total):
+    """Capacity over `total` devices, of which the live fake group holds some."""
+
+    def capacity(held):
+        live = sum(g.world_size for g in FakeGroup.instances if not g.shut)
+        return (total["devices"] - live + held) // 2  # pipeline_stages = 2
+
+    return capacity
+
+
+def test_grows_at_a_checkpoint_boundary_when_capacity_returns(tmp_path):
+    total = {"devices": 2}
+    ctl, store = make(tmp_path, capacity=_devices(total), **{"elastic.scale_up_interval_s": 0})
+    while ctl.step_count < 5:
+        ctl.step()
+    total["devices"] = 4  # a second replica's worth of devices joins
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert [g.replicas for g in FakeGroup.instances] == [1, 2]
+    assert FakeGroup.instances[1].restored == [10]
+    assert res["resizes"][0]["why"] == "grow" and res["resizes"][0]["to_replicas"] == 2
+    assert store.load_manifest(20).topology["replicas"] == 2
+    batch = store.load_manifest(20).extra["batch"]
+    assert batch["policy"] == "constant" and batch["global_batch_size"] == 8
+
+
+def test_does_not_grow_inside_the_cadence(tmp_path):
+    total = {"devices": 2}
+    ctl, _ = make(tmp_path, capacity=_devices(total), **{"elastic.scale_up_interval_s": 1e9})
+    while ctl.step_count < 5:
+        ctl.step()
+    total["devices"] = 4
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert [g.replicas for g in FakeGroup.instances] == [1]
+
+
+def test_stop_commits_at_the_next_boundary_and_ends_stopped(tmp_path):
+    ctl, store = make(tmp_path)
+    while ctl.step_count < 10:
+        ctl.step()
+    ctl.step()  # commit step 10, then back to RUNNING
+    ctl.step()  # train 11..20
+    ctl.request_stop("maintenance")  # the fake's ranks see it after their next step
+    res = ctl.run()
+    assert res["state"] == "stopped"
+    assert store.committed_steps()[-1] == res["steps"]
+    assert FakeGroup.instances[-1].shut
+    assert "submitting the job again resumes there" in ctl.status()["events"][-1]
+
+
+def test_stop_while_waiting_for_capacity_ends_stopped(tmp_path):
+    ctl, _ = make(tmp_path, capacity=0)
+    ctl.step()
+    ctl.step()
+    assert ctl.state is State.WAITING
+    ctl.request_stop()
+    assert ctl.step() is State.STOPPED

@@ -27,7 +27,7 @@ def _tokens(n: int = 5000, seed: int = 0) -> np.ndarray:
 
 def test_global_rows_are_windows_of_the_corpus() -> None:
     tokens = _tokens()
-    rows = Sampler(tokens, seq_len=8, global_batch=6, seed=1).global_rows(0)
+    rows = Sampler(tokens, seq_len=8, micro_batch_size=2, seed=1).global_rows(0, 6)
     assert rows.shape == (6, 9)
     assert rows.dtype == np.uint8
     haystack = tokens.tobytes()
@@ -37,22 +37,22 @@ def test_global_rows_are_windows_of_the_corpus() -> None:
 
 def test_batches_are_a_function_of_seed_and_step() -> None:
     tokens = _tokens()
-    a = Sampler(tokens, seq_len=16, global_batch=8, seed=7)
-    b = Sampler(tokens.copy(), seq_len=16, global_batch=8, seed=7)
+    a = Sampler(tokens, seq_len=16, micro_batch_size=2, seed=7)
+    b = Sampler(tokens.copy(), seq_len=16, micro_batch_size=2, seed=7)
     for step in (0, 1, 123):
-        np.testing.assert_array_equal(a.global_rows(step), a.global_rows(step))
-        np.testing.assert_array_equal(a.global_rows(step), b.global_rows(step))
-    assert not np.array_equal(a.global_rows(0), a.global_rows(1))
-    other_seed = Sampler(tokens, seq_len=16, global_batch=8, seed=8)
-    assert not np.array_equal(a.global_rows(3), other_seed.global_rows(3))
+        np.testing.assert_array_equal(a.global_rows(step, 8), a.global_rows(step, 8))
+        np.testing.assert_array_equal(a.global_rows(step, 8), b.global_rows(step, 8))
+    assert not np.array_equal(a.global_rows(0, 8), a.global_rows(1, 8))
+    other_seed = Sampler(tokens, seq_len=16, micro_batch_size=2, seed=8)
+    assert not np.array_equal(a.global_rows(3, 8), other_seed.global_rows(3, 8))
     assert a.state(5) == {"next_step": 5, "seed": 7}
 
 
 def test_resumed_sampler_draws_what_an_uninterrupted_one_would() -> None:
     tokens = _tokens()
-    run = Sampler(tokens, seq_len=16, global_batch=8, seed=3)
+    run = Sampler(tokens, seq_len=16, micro_batch_size=2, seed=3)
     drawn = [run.micro_batches(s, 0, 1, 2) for s in range(6)]
-    resumed = Sampler(tokens, seq_len=16, global_batch=8, seed=run.state(4)["seed"])
+    resumed = Sampler(tokens, seq_len=16, micro_batch_size=2, seed=run.state(4)["seed"])
     for step in (4, 5):
         for (x, y), (rx, ry) in zip(drawn[step], resumed.micro_batches(step, 0, 1, 2), strict=True):
             assert torch.equal(x, rx)
@@ -61,16 +61,17 @@ def test_resumed_sampler_draws_what_an_uninterrupted_one_would() -> None:
 
 @pytest.mark.parametrize("replicas", [1, 2, 4])
 def test_global_batch_does_not_depend_on_replica_count(replicas: int) -> None:
-    sampler = Sampler(_tokens(), seq_len=12, global_batch=16, seed=5)
-    micro = 2
+    # The constant batch policy: 16 rows of micro-batches of 2 at any replica count.
+    sampler = Sampler(_tokens(), seq_len=12, micro_batch_size=2, seed=5)
+    micro = 8 // replicas
     step = 9
-    rows = torch.from_numpy(sampler.global_rows(step).astype(np.int64))
+    rows = torch.from_numpy(sampler.global_rows(step, 16).astype(np.int64))
     inputs, labels = [], []
     for replica in range(replicas):
         mbs = sampler.micro_batches(step, replica, replicas, micro)
         assert len(mbs) == micro
         for x, y in mbs:
-            assert x.shape == y.shape == (16 // (replicas * micro), 12)
+            assert x.shape == y.shape == (2, 12)
             assert x.dtype == y.dtype == torch.int64
             inputs.append(x)
             labels.append(y)
@@ -80,7 +81,7 @@ def test_global_batch_does_not_depend_on_replica_count(replicas: int) -> None:
 
 def test_labels_are_inputs_shifted_by_one() -> None:
     tokens = np.arange(300, dtype=np.int64).astype(np.uint8)  # distinct neighbours
-    sampler = Sampler(tokens, seq_len=10, global_batch=4, seed=0)
+    sampler = Sampler(tokens, seq_len=10, micro_batch_size=4, seed=0)
     (x, y), *_ = sampler.micro_batches(0, 0, 1, 1)
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal((x + 1) % 256, y)  # the corpus counts up, so the next token is +1
@@ -88,7 +89,7 @@ def test_labels_are_inputs_shifted_by_one() -> None:
 
 def test_sampler_rejects_a_corpus_shorter_than_a_sequence() -> None:
     with pytest.raises(ValueError, match="need at least 18 tokens, got 17"):
-        Sampler(_tokens(17), seq_len=16, global_batch=2, seed=0)
+        Sampler(_tokens(17), seq_len=16, micro_batch_size=2, seed=0)
 
 
 # --- corpus -------------------------------------------------------------------------

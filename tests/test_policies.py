@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from spotline.controller.policies import Fail, FailurePolicy, Resize, Restart, ScalingPolicy, Wait
+from spotline.controller.policies import (
+    Fail,
+    FailurePolicy,
+    GrowPolicy,
+    Resize,
+    Restart,
+    ScalingPolicy,
+    Wait,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -59,3 +67,44 @@ def test_fixed_size_group() -> None:
     assert policy.decide(3) == Resize(3)
     assert policy.decide(8) == Resize(3)
     assert isinstance(policy.decide(2), Wait)
+
+
+# --- growing --------------------------------------------------------------------------
+
+
+def _grow(**kw):
+    args = dict(
+        replicas=1,
+        capacity=2,
+        steps_left=1000,
+        steps_per_s=1.0,
+        restart_s=60.0,
+        since_resize_s=1e6,
+    )
+    args.update(kw)
+    return GrowPolicy(max_replicas=4, interval_s=120.0).decide(**args)
+
+
+def test_grow_when_the_time_saved_beats_twice_the_restart_cost() -> None:
+    # 1000 s left at 1 replica; at 2 it saves 500 s > 2 x 60 s.
+    assert _grow() == Resize(2)
+    assert _grow(capacity=9) == Resize(4)  # never above max_replicas
+
+
+def test_no_grow_when_the_restart_costs_more_than_it_saves() -> None:
+    # 200 s left; 2 replicas save 100 s, less than 2 x 60 s.
+    assert _grow(steps_left=200) is None
+    assert _grow(steps_left=250) == Resize(2)  # 125 s saved > 120 s
+
+
+def test_no_grow_inside_the_cadence_or_without_more_capacity() -> None:
+    assert _grow(since_resize_s=60.0) is None
+    assert _grow(capacity=1) is None
+    assert _grow(replicas=4, capacity=8) is None
+    assert _grow(steps_per_s=0.0) is None
+
+
+def test_grow_uses_the_rate_measured_at_the_bigger_size() -> None:
+    # Measured before: 2 replicas ran no faster than 1 (a host-bound job): never worth it.
+    assert _grow(measured={2: 1.0}) is None
+    assert _grow(measured={2: 1.9}) == Resize(2)

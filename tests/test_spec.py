@@ -42,10 +42,12 @@ def test_configs_are_found() -> None:
 def test_every_config_loads(path: Path) -> None:
     spec = load_spec(path)
     e = spec.elastic
+    assert spec.micro_batch_size() >= 1
     for replicas in range(e.min_replicas, e.max_replicas + 1):
-        mbs = spec.micro_batch_size(replicas)
-        assert mbs >= 1
-        assert mbs * spec.parallel.micro_batches * replicas == spec.train.global_batch_size
+        ga = spec.grad_accum(replicas)
+        assert ga >= 1
+        if e.batch_policy == "constant":
+            assert spec.global_batch(replicas) == spec.train.global_batch_size
 
 
 def test_quickstart_values() -> None:
@@ -136,40 +138,82 @@ def test_pipeline_stages_equal_to_n_layers_is_fine() -> None:
     assert spec.parallel.pipeline_stages == 2
 
 
-@pytest.mark.parametrize(
-    ("batch", "micro", "lo", "hi"),
-    [(16, 4, 1, 3), (16, 4, 2, 3), (12, 2, 1, 4), (10, 1, 3, 3), (8, 3, 1, 1)],
-)
-def test_global_batch_not_divisible_suggests_a_value_that_divides(
-    batch: int, micro: int, lo: int, hi: int
+@pytest.mark.parametrize(("batch", "micro", "hi"), [(16, 3, 2), (10, 4, 1), (12, 5, 2)])
+def test_global_batch_not_divisible_by_full_size_suggests_the_step_unit(
+    batch: int, micro: int, hi: int
 ) -> None:
     raw = {
         "train": {"global_batch_size": batch},
         "parallel": {"micro_batches": micro},
-        "elastic": {"min_replicas": lo, "max_replicas": hi},
+        "elastic": {"min_replicas": 1, "max_replicas": hi},
     }
     msg = _spec_error(raw)
     assert f"train.global_batch_size ({batch}) must be divisible by parallel.micro_batches" in msg
-    assert f"[{lo}, {hi}]" in msg
-    marker = "set global_batch_size to "
-    assert marker in msg
-    suggested = int(msg.split(marker, 1)[1].split()[0])
-    for d in range(lo, hi + 1):
-        assert suggested % (micro * d) == 0, (suggested, micro, d)
-    raw["train"]["global_batch_size"] = suggested
+    assert f"multiple of {micro * hi}" in msg
+    raw["train"]["global_batch_size"] = micro * hi * 2
+    assert load_spec(raw).micro_batch_size() == 2
+
+
+@pytest.mark.parametrize(("micro", "lo", "hi"), [(1, 1, 3), (2, 3, 4), (1, 3, 4), (1, 2, 4)])
+def test_constant_batch_needs_whole_micro_batches_at_every_size(
+    micro: int, lo: int, hi: int
+) -> None:
+    raw = {
+        "train": {"global_batch_size": micro * hi * 4},
+        "parallel": {"micro_batches": micro},
+        "elastic": {"min_replicas": lo, "max_replicas": hi},
+    }
+    msg = _spec_error(raw)
+    assert "elastic.batch_policy 'constant'" in msg
+    marker = "Set micro_batches to "
+    fix = int(msg.split(marker, 1)[1].split()[0])
+    raw["parallel"]["micro_batches"] = fix
+    raw["train"]["global_batch_size"] = fix * hi * 4
     spec = load_spec(raw)
-    assert spec.micro_batch_size(hi) == suggested // (micro * hi)
+    for d in range(lo, hi + 1):
+        assert spec.global_batch(d) == fix * hi * 4
+    # The scaled policy takes the original shape as it is.
+    raw["parallel"]["micro_batches"] = micro
+    raw["train"]["global_batch_size"] = micro * hi * 4
+    raw["elastic"]["batch_policy"] = "scaled"
+    assert load_spec(raw).grad_accum(lo) == micro
 
 
-def test_global_batch_divisible_for_every_replica_count() -> None:
+def test_constant_policy_changes_micro_batches_per_step_not_their_size() -> None:
     spec = load_spec(
         {
             "train": {"global_batch_size": 48},
-            "parallel": {"micro_batches": 2},
+            "parallel": {"micro_batches": 3},
             "elastic": {"min_replicas": 1, "max_replicas": 4},
         }
     )
-    assert [spec.micro_batch_size(d) for d in (1, 2, 3, 4)] == [24, 12, 8, 6]
+    assert spec.micro_batch_size() == 4
+    assert [spec.grad_accum(d) for d in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    assert {spec.global_batch(d) for d in (1, 2, 3, 4)} == {48}
+    assert {spec.lr_scale(d) for d in (1, 2, 3, 4)} == {1.0}
+    assert spec.batch_record(2)["micro_batches_per_step"] == 6
+
+
+def test_scaled_policy_scales_batch_and_lr_by_the_square_root_rule() -> None:
+    spec = load_spec(
+        {
+            "train": {"global_batch_size": 32},
+            "parallel": {"micro_batches": 2},
+            "elastic": {"min_replicas": 1, "max_replicas": 4, "batch_policy": "scaled"},
+        }
+    )
+    assert [spec.global_batch(d) for d in (1, 2, 4)] == [8, 16, 32]
+    assert [spec.grad_accum(d) for d in (1, 2, 4)] == [2, 2, 2]
+    assert spec.lr_scale(1) == pytest.approx(0.5)
+    assert spec.lr_scale(4) == 1.0
+    rec = spec.batch_record(1)
+    assert rec["policy"] == "scaled" and "sqrt" in rec["rule"] and rec["global_batch_size"] == 8
+
+
+def test_batch_policy_is_part_of_the_spec_hash() -> None:
+    base = load_spec(QUICKSTART)
+    scaled = load_spec(QUICKSTART, {"elastic.batch_policy": "scaled"})
+    assert scaled.spec_hash() != base.spec_hash()
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -332,7 +376,7 @@ def test_topology() -> None:
         {
             "elastic.min_replicas": 1,
             "elastic.max_replicas": 4,
-            "parallel.micro_batches": 2,
+            "parallel.micro_batches": 3,
             "train.global_batch_size": 24,
         },
     )
@@ -341,12 +385,12 @@ def test_topology() -> None:
         "replicas": 2,
         "world_size": 4,
         "zero_stage": 1,
-        "micro_batches": 2,
-        "micro_batch_size": 6,
+        "micro_batches": 6,
+        "micro_batch_size": 2,
         "precision": "fp32",
     }
     t4 = spec.topology(4)
-    assert (t4["world_size"], t4["micro_batch_size"]) == (8, 3)
+    assert (t4["world_size"], t4["micro_batches"], t4["micro_batch_size"]) == (8, 3, 2)
 
 
 # --- the SDK ------------------------------------------------------------------------

@@ -49,3 +49,11 @@ SPOTLINE_AWS_IMDS_TOKEN_TTL_S = _env_float("SPOTLINE_AWS_IMDS_TOKEN_TTL_S", 2160
 SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S = _env_float("SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S", 2.0)
 # How long stop() waits for the polling thread to finish its current poll.
 SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S", 5.0)
+# After a worker process dies, how many times (1 s apart) the controller checks whether
+# the worker's node is gone: a lost node is a spot preemption and does not use up
+# failure.max_failures.
+SPOTLINE_NODE_LOSS_CHECKS = int(_env_float("SPOTLINE_NODE_LOSS_CHECKS", 3))
+# Before starting fewer replicas than wanted (below min, or short of a grow's target), how
+# many times (1 s apart) the controller reads capacity again: a group just torn down
+# frees its devices a moment later.
+SPOTLINE_CAPACITY_SETTLE_CHECKS = int(_env_float("SPOTLINE_CAPACITY_SETTLE_CHECKS", 5))

@@ -46,6 +46,14 @@ class JobResult:
     checkpoint_upload_s: list[float] = field(default_factory=list)
     checkpoint_bytes: list[int] = field(default_factory=list)
     error: str | None = None
+    notices: list[dict[str, Any]] = field(default_factory=list)
+    """Preemption notices and what came of each (JIT step, notice-to-commit seconds)."""
+    node_losses: int = 0
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    """Each restart: why, and seconds from the interruption to the first step after it."""
+    waited_s: float = 0.0
+    """Seconds spent below elastic.min_replicas waiting for capacity."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:
@@ -71,6 +79,8 @@ class JobResult:
                 f"{fmt(self.losses[min(self.losses)] if self.losses else None)})",
                 f"  held-out loss     {fmt(self.heldout_loss)}",
                 f"  worker failures   {self.failures}",
+                f"  spot              {len(self.notices)} notice(s), {self.node_losses} node(s) "
+                f"lost, {len(self.resizes)} resize(s)",
                 f"  checkpoint save   {blocked} blocked per checkpoint (upload runs in background)",
                 f"  checkpoints       {where}",
                 f"  committed steps   {self.committed_steps}",
@@ -95,26 +105,36 @@ class JobRun:
         self.spec = spec
         self.controller = controller
         self._next_event = 0
+        self._done = controller.run.remote()  # the job runs from here on
 
     def status(self) -> dict[str, Any]:
         import ray
 
         return ray.get(self.controller.status.remote(0))
 
-    def wait(self, verbose: bool = True, out=None) -> JobResult:
+    def stop(self, reason: str = "stopped from the SDK", verbose: bool = False) -> JobResult:
+        """Stop at the next step boundary after committing a checkpoint there.
+
+        Submitting the same job again resumes from that checkpoint.
+        """
+        self.controller.stop.remote(reason)
+        return self.wait(verbose, expect=("stopped", "finished"))
+
+    def wait(
+        self, verbose: bool = True, out=None, expect: tuple[str, ...] = ("finished",)
+    ) -> JobResult:
         import ray
 
         out = out or sys.stdout
-        done = self.controller.run.remote()
         while True:
-            ready, _ = ray.wait([done], timeout=constants.SPOTLINE_DRIVER_POLL_S)
+            ready, _ = ray.wait([self._done], timeout=constants.SPOTLINE_DRIVER_POLL_S)
             self._print_events(verbose, out)
             if ready:
                 break
-        result = JobResult.from_dict(ray.get(done))
+        result = JobResult.from_dict(ray.get(self._done))
         self._print_events(verbose, out)
         ray.kill(self.controller)
-        if result.state != "finished":
+        if result.state not in expect:
             raise JobFailed(result.error or f"job {result.name} ended in {result.state}", result)
         return result
 

@@ -575,12 +575,17 @@ class CheckpointStore:
         return FileEntry(path=relpath, size=size, sha256=digest)
 
     def upload_dir(
-        self, local_dir: str | os.PathLike[str], step: int, prefix: str = ""
+        self,
+        local_dir: str | os.PathLike[str],
+        step: int,
+        prefix: str = "",
+        max_bytes_per_s: float | None = None,
     ) -> list[FileEntry]:
         """Upload every file under ``local_dir``; entries are sorted by path.
 
         Each file's relpath is ``prefix`` + its path relative to ``local_dir``
-        (a '/' is added after a non-empty prefix that lacks one).
+        (a '/' is added after a non-empty prefix that lacks one). With
+        ``max_bytes_per_s``, files go one at a time, paced to that average rate.
         """
         root = Path(local_dir)
         if not root.is_dir():
@@ -589,7 +594,14 @@ class CheckpointStore:
             prefix += "/"
         files = sorted(p for p in root.rglob("*") if p.is_file())
         jobs = [(p, prefix + p.relative_to(root).as_posix()) for p in files]
-        return self._parallel([lambda p=p, r=r: self.upload_file(p, step, r) for p, r in jobs])
+        if max_bytes_per_s is None:
+            return self._parallel([lambda p=p, r=r: self.upload_file(p, step, r) for p, r in jobs])
+        out, sent, t0 = [], 0, time.monotonic()
+        for p, r in jobs:
+            out.append(self.upload_file(p, step, r))
+            sent += out[-1].size
+            time.sleep(max(0.0, sent / max_bytes_per_s - (time.monotonic() - t0)))
+        return sorted(out, key=lambda e: e.path)
 
     def commit(self, manifest: Manifest) -> None:
         """Make a step visible to readers by writing its manifest, after checking its files.

@@ -21,7 +21,10 @@ class ControllerActor:
     def __init__(self, spec_json: str, store: CheckpointStore):
         import logging
 
-        from spotline.workers.group import RayWorkerGroup, cluster_capacity, resolve_device
+        import ray
+
+        from spotline.controller.cluster import RayClusterView
+        from spotline.workers.group import RayWorkerGroup, resolve_device
 
         # Events also go to this actor's log, which the Ray dashboard shows.
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -31,11 +34,18 @@ class ControllerActor:
             spec,
             store,
             group_factory=lambda replicas: RayWorkerGroup(spec, replicas, store, device),
-            capacity_fn=lambda: cluster_capacity(spec, device),
+            cluster=RayClusterView(spec, device, ray.get_runtime_context().current_actor),
         )
 
     def run(self) -> dict[str, Any]:
         return self.controller.run()
+
+    def notify(self, notice: dict[str, Any]) -> None:
+        """A preemption notice from a node watcher."""
+        self.controller.notify(notice)
+
+    def stop(self, reason: str = "stop requested") -> None:
+        self.controller.request_stop(reason)
 
     def status(self, since_event: int = 0) -> dict[str, Any]:
         return self.controller.status(since_event)

@@ -7,6 +7,14 @@ injected, so tests drive the machine with a fake group one step at a time.
 
 The controller is the only writer of manifests: a checkpoint is committed when
 every rank of the group that saved it has reported its upload.
+
+Spot capacity: a preemption notice (from a node watcher, a Ray drain, or a SIGTERM a
+worker saw) makes every rank stop at the next step boundary and commit a
+just-in-time checkpoint. The doomed node is drained so Ray places nothing new on
+it, and the job restarts at once on the capacity that is left, resharded. A node
+lost without notice resumes from the latest commit. Below elastic.min_replicas the
+controller waits (WAITING) up to elastic.wait_for_capacity_s. When capacity comes
+back it grows toward max_replicas at a checkpoint boundary, by `GrowPolicy`'s rule.
 """
 
 from __future__ import annotations
@@ -26,7 +34,15 @@ from spotline.checkpoint import (
     Manifest,
     StorageError,
 )
-from spotline.controller.policies import Fail, FailurePolicy, Resize, ScalingPolicy, Wait
+from spotline.controller.cluster import ClusterView
+from spotline.controller.policies import (
+    Fail,
+    FailurePolicy,
+    GrowPolicy,
+    Resize,
+    ScalingPolicy,
+    Wait,
+)
 from spotline.controller.state import State
 from spotline.spec.models import JobSpec
 from spotline.workers.group import WorkerFailure, WorkerGroup
@@ -47,6 +63,7 @@ class Attempt:
     restored_from: int | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
     error: str | None = None
+    ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow"
 
 
 class Controller:
@@ -55,16 +72,20 @@ class Controller:
         spec: JobSpec,
         store: CheckpointStore,
         group_factory: Callable[[int], WorkerGroup],
-        capacity_fn: Callable[[], int],
+        cluster: ClusterView,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = spec
         self.store = store
         self.group_factory = group_factory
-        self.capacity_fn = capacity_fn
+        self.cluster = cluster
         self.sleep = sleep
+        self.clock = clock
+        e = spec.elastic
         self.failure_policy = FailurePolicy(spec.failure.max_failures)
-        self.scaling_policy = ScalingPolicy(spec.elastic.min_replicas, spec.elastic.max_replicas)
+        self.scaling_policy = ScalingPolicy(e.min_replicas, e.max_replicas)
+        self.grow_policy = GrowPolicy(e.max_replicas, e.scale_up_interval_s)
 
         self.state = State.PENDING
         self.group: WorkerGroup | None = None
@@ -82,11 +103,29 @@ class Controller:
         self.steps_trained = 0
         self.started_at = time.time()
         self.finished_at: float | None = None
+        self._grow_to = 0
         self._waiting_since: float | None = None
+        self._waiting_reason: str | None = None
+        self.waited_s = 0.0
         self._uploads: dict[int, list[Any]] = {}
         self._save_world: dict[int, int] = {}
         self._events: list[str] = []
         self._lock = threading.Lock()
+        # Spot capacity.
+        self._notice_keys: set[tuple] = set()
+        self._pending_notices: list[dict[str, Any]] = []
+        self._jit: list[dict[str, Any]] = []  # notices the next checkpoint answers
+        self.notices: list[dict[str, Any]] = []  # every notice, with what came of it
+        self.doomed: dict[str, float] = {}  # node id -> deadline
+        self.node_losses = 0
+        self.resizes: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self._interrupted_at: tuple[float, str] | None = None  # (clock, why) until resumed
+        self._last_resize = self.clock()
+        self._restart_s: float | None = None  # measured cost of the last (re)start
+        self._recent_sps = 0.0
+        self._sps_by_replicas: dict[int, float] = {}  # latest measured rate at each size
+        self._stop_reason: str | None = None
 
     # --- reporting ----------------------------------------------------------------
 
@@ -107,7 +146,12 @@ class Controller:
             "step": self.step_count,
             "total_steps": self.spec.train.steps,
             "replicas": group.replicas if group else 0,
+            "max_replicas": self.spec.elastic.max_replicas,
             "failures": self.failures,
+            "node_losses": self.node_losses,
+            "preemption_notices": len(self.notices),
+            "waiting": self._waiting_reason,
+            "doomed_nodes": sorted(self.doomed),
             "committed_steps": list(self.committed),
             "workers": group.worker_info() if group else [],
             "events": events,
@@ -137,6 +181,11 @@ class Controller:
             "checkpoint_bytes": list(self.upload_bytes),
             "wall_s": (self.finished_at or time.time()) - self.started_at,
             "error": self.error,
+            "notices": [dict(n) for n in self.notices],
+            "node_losses": self.node_losses,
+            "resizes": list(self.resizes),
+            "recoveries": list(self.recoveries),
+            "waited_s": self.waited_s,
         }
 
     # --- the machine --------------------------------------------------------------
@@ -150,12 +199,20 @@ class Controller:
         handler = {
             State.PENDING: self._pending,
             State.SCHEDULING: self._scheduling,
+            State.WAITING: self._scheduling,
             State.RUNNING: self._running,
             State.CHECKPOINTING: self._checkpointing,
+            State.RESIZING: self._resizing,
             State.RECOVERING: self._recovering,
             State.FINISHING: self._finishing,
         }[self.state]
         try:
+            if self._stop_reason is not None and self.state not in (
+                State.RUNNING,
+                State.CHECKPOINTING,
+            ):
+                self.state = self._stopped()
+                return self.state
             self.state = handler()
         except WorkerFailure as e:
             self.state = self._on_failure(str(e))
@@ -166,6 +223,7 @@ class Controller:
             self.state = self._on_failure(f"checkpoint storage: {e}")
         if self.state.terminal:
             self.finished_at = time.time()
+            self.cluster.close()
         return self.state
 
     def _fail(self, reason: str) -> State:
@@ -179,34 +237,69 @@ class Controller:
         return State.SCHEDULING
 
     def _scheduling(self) -> State:
-        decision = self.scaling_policy.decide(self.capacity_fn())
+        self.cluster.watch()
+        decision = self.scaling_policy.decide(self.cluster.capacity())
+        want = max(self._grow_to, self.spec.elastic.min_replicas)
+        if self._waiting_since is None:
+            # Right after a teardown Ray takes a moment to free the old group's devices:
+            # read again before settling for fewer replicas than wanted.
+            for _ in range(constants.SPOTLINE_CAPACITY_SETTLE_CHECKS):
+                if isinstance(decision, Resize) and decision.replicas >= want:
+                    break
+                self.sleep(1.0)
+                decision = self.scaling_policy.decide(self.cluster.capacity())
+        self._grow_to = 0
         if isinstance(decision, Wait):
-            now = time.monotonic()
-            if self._waiting_since is None:
-                self._waiting_since = now
-                self._event(decision.reason, logging.WARNING)
-            if now - self._waiting_since > constants.SPOTLINE_WORKER_START_TIMEOUT_S:
-                return self._fail(
-                    f"{decision.reason} Gave up after {constants.SPOTLINE_WORKER_START_TIMEOUT_S:.0f}s "
-                    "(SPOTLINE_WORKER_START_TIMEOUT_S)."
-                )
-            self.sleep(1.0)
-            return State.SCHEDULING
+            return self._wait_for_capacity(decision.reason)
         assert isinstance(decision, Resize)
-        self._waiting_since = None
+        if self._waiting_since is not None:
+            self.waited_s += self.clock() - self._waiting_since
+            self._event(f"capacity is back: {decision.replicas} replica(s) fit")
+        self._waiting_since = self._waiting_reason = None
+        t0 = self.clock()
         attempt = Attempt(replicas=decision.replicas)
         self.attempts.append(attempt)
         pp = self.spec.parallel.pipeline_stages
         self._event(
-            f"starting {decision.replicas} replica(s) x {pp} stage(s) = {decision.replicas * pp} workers"
+            f"starting {decision.replicas} replica(s) x {pp} stage(s) = {decision.replicas * pp} "
+            f"workers (elastic {self.spec.elastic.min_replicas}..{self.spec.elastic.max_replicas})"
         )
+        if self.resizes and "to_replicas" not in self.resizes[-1]:
+            self.resizes[-1]["to_replicas"] = decision.replicas
         self.group = self.group_factory(decision.replicas)
         self.group.start()
         self.step_count = self._restore_latest(attempt)
         attempt.start_step = self.step_count
+        self._restart_s = self.clock() - t0
+        self._last_resize = self.clock()
         if self.step_count >= self.spec.train.steps:
             return State.FINISHING
         return State.RUNNING
+
+    def _wait_for_capacity(self, reason: str) -> State:
+        now = self.clock()
+        limit = self.spec.elastic.wait_for_capacity_s
+        if self._waiting_since is None:
+            self._waiting_since = now
+            self._waiting_reason = reason
+            self._event(
+                f"{reason} Waiting up to {limit:.0f}s (elastic.wait_for_capacity_s).",
+                logging.WARNING,
+            )
+        if now - self._waiting_since > limit:
+            self.waited_s += now - self._waiting_since
+            last = max(self.store.committed_steps(), default=None)
+            resume = (
+                f"the job resumes from committed step {last} at {self.store.uri}"
+                if last is not None
+                else "no step was committed yet"
+            )
+            return self._fail(
+                f"{reason} Gave up after waiting {limit:.0f}s (elastic.wait_for_capacity_s). "
+                f"Add nodes or lower elastic.min_replicas, then resubmit: {resume}."
+            )
+        self.sleep(1.0)
+        return State.WAITING
 
     def _restore_latest(self, attempt: Attempt) -> int:
         assert self.group is not None
@@ -282,17 +375,43 @@ class Controller:
 
     def _running(self) -> State:
         assert self.group is not None
+        if self._take_notices() or self._stop_reason is not None:
+            return State.CHECKPOINTING
         n = min(self._next_boundary() - self.step_count, constants.SPOTLINE_MAX_STEPS_PER_CHUNK)
+        if self._interrupted_at is not None:
+            n = 1  # time the first step after a restart on its own
         t0 = time.perf_counter()
         chunk = self.group.train(n)
-        self.train_seconds += time.perf_counter() - t0
-        self.steps_trained += n
+        seconds = time.perf_counter() - t0
+        self.train_seconds += seconds
+        done = len(chunk.losses)
+        self.steps_trained += done
+        if done and n > 1:  # single steps after a restart include warm-up
+            self._recent_sps = done / seconds
+            self._sps_by_replicas[self.group.replicas] = self._recent_sps
         self.attempts[-1].losses.extend(chunk.losses)
         for step, loss in chunk.losses:
             self.losses[step] = loss
-        self.step_count = chunk.losses[-1][0]
+        if chunk.losses:
+            self.step_count = chunk.losses[-1][0]
+        if self._interrupted_at is not None and done:
+            since, why = self._interrupted_at
+            self._interrupted_at = None
+            self.recoveries.append(
+                {
+                    "why": why,
+                    "seconds": self.clock() - since,
+                    "resumed_at_step": self.step_count,
+                    "resumed_at": time.time(),
+                }
+            )
+            self._event(f"training again {self.clock() - since:.1f}s after the {why}")
         self._report_progress(chunk)
         self._collect_uploads(chunk.uploads)
+        for notice in chunk.notices:
+            self.notify(notice)
+        if self._take_notices() or self._stop_reason is not None:
+            return State.CHECKPOINTING
         if (
             self.step_count % self.spec.checkpoint.interval_steps == 0
             or self.step_count >= self.spec.train.steps
@@ -303,7 +422,7 @@ class Controller:
     def _report_progress(self, chunk) -> None:
         every = self.spec.train.log_every
         steps = [s for s, _ in chunk.losses]
-        if any(s % every == 0 for s in steps) or self.step_count >= self.spec.train.steps:
+        if steps and any(s % every == 0 for s in steps) or self.step_count >= self.spec.train.steps:
             t = self.spec.train
             sps = len(steps) / chunk.seconds if chunk.seconds else 0.0
             tok = sps * t.global_batch_size * self.spec.model.seq_len
@@ -318,7 +437,16 @@ class Controller:
             blocked = self.group.save()
             self.blocked_s.append(blocked)
             self._save_world[self.step_count] = self.group.world_size
-        return State.FINISHING if self.step_count >= self.spec.train.steps else State.RUNNING
+        if self._jit:
+            return self._answer_notices()
+        if self._stop_reason is not None:
+            self._collect_uploads(self.group.flush_uploads())
+            return self._stopped()
+        if self.step_count >= self.spec.train.steps:
+            return State.FINISHING
+        if self._should_grow():
+            return State.RESIZING
+        return State.RUNNING
 
     def _finishing(self) -> State:
         assert self.group is not None
@@ -334,19 +462,205 @@ class Controller:
         return State.FINISHED
 
     def _on_failure(self, error: str) -> State:
-        self.failures += 1
+        lost = self._lost_nodes() if "worker process died" in error else set()
         if self.attempts:
             self.attempts[-1].error = error
-        self._event(f"worker failure at step {self.step_count}: {error}", logging.WARNING)
+            self.attempts[-1].ended_by = "node lost" if lost else "failure"
         self._teardown()
+        self._interrupted_at = (self.clock(), "node loss" if lost else "failure")
+        latest = max(self.committed, default=None)
+        if lost:
+            # Losing spot nodes is the normal weather, not a fault of the job: it does not
+            # use up failure.max_failures.
+            self.node_losses += len(lost)
+            for node in lost:
+                self.doomed.pop(node, None)
+            self._event(
+                f"lost node(s) {', '.join(n[:12] for n in sorted(lost))} at step "
+                f"{self.step_count}; resuming from the latest committed step ({latest}) on "
+                f"what is left",
+                logging.WARNING,
+            )
+            return State.RECOVERING
+        self.failures += 1
+        self._event(f"worker failure at step {self.step_count}: {error}", logging.WARNING)
         decision = self.failure_policy.decide(self.failures, error)
         if isinstance(decision, Fail):
             return self._fail(decision.reason)
         self._event(decision.reason.splitlines()[0])
         return State.RECOVERING
 
+    def _lost_nodes(self) -> set[str]:
+        """Nodes of the live group that are gone; checked a few times, as a lost node's
+        workers can be reported dead a moment before the node itself."""
+        if self.group is None:
+            return set()
+        mine = self.group.node_ids()
+        for _ in range(constants.SPOTLINE_NODE_LOSS_CHECKS):
+            lost = self.cluster.gone(mine)
+            if lost:
+                return lost
+            self.sleep(1.0)
+        return set()
+
     def _recovering(self) -> State:
         return State.SCHEDULING
+
+    # --- spot capacity --------------------------------------------------------------
+
+    def notify(self, notice: dict[str, Any]) -> None:
+        """A preemption notice (Notice fields). Thread-safe: node watchers call it any time.
+
+        When the doomed node runs ranks of the live group, every rank is asked to stop at
+        the next step boundary, so the just-in-time checkpoint starts within one step.
+        """
+        key = (notice["source"], notice.get("node_id"), notice["deadline"])
+        with self._lock:
+            if key in self._notice_keys:
+                return
+            self._notice_keys.add(key)
+            record = dict(notice, received_at=time.time(), received_clock=self.clock())
+            self._pending_notices.append(record)
+        node = notice.get("node_id")
+        if node is not None:
+            self.doomed[node] = notice["deadline"]
+        group = self.group
+        if group is not None and (node is None or node in group.node_ids()):
+            group.request_checkpoint(f"{notice['source']}: {notice['reason']}")
+
+    def _take_notices(self) -> bool:
+        """Move pending notices that concern the live group to the JIT list; True if any."""
+        with self._lock:
+            pending, self._pending_notices = self._pending_notices, []
+        mine = self.group.node_ids() if self.group is not None else set()
+        for n in pending:
+            node = n.get("node_id")
+            left = n["deadline"] - time.time()
+            where = f"node {node[:12]}" if node else "an unnamed node"
+            self._event(
+                f"preemption notice ({n['source']}: {n['reason']}) for {where}, "
+                f"{left:.0f}s before its deadline",
+                logging.WARNING,
+            )
+            if node is not None:
+                self.cluster.drain(node, n["deadline"], f"{n['source']}: {n['reason']}")
+            n["step"] = self.step_count
+            if node is None or node in mine:
+                self._jit.append(n)
+            else:
+                n["outcome"] = "no ranks of this job on that node"
+                self.notices.append(n)
+        return bool(self._jit)
+
+    def _answer_notices(self) -> State:
+        """Commit the just-saved step now, then restart off the doomed nodes."""
+        assert self.group is not None
+        step = self.step_count
+        self._collect_uploads(self.group.flush_uploads())
+        committed = step in self.committed
+        now = self.clock()
+        for n in self._jit:
+            n["committed_step"] = step if committed else max(self.committed, default=None)
+            n["notice_to_commit_s"] = now - n["received_clock"] if committed else None
+            n["committed_at"] = time.time() if committed else None
+            n["before_deadline_s"] = n["deadline"] - time.time()
+            n["outcome"] = "just-in-time checkpoint committed" if committed else "commit failed"
+            self.notices.append(n)
+        first = self._jit[0]
+        self._jit = []
+        if committed:
+            took = now - first["received_clock"]
+            budget = self.spec.preemption.jit_checkpoint_budget_s
+            self._event(
+                f"just-in-time checkpoint step {step} committed {took:.1f}s after the notice, "
+                f"{first['deadline'] - time.time():.0f}s before the deadline"
+                + (
+                    f"; that is over preemption.jit_checkpoint_budget_s ({budget:.0f}s): "
+                    "shorten steps (fewer micro-batches) or raise the budget and the "
+                    "nodes' grace period"
+                    if took > budget
+                    else ""
+                ),
+                logging.WARNING if took > budget else logging.INFO,
+            )
+        else:
+            self._event(
+                f"just-in-time checkpoint step {step} did not commit; the latest committed "
+                f"step is {max(self.committed, default=None)}",
+                logging.WARNING,
+            )
+        doomed_here = self.group.node_ids() & set(self.doomed)
+        if not doomed_here:
+            return State.RUNNING
+        self.attempts[-1].ended_by = "preemption notice"
+        self._restart("preemption", f"leaving node(s) {', '.join(n[:12] for n in doomed_here)}")
+        return State.SCHEDULING
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Stop at the next step boundary, commit a checkpoint there, and end STOPPED.
+
+        Thread-safe. The job resumes from that checkpoint when it is submitted again.
+        """
+        self._stop_reason = reason
+        group = self.group
+        if group is not None:
+            group.request_checkpoint(reason)
+
+    def _stopped(self) -> State:
+        self._teardown()
+        latest = max(self.committed, default=None)
+        self._event(
+            f"stopped at step {self.step_count} ({self._stop_reason}); latest committed "
+            f"step {latest} at {self.store.uri}: submitting the job again resumes there"
+        )
+        return State.STOPPED
+
+    def _should_grow(self) -> bool:
+        assert self.group is not None
+        e = self.spec.elastic
+        if self.group.replicas >= e.max_replicas:
+            return False
+        capacity = self.cluster.capacity(held_workers=self.group.world_size)
+        decision = self.grow_policy.decide(
+            replicas=self.group.replicas,
+            capacity=capacity,
+            steps_left=self.spec.train.steps - self.step_count,
+            steps_per_s=self._recent_sps,
+            restart_s=self._restart_s or 0.0,
+            since_resize_s=self.clock() - self._last_resize,
+            measured=self._sps_by_replicas,
+        )
+        if decision is None:
+            return False
+        self._grow_to = decision.replicas
+        return True
+
+    def _resizing(self) -> State:
+        """Grow: commit the boundary checkpoint, then restart bigger from it."""
+        assert self.group is not None
+        self._collect_uploads(self.group.flush_uploads())
+        if self.step_count not in self.committed:
+            self._event(
+                f"not growing: checkpoint step {self.step_count} did not commit", logging.WARNING
+            )
+            return State.RUNNING
+        self.attempts[-1].ended_by = "grow"
+        self._restart(
+            "grow",
+            f"capacity for {self._grow_to} replica(s) (restart cost {self._restart_s or 0:.1f}s, "
+            f"rule: elastic.scale_up_interval_s and time saved > 2 x restart cost)",
+        )
+        return State.SCHEDULING
+
+    def _restart(self, why: str, detail: str) -> None:
+        assert self.group is not None
+        before = self.group.replicas
+        self.resizes.append(
+            {"step": self.step_count, "from_replicas": before, "why": why, "detail": detail}
+        )
+        self._event(f"restarting at step {self.step_count} from {before} replica(s): {detail}")
+        self._teardown()
+        self._interrupted_at = (self.clock(), why)
 
     def _teardown(self) -> None:
         if self.group is not None:
@@ -412,7 +726,7 @@ class Controller:
             data_position={"next_step": step, "seed": self.spec.data.seed},
             spec_hash=self.spec.spec_hash(),
             created_at=time.time(),
-            extra={"job": self.spec.name, "global_batch_size": self.spec.train.global_batch_size},
+            extra={"job": self.spec.name, "batch": self.spec.batch_record(replicas)},
         )
         try:
             self.store.commit(manifest)

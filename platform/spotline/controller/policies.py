@@ -72,3 +72,40 @@ class ScalingPolicy:
             f"the cluster can hold {capacity} replica(s) now; elastic.min_replicas is "
             f"{self.min_replicas}. Waiting for capacity (add nodes, or lower min_replicas)."
         )
+
+
+class GrowPolicy:
+    """Whether to restart a running group at a bigger size, at a checkpoint boundary.
+
+    The rule: grow from D to D' replicas only when
+      1. at least `interval_s` passed since the last resize (the configured cadence), and
+      2. the time the bigger group saves over the remaining steps is more than twice the
+         measured restart cost:
+             steps_left / r(D) - steps_left / r(D') > 2 x restart_s
+         where r(D) is the current steps per second and r(D') the rate this job measured
+         at D' replicas before, or r(D) x D'/D when it has not run at D' yet.
+    The factor 2 leaves margin for capacity that leaves again soon after it came.
+    """
+
+    def __init__(self, max_replicas: int, interval_s: float):
+        self.max_replicas = max_replicas
+        self.interval_s = interval_s
+
+    def decide(
+        self,
+        replicas: int,
+        capacity: int,
+        steps_left: int,
+        steps_per_s: float,
+        restart_s: float,
+        since_resize_s: float,
+        measured: dict[int, float] | None = None,
+    ) -> Resize | None:
+        target = min(capacity, self.max_replicas)
+        if target <= replicas or since_resize_s < self.interval_s or steps_per_s <= 0:
+            return None
+        faster = (measured or {}).get(target) or steps_per_s * target / replicas
+        saved_s = steps_left / steps_per_s - steps_left / faster
+        if saved_s <= 2 * restart_s:
+            return None
+        return Resize(target)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from math import lcm
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from spotline.preemption.spec import PreemptionSpec
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -70,8 +73,10 @@ class ParallelSpec(_Section):
     """Pipeline stages (p) per replica. p > 1 uses DeepSpeed's PipelineModule with a 1F1B
     schedule and ZeRO-1."""
     micro_batches: int = Field(4, ge=1)
-    """Micro-batches per step (m): the 1F1B schedule depth when p > 1, gradient accumulation
-    steps when p = 1."""
+    """Micro-batches per step (m) at elastic.max_replicas: the 1F1B schedule depth when
+    p > 1, gradient accumulation steps when p = 1. The micro-batch size is fixed at
+    global_batch_size / (m x max_replicas); with fewer replicas the constant batch policy
+    runs more micro-batches per step (see elastic.batch_policy)."""
     zero_stage: Literal[0, 1, 2, 3] = 1
     """ZeRO stage. Pipelines allow 0 or 1; pp=1 allows 0-3."""
     precision: Literal["fp32", "bf16"] = "fp32"
@@ -85,6 +90,19 @@ class ElasticSpec(_Section):
     """Never run with fewer replicas than this; wait for capacity instead."""
     max_replicas: int = Field(1, ge=1)
     """Never run with more replicas than this."""
+    batch_policy: Literal["constant", "scaled"] = "constant"
+    """How the global batch follows the replica count D. 'constant': every step trains on
+    train.global_batch_size sequences at any D, by running (m x max_replicas / D)
+    micro-batches per step of a fixed size, so the training math does not depend on how
+    many replicas survive. 'scaled': every replica runs m micro-batches, so the global
+    batch is global_batch_size x D / max_replicas, and the learning rate follows the
+    square-root rule for Adam: lr x sqrt(D / max_replicas)."""
+    wait_for_capacity_s: float = Field(600.0, gt=0.0)
+    """Below min_replicas, wait this long for capacity to come back, then fail."""
+    scale_up_interval_s: float = Field(120.0, ge=0.0)
+    """Grow toward max_replicas at most once per this many seconds, and only at a
+    checkpoint boundary when the time the bigger group saves over the remaining steps
+    exceeds twice the measured restart cost."""
 
 
 class TrainSpec(_Section):
@@ -122,6 +140,9 @@ class CheckpointSpec(_Section):
     """Commit a checkpoint every this many steps (and always at the end)."""
     keep_last: int = Field(3, ge=1)
     """Committed checkpoints to keep; older ones are deleted after a newer one commits."""
+    upload_max_mb_per_s: float | None = Field(None, gt=0.0)
+    """Cap on each rank's background upload rate (MB/s), so checkpoint uploads leave
+    network for training's collectives on a shared NIC. None: no cap."""
     staging_dir: str = "/tmp/spotline-staging"
     """Node-local directory where ranks save before the background upload."""
     endpoint_url: str | None = None
@@ -169,6 +190,7 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     """Extra DeepSpeed config keys merged over the derived config (advanced)."""
 
@@ -204,13 +226,25 @@ class JobSpec(_Section):
                 "ZeRO stage 0 or 1 only; set zero_stage: 1, or pipeline_stages: 1 for ZeRO-2/3"
             )
         b, m = self.train.global_batch_size, p.micro_batches
-        for d in range(e.min_replicas, e.max_replicas + 1):
-            if b % (m * d) != 0:
+        slots = m * e.max_replicas  # micro-batches per step at max_replicas
+        if b % slots != 0:
+            raise ValueError(
+                f"train.global_batch_size ({b}) must be divisible by parallel.micro_batches x "
+                f"elastic.max_replicas ({m} x {e.max_replicas} = {slots}): that is the number "
+                f"of micro-batches of one step at full size; set global_batch_size to a "
+                f"multiple of {slots}"
+            )
+        if e.batch_policy == "constant":
+            bad = [d for d in range(e.min_replicas, e.max_replicas + 1) if slots % d]
+            if bad:
+                every = _lcm_all(e.min_replicas, e.max_replicas)
+                fix_m = every // math.gcd(every, e.max_replicas)
                 raise ValueError(
-                    f"train.global_batch_size ({b}) must be divisible by parallel.micro_batches "
-                    f"x replicas ({m} x {d} = {m * d}) for every replica count in "
-                    f"[{e.min_replicas}, {e.max_replicas}]; e.g. set global_batch_size to "
-                    f"{_lcm_all(m, e.min_replicas, e.max_replicas)} or a multiple of it"
+                    f"with elastic.batch_policy 'constant', parallel.micro_batches x "
+                    f"elastic.max_replicas ({slots}) must be divisible by every replica count "
+                    f"in [{e.min_replicas}, {e.max_replicas}], so each size runs a whole "
+                    f"number of micro-batches; {bad} do not divide it. Set micro_batches to "
+                    f"{fix_m} or a multiple of it, or use batch_policy 'scaled'"
                 )
         return self
 
@@ -219,8 +253,28 @@ class JobSpec(_Section):
     def resolved_checkpoint_uri(self) -> str:
         return self.checkpoint.uri.replace("{job}", self.name)
 
-    def micro_batch_size(self, replicas: int) -> int:
-        return self.train.global_batch_size // (self.parallel.micro_batches * replicas)
+    def micro_batch_size(self) -> int:
+        """Sequences per micro-batch per replica: fixed at every replica count."""
+        return self.train.global_batch_size // (
+            self.parallel.micro_batches * self.elastic.max_replicas
+        )
+
+    def grad_accum(self, replicas: int) -> int:
+        """Micro-batches per step per replica (the 1F1B depth when pipelined)."""
+        m = self.parallel.micro_batches
+        if self.elastic.batch_policy == "scaled":
+            return m
+        return m * self.elastic.max_replicas // replicas
+
+    def global_batch(self, replicas: int) -> int:
+        """Sequences per optimizer step with `replicas` replicas."""
+        return self.micro_batch_size() * self.grad_accum(replicas) * replicas
+
+    def lr_scale(self, replicas: int) -> float:
+        """Learning-rate multiplier: 1, or sqrt(D / max_replicas) for the scaled policy."""
+        if self.elastic.batch_policy == "scaled":
+            return math.sqrt(replicas / self.elastic.max_replicas)
+        return 1.0
 
     def topology(self, replicas: int) -> dict[str, Any]:
         """The layout a checkpoint records, and a resume compares against."""
@@ -230,9 +284,25 @@ class JobSpec(_Section):
             "replicas": replicas,
             "world_size": p.pipeline_stages * replicas,
             "zero_stage": p.zero_stage,
-            "micro_batches": p.micro_batches,
-            "micro_batch_size": self.micro_batch_size(replicas),
+            "micro_batches": self.grad_accum(replicas),
+            "micro_batch_size": self.micro_batch_size(),
             "precision": p.precision,
+        }
+
+    def batch_record(self, replicas: int) -> dict[str, Any]:
+        """The batch policy in force at `replicas`, as every manifest records it."""
+        rule = (
+            "global batch constant; micro-batches per step = m x max_replicas / D"
+            if self.elastic.batch_policy == "constant"
+            else "global batch = global_batch_size x D / max_replicas; lr x sqrt(D / max_replicas)"
+        )
+        return {
+            "policy": self.elastic.batch_policy,
+            "rule": rule,
+            "global_batch_size": self.global_batch(replicas),
+            "micro_batch_size": self.micro_batch_size(),
+            "micro_batches_per_step": self.grad_accum(replicas),
+            "lr_scale": self.lr_scale(replicas),
         }
 
     def spec_hash(self) -> str:
@@ -241,17 +311,20 @@ class JobSpec(_Section):
         A checkpoint is only resumed by a job with the same hash for these fields, so a
         resumed run cannot silently train a different model.
         """
-        math = self.model_dump(
+        fields = self.model_dump(
             include={"model": True, "data": True, "train": True, "parallel": {"precision"}}
         )
-        math["train"].pop("log_every", None)
-        math["train"].pop("steps", None)
-        blob = json.dumps(math, sort_keys=True, default=str).encode()
+        fields["train"].pop("log_every", None)
+        fields["train"].pop("steps", None)
+        fields["batch_policy"] = self.elastic.batch_policy
+        if self.elastic.batch_policy == "scaled":  # the reference size of batch and lr
+            fields["max_replicas"] = self.elastic.max_replicas
+        blob = json.dumps(fields, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _lcm_all(m: int, lo: int, hi: int) -> int:
-    out = m
+def _lcm_all(lo: int, hi: int) -> int:
+    out = 1
     for d in range(lo, hi + 1):
-        out = lcm(out, m * d)
+        out = lcm(out, d)
     return out

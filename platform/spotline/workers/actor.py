@@ -2,19 +2,30 @@
 
 Every method is called by the worker group in lock-step on all ranks. Nothing
 here talks to the controller on its own; results travel back as return values.
+
+One exception runs beside training: `request_checkpoint` lives in its own
+concurrency group ("control"), so the controller can ask a rank mid-chunk to
+stop at the next step boundary. A SIGTERM to the process (when the job watches
+for it) asks the same. After every step the ranks agree, with one tiny
+all-reduce, whether any of them was asked, so they all stop at the same step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from spotline import constants
 from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.preemption import make_source
 from spotline.spec.models import JobSpec
 from spotline.workers.trainer import Topology, Trainer, init_distributed
 from spotline.workers.uploads import Uploader
@@ -29,7 +40,21 @@ class TrainWorker:
         self.staging = root / f"rank_{topo.rank:05d}"
         self.restore_dir = Path(self.spec.checkpoint.staging_dir) / self.spec.name / "restore"
         self.trainer: Trainer | None = None
-        self.uploader = Uploader(store, topo.rank, topo.world_size)
+        cap = self.spec.checkpoint.upload_max_mb_per_s
+        self.uploader = Uploader(
+            store, topo.rank, topo.world_size, None if cap is None else cap * 1e6
+        )
+        self._stop = threading.Event()
+        self._stop_reasons: list[str] = []
+        self._sigterm = None
+        self._sigterm_reported = False
+        sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
+        if sigterm:
+            # Actor construction runs on the process's main thread, where Python
+            # delivers signals; training runs on a worker thread and polls the source.
+            node = ray.get_runtime_context().get_node_id()
+            self._sigterm = make_source(sigterm[0], node_id=node)
+            self._sigterm.install()
 
     # --- start-up -----------------------------------------------------------------
 
@@ -67,18 +92,38 @@ class TrainWorker:
 
     # --- steady state -------------------------------------------------------------
 
+    @ray.method(concurrency_group="control")
+    def request_checkpoint(self, reason: str) -> None:
+        """Stop the running chunk at the next step boundary (every rank stops there)."""
+        self._stop_reasons.append(reason)
+        self._stop.set()
+
     def train(self, n_steps: int) -> dict[str, Any]:
+        """Up to n_steps steps; fewer when any rank was asked to stop at a boundary."""
         assert self.trainer is not None
         losses: list[tuple[int, float]] = []
+        notices: list[dict[str, Any]] = []
+        interrupted = False
         t0 = time.perf_counter()
         for _ in range(n_steps):
             loss = self.trainer.train_step()
             losses.append((self.trainer.step, loss))
+            notice = self._sigterm.poll() if self._sigterm is not None else None
+            if notice is not None and not self._sigterm_reported:
+                self._sigterm_reported = True
+                notices.append(dataclasses.asdict(notice) | {"rank": self.topo.rank})
+                self._stop.set()
+            if self.trainer.any_rank(self._stop.is_set()):
+                interrupted = True
+                self._stop.clear()
+                break
         return {
             "rank": self.topo.rank,
             "losses": losses,
             "seconds": time.perf_counter() - t0,
             "uploads": self.uploader.take_done(),
+            "interrupted": interrupted,
+            "notices": notices,
         }
 
     def save(self) -> dict[str, Any]:

@@ -52,6 +52,10 @@ class ChunkResult:
     losses: list[tuple[int, float]]
     seconds: float
     uploads: list[Any] = field(default_factory=list)
+    interrupted: bool = False
+    """The ranks stopped early at a step boundary because one of them was asked to."""
+    notices: list[dict[str, Any]] = field(default_factory=list)
+    """Preemption notices the ranks saw themselves (SIGTERM), as Notice fields + rank."""
 
 
 class WorkerGroup(Protocol):
@@ -63,6 +67,8 @@ class WorkerGroup(Protocol):
     def start(self) -> None: ...
     def restore(self, manifest: Manifest, reshard: bool = False) -> int: ...
     def train(self, n_steps: int) -> ChunkResult: ...
+    def request_checkpoint(self, reason: str) -> None: ...
+    def node_ids(self) -> set[str]: ...
     def save(self) -> float: ...
     def flush_uploads(self) -> list[Any]: ...
     def heldout_loss(self) -> float: ...
@@ -182,7 +188,7 @@ class RayWorkerGroup:
                 },
             )
         spec_json = self.spec.model_dump_json()
-        cls = ray.remote(TrainWorker)
+        cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         for rank in range(self.world_size):
             topo = Topology(self.pp, self.replicas, rank)
             idx = topo.replica * self.pp + topo.stage
@@ -233,7 +239,17 @@ class RayWorkerGroup:
             losses=results[0]["losses"],
             seconds=max(r["seconds"] for r in results),
             uploads=[u for r in results for u in r["uploads"]],
+            interrupted=results[0]["interrupted"],
+            notices=[n for r in results for n in r["notices"]],
         )
+
+    def request_checkpoint(self, reason: str) -> None:
+        """Ask every rank to stop at the next step boundary; does not wait."""
+        for a in self.actors:
+            a.request_checkpoint.remote(reason)
+
+    def node_ids(self) -> set[str]:
+        return {i["node_id"] for i in self._info}
 
     def save(self) -> float:
         results = self._call_all("checkpoint save", "save")
@@ -276,17 +292,3 @@ def _describe(e: BaseException) -> str:
         return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
     text = str(e).strip().splitlines()
     return f"{name}: {text[-1] if text else ''}"
-
-
-def cluster_capacity(spec: JobSpec, device: str) -> int:
-    """Whole replicas that the live cluster's free resources can hold right now."""
-    import ray
-
-    free = ray.available_resources()
-    pp = spec.parallel.pipeline_stages
-    if device == "gpu":
-        workers = int(free.get("GPU", 0))
-    else:
-        per = spec.resources.cpus_per_worker
-        workers = int(free.get("CPU", 0) / per + 1e-9) if per > 0 else 10**6
-    return workers // pp

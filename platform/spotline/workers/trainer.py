@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from spotline import constants
 from spotline.data import Sampler, load_corpus
@@ -52,15 +53,18 @@ class Topology:
         return self.rank % self.replicas
 
 
-def lr_lambda(spec: JobSpec):
+def lr_lambda(spec: JobSpec, replicas: int):
+    """Warm-up then cosine, times the batch policy's lr scale at this replica count."""
     t = spec.train
+    scale = spec.lr_scale(replicas)
 
     def f(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
+            return scale * (step + 1) / t.warmup_steps
         span = max(1, t.steps - t.warmup_steps)
         progress = min(1.0, (step - t.warmup_steps) / span)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return scale * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
 
     return f
 
@@ -69,9 +73,9 @@ def deepspeed_config(spec: JobSpec, replicas: int) -> dict[str, Any]:
     """The DeepSpeed config derived from the spec; spec.deepspeed keys override it."""
     p, t = spec.parallel, spec.train
     cfg: dict[str, Any] = {
-        "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": spec.micro_batch_size(replicas),
-        "gradient_accumulation_steps": p.micro_batches,
+        "train_batch_size": spec.global_batch(replicas),
+        "train_micro_batch_size_per_gpu": spec.micro_batch_size(),
+        "gradient_accumulation_steps": spec.grad_accum(replicas),
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": p.zero_stage},
         "bf16": {"enabled": p.precision == "bf16"},
@@ -92,7 +96,7 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def _optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -142,19 +146,16 @@ class Trainer:
         _quiet_deepspeed()
         corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
         t = spec.train
-        self.sampler = Sampler(
-            corpus.train, spec.model.seq_len, t.global_batch_size, spec.data.seed
-        )
-        self.heldout = Sampler(
-            corpus.heldout, spec.model.seq_len, t.global_batch_size, spec.data.seed + 1
-        )
+        mbs = spec.micro_batch_size()
+        self.sampler = Sampler(corpus.train, spec.model.seq_len, mbs, spec.data.seed)
+        self.heldout = Sampler(corpus.heldout, spec.model.seq_len, mbs, spec.data.seed + 1)
         self.pipelined = spec.parallel.pipeline_stages > 1
         if self.pipelined:
             model = build_pipeline_module(spec.model, spec.parallel.pipeline_stages, t.seed)
         else:
             model = build_sequential(spec.model, t.seed)
-        opt = _optimizer(model, spec)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec))
+        opt = build_optimizer(model, spec)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec, topo.replicas))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=opt,
@@ -163,6 +164,10 @@ class Trainer:
             dist_init_required=False,
         )
         self.device = self.engine.device
+        self.micro_batches = spec.grad_accum(topo.replicas)
+        # Control messages (stop at this step boundary?) go over gloo on the host, so
+        # they never queue behind, or synchronise with, the device's compute stream.
+        self._control = dist.new_group(backend="gloo")
         _seed_everything(t.seed + topo.rank)
         self.step = 0  # optimizer steps done
 
@@ -172,7 +177,7 @@ class Trainer:
         return [
             (x.to(self.device), y.to(self.device))
             for x, y in sampler.micro_batches(
-                step, self.topo.replica, self.topo.replicas, self.spec.parallel.micro_batches
+                step, self.topo.replica, self.topo.replicas, self.micro_batches
             )
         ]
 
@@ -192,9 +197,17 @@ class Trainer:
         self.step += 1
         return loss
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
-        import torch.distributed as dist
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any rank. Collective: all ranks call it.
 
+        One 4-byte all-reduce per step; it is how every rank agrees to stop at the same
+        step boundary, whichever rank (or the controller, through any rank) asked.
+        """
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(t.item())
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
         if self.topo.replicas > 1:
             dist.all_reduce(value)
             value = value / self.topo.replicas
@@ -259,6 +272,7 @@ class Trainer:
             # Per-rank RNG streams do not map across sizes: reseed from (seed, rank, step).
             _seed_everything(self.spec.train.seed + 7919 * step + self.topo.rank)
             self.step = step
+            self._sync_lr()
             return
         load_path, _ = self.engine.load_checkpoint(
             str(local_dir),
@@ -276,6 +290,21 @@ class Trainer:
         )
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self._sync_lr()
+
+    def _sync_lr(self) -> None:
+        """Set the optimizer's lr from this group's schedule at the loaded step.
+
+        The loaded optimizer carries the lr of the group that saved it; under the scaled
+        batch policy a group of another size trains with another lr from its first step.
+        """
+        sched = self.engine.lr_scheduler
+        if sched is None:
+            return
+        for group, base, fn in zip(
+            sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * fn(sched.last_epoch)
 
 
 def _seed_everything(seed: int) -> None:

@@ -27,10 +27,17 @@ class UploadResult:
 
 
 class Uploader:
-    def __init__(self, store: CheckpointStore, rank: int, world_size: int):
+    def __init__(
+        self,
+        store: CheckpointStore,
+        rank: int,
+        world_size: int,
+        max_bytes_per_s: float | None = None,
+    ):
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.max_bytes_per_s = max_bytes_per_s
         self._todo: queue.Queue[tuple[int, Path] | None] = queue.Queue()
         self._done: list[UploadResult] = []
         self._lock = threading.Lock()
@@ -71,7 +78,7 @@ class Uploader:
             step, local_dir = item
             t0 = time.perf_counter()
             try:
-                files = self.store.upload_dir(local_dir, step)
+                files = self.store.upload_dir(local_dir, step, max_bytes_per_s=self.max_bytes_per_s)
                 self.store.write_receipt(step, self.rank, self.world_size, files)
                 result = UploadResult(step, self.rank, files, time.perf_counter() - t0)
                 shutil.rmtree(local_dir, ignore_errors=True)

@@ -1,0 +1,416 @@
+"""Goodput on spot capacity: one workload, one scripted preemption trace, three systems.
+
+Every arm runs the same GPT (pp=1, ZeRO-1 data parallel, AdamW, constant global batch)
+for the same number of steps on a fresh multi-node Ray cluster (`ray.cluster_utils`,
+one logical GPU per spot node, CPU compute), while a thread replays the trace in
+benchmarks/traces/ (notices = GCS drains with a deadline, then the node goes; losses
+= the node vanishes; returns = a fresh node joins):
+
+  nopreempt   Spotline, no trace: the reference rate.
+  spotline    Spotline: ray-drain notices -> just-in-time checkpoint, shrink to what
+              is left, grow back at checkpoint boundaries (elastic 1..3).
+  periodic    the same Spotline job with periodic checkpoints only: no notices and no
+              elastic shrink (min = max = 3), so it waits for the node to come back.
+  raytrain    Ray Train v2 `TorchTrainer`, ScalingConfig(num_workers=(1, 3)), DDP over
+              gloo, with its preemption support: every step calls
+              `ray.train.get_preemption_info()` and reports a just-in-time checkpoint
+              when a node is doomed, plus the same periodic checkpoints. Its ratio is
+              against its own no-preemption run (raytrain-nopreempt).
+
+Goodput = committed steps per minute of wall time (start to final commit). Also
+printed: notice -> commit latency (trace's drain to the committed JIT checkpoint) and
+node loss -> first step after resume.
+
+    python benchmarks/spot_goodput.py [--trace PATH] [--steps N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO / "benchmarks" / "traces" / "spot_3nodes.yaml"
+
+WORKLOAD: dict[str, Any] = {
+    "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 64},
+    "data": {"max_bytes": 1_000_000},
+    "parallel": {"pipeline_stages": 1, "micro_batches": 2, "zero_stage": 1},
+    "train": {"global_batch_size": 12, "warmup_steps": 20, "log_every": 50},
+    "checkpoint": {"interval_steps": 50, "keep_last": 3},
+    "resources": {"device": "gpu", "cpus_per_worker": 0.5},
+    "failure": {"max_failures": -1},
+}
+
+
+# --- the cluster and the trace ----------------------------------------------------------
+
+
+class SpotCluster:
+    def __init__(self, trace: dict[str, Any]):
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self.node_args = dict(trace["node"])
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
+        )
+        self.slots: list[Any] = [
+            self.cluster.add_node(**self.node_args) for _ in range(trace["spot_nodes"])
+        ]
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, log_to_driver=False, logging_level="ERROR")
+
+    def drain(self, slot: int, deadline_s: float) -> None:
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        gcs = ray._private.worker.global_worker.gcs_client
+        gcs.drain_node(
+            self.slots[slot].node_id,
+            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "spot preemption (benchmark trace)",
+            int((time.time() + deadline_s) * 1000),
+        )
+
+    def remove(self, slot: int) -> None:
+        node, self.slots[slot] = self.slots[slot], None
+        if node is not None:
+            with contextlib.suppress(Exception):  # a drained idle node may be gone already
+                self.cluster.remove_node(node, allow_graceful=False)
+
+    def add(self, slot: int) -> None:
+        if self.slots[slot] is None:
+            self.slots[slot] = self.cluster.add_node(**self.node_args)
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+class TraceReplay(threading.Thread):
+    """Replays the trace against the cluster from `t0`; records when each event landed."""
+
+    def __init__(self, cluster: SpotCluster, events: list[dict[str, Any]], t0: float):
+        super().__init__(daemon=True)
+        self.cluster, self.t0 = cluster, t0
+        self.todo = sorted(
+            [dict(e) for e in events]
+            + [
+                {"at": e["at"] + e["deadline_s"], "kind": "gone", "node": e["node"]}
+                for e in events
+                if e["kind"] == "notice"
+            ],
+            key=lambda e: e["at"],
+        )
+        self.log: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        for e in self.todo:
+            if self._stop.wait(max(0.0, self.t0 + e["at"] - time.time())):
+                return
+            node = self.cluster.slots[e["node"]]
+            node_id = node.node_id if node is not None else None
+            if e["kind"] == "notice":
+                self.cluster.drain(e["node"], e["deadline_s"])
+            elif e["kind"] in ("loss", "gone"):
+                self.cluster.remove(e["node"])
+            elif e["kind"] == "return":
+                self.cluster.add(e["node"])
+                node_id = self.cluster.slots[e["node"]].node_id
+            self.log.append({"t": time.time(), "kind": e["kind"], "node_id": node_id})
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def times(self, kind: str) -> list[float]:
+        return [e["t"] for e in self.log if e["kind"] == kind]
+
+
+def _latencies(marks: list[float], events: list[float]) -> list[float]:
+    """For each event, seconds until the first mark after it."""
+    out = []
+    for t in events:
+        later = [m - t for m in marks if m >= t]
+        if later:
+            out.append(min(later))
+    return out
+
+
+# --- Spotline arms ------------------------------------------------------------------------
+
+
+def run_spotline(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path) -> dict[str, Any]:
+    import spotline
+    from spotline.spec import load_spec
+
+    n = (trace or {}).get("spot_nodes", 3)
+    raw = json.loads(json.dumps(WORKLOAD))
+    raw["name"] = f"goodput-{mode}"
+    raw["train"]["steps"] = steps
+    raw["checkpoint"]["uri"] = f"file://{tmp}/{mode}/ckpt"
+    raw["checkpoint"]["staging_dir"] = str(tmp / mode / "staging")
+    if mode == "spotline":
+        raw["elastic"] = {"min_replicas": 1, "max_replicas": n, "scale_up_interval_s": 0}
+        raw["preemption"] = {"sources": [{"kind": "ray-drain", "poll_interval_s": 0.5}]}
+    else:  # nopreempt and periodic: a fixed-size job that waits for its nodes
+        raw["elastic"] = {"min_replicas": n, "max_replicas": n, "wait_for_capacity_s": 3600}
+    spec = load_spec(raw)
+    cluster = SpotCluster(trace or {"spot_nodes": n, "node": {"num_cpus": 1, "num_gpus": 1}})
+    try:
+        t0 = time.time()
+        run = spotline.Job(spec).start()
+        replay = TraceReplay(cluster, (trace or {}).get("events", []) if trace else [], t0)
+        replay.start()
+        result = run.wait(verbose=False)
+        wall = time.time() - t0
+        replay.stop()
+    finally:
+        cluster.close()
+    jit = [x["committed_at"] for x in result.notices if x.get("committed_at") is not None]
+    resumed = [r["resumed_at"] for r in result.recoveries]
+    losses = replay.times("loss") + (replay.times("gone") if mode == "periodic" else [])
+    return {
+        "system": mode,
+        "steps": result.steps,
+        "wall_s": wall,
+        "steps_per_min": result.steps / wall * 60,
+        "notice_to_commit_s": _latencies(jit, replay.times("notice")),
+        "recovery_s": _latencies(resumed, losses),
+        "restarts": len(result.recoveries),
+        "replica_history": [a["replicas"] for a in result.attempts],
+    }
+
+
+# --- the Ray Train v2 arm -------------------------------------------------------------------
+
+
+def _raytrain_loop(config: dict[str, Any]) -> None:
+    """The same model, data, optimizer and LR schedule as the Spotline job, under DDP."""
+    import contextlib as cl
+
+    import ray.train
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from spotline.data import Sampler, load_corpus
+    from spotline.models import build_sequential, lm_loss
+    from spotline.spec.models import JobSpec
+    from spotline.workers.trainer import build_optimizer, lr_lambda
+
+    spec = JobSpec.model_validate_json(config["spec"])
+    events = Path(config["events"])
+    ctx = ray.train.get_context()
+    world, rank = ctx.get_world_size(), ctx.get_world_rank()
+    torch.set_num_threads(1)
+    torch.manual_seed(spec.train.seed)
+    # The GPUs are logical (CPU compute): wrap for DDP over gloo by hand, as prepare_model
+    # would move the model to a CUDA device.
+    model = DistributedDataParallel(build_sequential(spec.model, spec.train.seed))
+    opt = build_optimizer(model, spec)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec, world))
+    step = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", weights_only=False)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step = state["step"]
+    corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
+    sampler = Sampler(corpus.train, spec.model.seq_len, spec.micro_batch_size(), spec.data.seed)
+    ga = spec.grad_accum(world)
+    answered: set[str] = set()
+    first = True
+    while step < spec.train.steps:
+        batches = sampler.micro_batches(step, rank, world, ga)
+        for i, (x, y) in enumerate(batches):
+            sync = cl.nullcontext() if i == ga - 1 else model.no_sync()
+            with sync:
+                (lm_loss(model(x), y) / ga).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.train.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if first and rank == 0:
+            _append(events, {"kind": "first_step", "t": time.time(), "step": step})
+            first = False
+        info = ray.train.get_preemption_info()
+        doomed = set(info.preempted_node_ids) - answered if info is not None else set()
+        answered |= doomed
+        if doomed or step % spec.checkpoint.interval_steps == 0 or step == spec.train.steps:
+            with tempfile.TemporaryDirectory() as d:
+                checkpoint = None
+                if rank == 0:
+                    torch.save(
+                        {
+                            "model": model.module.state_dict(),
+                            "opt": opt.state_dict(),
+                            "sched": sched.state_dict(),
+                            "step": step,
+                        },
+                        Path(d) / "state.pt",
+                    )
+                    checkpoint = ray.train.Checkpoint.from_directory(d)
+                ray.train.report({"step": step}, checkpoint=checkpoint)
+            if doomed and rank == 0:
+                _append(events, {"kind": "jit", "t": time.time(), "step": step})
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run_raytrain(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path) -> dict[str, Any]:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from spotline.spec import load_spec
+
+    n = (trace or {}).get("spot_nodes", 3)
+    raw = json.loads(json.dumps(WORKLOAD))
+    raw["name"] = f"goodput-{mode}"
+    raw["train"]["steps"] = steps
+    raw["elastic"] = {"min_replicas": 1, "max_replicas": n}
+    spec = load_spec(raw)
+    events = tmp / mode / "events.jsonl"
+    events.parent.mkdir(parents=True, exist_ok=True)
+    cluster = SpotCluster(trace or {"spot_nodes": n, "node": {"num_cpus": 1, "num_gpus": 1}})
+    try:
+        trainer = TorchTrainer(
+            _raytrain_loop,
+            train_loop_config={"spec": spec.model_dump_json(), "events": str(events)},
+            torch_config=TorchConfig(backend="gloo"),
+            scaling_config=ScalingConfig(
+                num_workers=(1, n),
+                use_gpu=True,
+                resources_per_worker={"CPU": spec.resources.cpus_per_worker, "GPU": 1},
+            ),
+            run_config=RunConfig(
+                name=f"goodput-{mode}",
+                storage_path=str(tmp / mode / "storage"),
+                failure_config=FailureConfig(max_failures=-1),
+                checkpoint_config=CheckpointConfig(num_to_keep=3),
+            ),
+        )
+        t0 = time.time()
+        replay = TraceReplay(cluster, trace["events"] if trace else [], t0)
+        replay.start()
+        result = trainer.fit()
+        wall = time.time() - t0
+        replay.stop()
+    finally:
+        cluster.close()
+    marks = [json.loads(line) for line in events.read_text().splitlines()]
+    done = int(result.metrics["step"]) if result.metrics else 0
+    first_steps = [m["t"] for m in marks if m["kind"] == "first_step"]
+    return {
+        "system": mode,
+        "steps": done,
+        "wall_s": wall,
+        "steps_per_min": done / wall * 60,
+        "notice_to_commit_s": _latencies(
+            [m["t"] for m in marks if m["kind"] == "jit"], replay.times("notice")
+        ),
+        "recovery_s": _latencies(first_steps, replay.times("loss")),
+        "restarts": len(first_steps) - 1,
+        "replica_history": [],
+    }
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.mean(xs) if xs else None
+
+
+def _fmt(x: float | None, unit: str = "s") -> str:
+    return "n/a" if x is None else f"{x:.1f}{unit}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--steps", type=int, default=1500, help="steps every arm trains")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument(
+        "--only", nargs="*", help="run only these arms (for debugging; ratios need both runs)"
+    )
+    args = ap.parse_args(argv)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    trace = yaml.safe_load(args.trace.read_text())
+    arms = [
+        ("nopreempt", run_spotline, None),
+        ("spotline", run_spotline, trace),
+        ("periodic", run_spotline, trace),
+        ("raytrain-nopreempt", run_raytrain, None),
+        ("raytrain", run_raytrain, trace),
+    ]
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="spotline-goodput-") as tmp:
+        for name, fn, tr in arms:
+            if args.only and name not in args.only:
+                continue
+            print(f"[spot_goodput] running {name} ({args.steps} steps) ...", flush=True)
+            rows[name] = fn(tr, args.steps, name, Path(tmp))
+            r = rows[name]
+            print(
+                f"[spot_goodput]   {name}: {r['steps']} steps in {r['wall_s']:.0f}s, "
+                f"{r['steps_per_min']:.0f} steps/min, restarts {r['restarts']}",
+                flush=True,
+            )
+
+    def ratio(arm: str, base: str) -> float | None:
+        if arm in rows and base in rows:
+            return rows[arm]["steps_per_min"] / rows[base]["steps_per_min"]
+        return None
+
+    figures = {
+        "spotline_vs_nopreempt": ratio("spotline", "nopreempt"),
+        "periodic_vs_nopreempt": ratio("periodic", "nopreempt"),
+        "raytrain_vs_nopreempt": ratio("raytrain", "raytrain-nopreempt"),
+        "notice_to_commit_s": {k: _mean(r["notice_to_commit_s"]) for k, r in rows.items()},
+        "recovery_s": {k: _mean(r["recovery_s"]) for k, r in rows.items()},
+        "runs": rows,
+        "trace": str(args.trace),
+        "steps": args.steps,
+    }
+    print()
+    print(f"trace {args.trace.name}, {args.steps} steps per arm")
+    print(
+        f"{'system':<20}{'steps/min':>10}{'vs no-preempt':>15}{'notice->commit':>16}{'loss->resume':>14}"
+    )
+    for name, r in rows.items():
+        base = "raytrain-nopreempt" if name.startswith("raytrain") else "nopreempt"
+        rat = ratio(name, base)
+        print(
+            f"{name:<20}{r['steps_per_min']:>10.0f}{'' if rat is None else f'{rat:.3f}':>15}"
+            f"{_fmt(_mean(r['notice_to_commit_s'])):>16}{_fmt(_mean(r['recovery_s'])):>14}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, default=str))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The per-node watcher as a Ray actor: `spotline:<job>:watcher:<node>` on the dashboard.
+
+One actor is pinned to every node. It polls the job's notice sources that ask about
+the node it runs on (cloud metadata, Ray's drain; SIGTERM is watched by the worker
+processes themselves) and pushes each new notice to the controller actor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from spotline.preemption.sources import Notice, make_source
+from spotline.preemption.watcher import NoticeWatcher
+from spotline.spec.models import JobSpec
+
+log = logging.getLogger("spotline.preemption")
+
+NODE_WATCHED_KINDS = ("aws", "gcp", "azure", "ray-drain")
+"""Source kinds a node watcher polls; 'sigterm' is installed in each worker process."""
+
+
+def watcher_name(job: str, node_id: str) -> str:
+    return f"spotline:{job}:watcher:{node_id[:12]}"
+
+
+class NodeWatcherActor:
+    def __init__(self, spec_json: str, node_id: str, controller: Any):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        spec = JobSpec.model_validate_json(spec_json)
+        self.node_id = node_id
+        self.controller = controller
+        sources = [
+            make_source(s, node_id=node_id)
+            for s in spec.preemption.sources
+            if s.kind in NODE_WATCHED_KINDS
+        ]
+        self.watcher = NoticeWatcher(sources, self._deliver, name=f"spotline-watch-{node_id[:8]}")
+        self.watcher.start()
+
+    def _deliver(self, notice: Notice) -> None:
+        # Fire and forget: the controller dedupes, and a watcher never blocks on it.
+        self.controller.notify.remote(dataclasses.asdict(notice))
+
+    def notices(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(n) for n in self.watcher.notices]
+
+    def stop(self) -> None:
+        self.watcher.stop()

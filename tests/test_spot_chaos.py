@@ -1,0 +1,348 @@
+"""Spot capacity on a real multi-node Ray cluster (`ray.cluster_utils.Cluster`).
+
+Two "spot" nodes with two logical GPUs each hold one 2-stage replica apiece; the head
+holds no GPU, like an on-demand head. Workers train on CPU with gloo; the GPUs are
+logical, so placement, draining and node loss behave as on a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import spotline
+from conftest import init_local_ray, tiny_spec
+from spotline.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.chaos
+
+SPOT_NODE = {"num_cpus": 2, "num_gpus": 2}
+
+
+class SpotCluster:
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
+        )
+        self.spot: list[Any] = []
+
+    def node(self, node_id: str) -> Any:
+        return next(n for n in self.spot if n.node_id == node_id)
+
+    def reset(self, n_spot: int = 2) -> None:
+        """Exactly `n_spot` healthy spot nodes: drop dead or draining ones, add fresh ones."""
+        import ray
+
+        gcs = ray._private.worker.global_worker.gcs_client
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        draining = set(gcs.get_draining_nodes())
+        for n in list(self.spot):
+            if n.node_id not in alive or n.node_id in draining:
+                self.remove(n)
+        while len(self.spot) > n_spot:
+            self.remove(self.spot[-1])
+        while len(self.spot) < n_spot:
+            self.spot.append(self.cluster.add_node(**SPOT_NODE))
+        self.cluster.wait_for_nodes()
+
+    def remove(self, node: Any) -> None:
+        self.spot.remove(node)
+        # A drained node may have exited by itself already.
+        with contextlib.suppress(Exception):
+            self.cluster.remove_node(node, allow_graceful=False)
+
+
+@pytest.fixture(scope="module")
+def spot_cluster():
+    import ray
+
+    had_local = ray.is_initialized()
+    ray.shutdown()
+    c = SpotCluster()
+    ray.init(
+        address=c.cluster.address,
+        log_to_driver=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": {"SPOTLINE_DIST_TIMEOUT_S": "120"}},
+    )
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.cluster.shutdown()
+        if had_local:
+            init_local_ray()
+
+
+@pytest.fixture
+def cluster(spot_cluster: SpotCluster) -> SpotCluster:
+    spot_cluster.reset(2)
+    return spot_cluster
+
+
+def _spot_spec(tmp_path: Path, name: str, **over: Any):
+    base = {
+        "resources.device": "gpu",
+        "elastic.min_replicas": 1,
+        "elastic.max_replicas": 2,
+        "elastic.wait_for_capacity_s": 120,
+        "checkpoint.keep_last": 100,
+    }
+    return tiny_spec(tmp_path, name, **{**base, **over})
+
+
+def _wait(run: spotline.JobRun, pred, what: str, timeout: float = 300) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = run.status()
+        if pred(st):
+            return st
+        if st["state"] in ("finished", "failed"):
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}; last status: {_brief(st)}")
+
+
+def _brief(st: dict[str, Any]) -> dict[str, Any]:
+    return {k: st.get(k) for k in ("state", "step", "replicas", "committed_steps", "error")} | {
+        "events": st.get("events", [])[-25:]
+    }
+
+
+def _result(run: spotline.JobRun) -> dict[str, Any]:
+    import ray
+
+    return ray.get(run.controller.result.remote())
+
+
+def _stop(run: spotline.JobRun) -> None:
+    assert run.stop().state == "stopped"
+
+
+def _drain(node_id: str, seconds: float) -> None:
+    """What the autoscaler and KubeRay do on a spot preemption."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._private.worker.global_worker.gcs_client
+    accepted, why = gcs.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot preemption (test)",
+        int((time.time() + seconds) * 1000),
+    )
+    assert accepted, why
+
+
+def _copy_step(src_uri: str, dst: Path, step: int) -> str:
+    """A new checkpoint location holding just committed step `step` of `src_uri`."""
+    src = Path(src_uri.removeprefix("file://")) / f"step_{step:08d}"
+    dst.mkdir(parents=True)
+    shutil.copytree(src, dst / src.name)
+    return f"file://{dst}"
+
+
+def _run_until(spec, step: int) -> dict[str, Any]:
+    run = spotline.Job(spec).start()
+    _wait(run, lambda s: s["step"] >= step, f"reference run to reach step {step}")
+    res = _result(run)
+    _stop(run)
+    return res
+
+
+def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
+    spot_cluster: SpotCluster, tmp_path: Path
+) -> None:
+    spot_cluster.reset(1)  # one replica's worth of devices to start with
+    over = {
+        "train.steps": 3000,  # long enough that growing pays for its restart
+        "elastic.scale_up_interval_s": 0,
+        "preemption.sources": [{"kind": "ray-drain", "poll_interval_s": 0.2}],
+    }
+    spec = _spot_spec(tmp_path / "elastic", "elastic", **over)
+    run = spotline.Job(spec).start()
+    _wait(run, lambda s: s["replicas"] == 1 and s["step"] >= 5, "1 replica training")
+
+    # Capacity comes back: the job grows to 2 replicas at a checkpoint boundary.
+    spot_cluster.spot.append(spot_cluster.cluster.add_node(**SPOT_NODE))
+    st = _wait(
+        run,
+        lambda s: s["replicas"] == 2 and s["state"] == "running" and s["step"] > 0,
+        "growing to 2 replicas",
+    )
+    grow = _result(run)["resizes"][0]["step"]
+    st = _wait(run, lambda s: s["step"] >= grow + 3, "training at 2 replicas")
+
+    # A spot notice for the node of rank 1: JIT checkpoint, then on with 1 replica.
+    victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
+    _drain(victim, seconds=120)
+    st = _wait(
+        run,
+        lambda s: s["replicas"] == 1 and s["state"] == "running" and s["step"] > 0,
+        "the job to go on with 1 replica",
+    )
+    assert victim not in {w["node_id"] for w in st["workers"]}
+    spot_cluster.remove(spot_cluster.node(victim))  # the preempted node goes
+    res = _result(run)
+    (notice,) = res["notices"]
+    jit = notice["committed_step"]
+    assert jit is not None, (notice, _brief(run.status()))
+    _wait(run, lambda s: any(c > jit for c in s["committed_steps"]), "a commit after the JIT")
+    res = _result(run)
+    _stop(run)
+
+    # The notice became a just-in-time checkpoint well before the deadline, with no
+    # committed step lost: the next group started from exactly that step.
+    assert notice["source"] == "ray-drain" and notice["node_id"] == victim
+    assert notice["outcome"] == "just-in-time checkpoint committed"
+    assert notice["notice_to_commit_s"] is not None and notice["before_deadline_s"] > 60
+    assert res["failures"] == 0
+    first, second, third = res["attempts"][:3]
+    assert (first["replicas"], second["replicas"], third["replicas"]) == (1, 2, 1)
+    assert second["restored_from"] == grow
+    assert second["losses"][-1][0] == jit  # training stopped at the JIT step
+    assert third["restored_from"] == jit and third["start_step"] == jit
+    assert [r["why"] for r in res["resizes"][:2]] == ["grow", "preemption"]
+    store = CheckpointStore(res["checkpoint_uri"])
+    assert store.load_manifest(grow).topology["replicas"] == 1
+    assert store.load_manifest(jit).topology["replicas"] == 2
+    assert store.load_manifest(jit).extra["batch"]["global_batch_size"] == 8
+    after = min(c for c in store.committed_steps() if c > jit)
+    assert store.load_manifest(after).topology["replicas"] == 1
+
+    # The same job, uninterrupted at the final size (1 replica) from the checkpoint
+    # before the grow, trains to the same losses through the 2-replica stretch: the
+    # constant global batch makes the math independent of the replica count.
+    ref_spec = _spot_spec(
+        tmp_path / "ref",
+        "elastic-ref",
+        **{
+            **over,
+            "preemption.sources": [],
+            "checkpoint.uri": _copy_step(res["checkpoint_uri"], tmp_path / "ref-ckpt", grow),
+        },
+    )
+    assert ref_spec.spec_hash() == spec.spec_hash()
+    ref = _run_until(ref_spec, after)
+    assert ref["attempts"][0]["restored_from"] == grow and ref["attempts"][0]["replicas"] == 1
+    elastic = {s: v for a in res["attempts"] for s, v in a["losses"]}
+    steps = list(range(grow + 1, after + 1))
+    got = [elastic[s] for s in steps]
+    want = [ref["losses"][s] for s in steps]
+    assert got == pytest.approx(want, rel=1e-4), list(zip(steps, got, want, strict=True))
+
+
+def test_node_lost_mid_upload_resumes_from_the_latest_commit(
+    cluster: SpotCluster, tmp_path: Path
+) -> None:
+    spec = _spot_spec(
+        tmp_path,
+        "lost",
+        **{"train.steps": 40, "checkpoint.upload_max_mb_per_s": 0.1},
+    )
+    store = CheckpointStore(spec.resolved_checkpoint_uri())
+    run = spotline.Job(spec).start()
+
+    def complete_steps() -> list[int]:
+        return [c for c in store.uncommitted_steps() if len(store.read_receipts(c)) == 4]
+
+    def rank1_mid_upload(s: dict[str, Any]) -> bool:
+        # Some step >= 10 fully uploaded, and a later one under way without rank 1's part.
+        if not s["workers"] or not any(c >= 10 for c in complete_steps()):
+            return False
+        return any(
+            1 not in {r["rank"] for r in store.read_receipts(c)}
+            for c in store.uncommitted_steps()
+            if c > 10
+        )
+
+    st = _wait(run, rank1_mid_upload, "rank 1 to be uploading a checkpoint")
+    victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
+    # No notice: the node and every process on it vanish at once. (Removing a simulated
+    # node kills its raylet; its worker processes would linger a moment and could
+    # finish an upload that a real node loss never finishes.)
+    for w in st["workers"]:
+        if w["node_id"] == victim:
+            os.kill(w["pid"], signal.SIGKILL)
+    cluster.remove(cluster.node(victim))
+    latest = max(complete_steps())  # what was safely in storage when the node went
+    partial = [c for c in store.uncommitted_steps() if c > latest]
+
+    result = run.wait(verbose=False)
+    assert partial, "the node went after every upload had finished"
+    assert result.state == "finished"
+    assert result.failures == 0 and result.node_losses == 1
+    first, second = result.attempts[:2]
+    assert first["ended_by"] == "node lost"
+    # The resume came from the latest complete checkpoint; the half-uploaded one was
+    # never loaded (it committed later only once the new group had saved it again).
+    assert second["restored_from"] == latest and second["replicas"] == 1
+    final = CheckpointStore(result.checkpoint_uri)
+    for c in partial:
+        if c in final.committed_steps():
+            assert final.load_manifest(c).topology["replicas"] == 1
+    assert sorted(result.losses) == list(range(1, 41))
+
+
+def test_sigterm_to_a_worker_commits_a_jit_checkpoint_and_moves_off_its_node(
+    cluster: SpotCluster, tmp_path: Path
+) -> None:
+    spec = _spot_spec(
+        tmp_path,
+        "sigterm",
+        **{"train.steps": 40, "preemption.sources": [{"kind": "sigterm"}]},
+    )
+    run = spotline.Job(spec).start()
+    st = _wait(run, lambda s: s["replicas"] == 2 and s["step"] >= 5, "2 replicas training")
+    rank1 = next(w for w in st["workers"] if w["rank"] == 1)
+    os.kill(rank1["pid"], signal.SIGTERM)  # what Kubernetes sends a pod it will stop
+
+    result = run.wait(verbose=False)
+    assert result.state == "finished", result.error
+    first, second = result.attempts[:2]
+    jit = first["losses"][-1][0]
+    assert second["restored_from"] == jit and second["replicas"] == 1
+    assert result.failures == 0
+    (notice,) = result.notices
+    assert notice["source"] == "sigterm" and notice["node_id"] == rank1["node_id"]
+    assert notice["committed_step"] == jit
+    # Every step was trained exactly once: nothing was lost or redone.
+    steps = [s for a in result.attempts for s, _ in a["losses"]]
+    assert steps == list(range(1, 41))
+    assert CheckpointStore(result.checkpoint_uri).load_manifest(jit).topology["replicas"] == 2
+
+
+def test_below_min_waits_then_fails_with_a_clear_message(
+    cluster: SpotCluster, tmp_path: Path
+) -> None:
+    spec = _spot_spec(
+        tmp_path,
+        "toobig",
+        **{
+            "elastic.min_replicas": 3,
+            "elastic.max_replicas": 3,
+            "parallel.micro_batches": 2,
+            "train.global_batch_size": 12,
+            "elastic.wait_for_capacity_s": 4,
+        },
+    )
+    run = spotline.Job(spec).start()
+    st = _wait(run, lambda s: s["state"] == "waiting", "the job to wait for capacity", 60)
+    assert "can hold 2 replica(s) now; elastic.min_replicas is 3" in st["waiting"]
+    with pytest.raises(spotline.JobFailed) as ei:
+        run.wait(verbose=False)
+    msg = str(ei.value)
+    assert "Gave up after waiting 4s (elastic.wait_for_capacity_s)" in msg
+    assert "lower elastic.min_replicas" in msg
+    assert ei.value.result.attempts == []  # no worker ever started
