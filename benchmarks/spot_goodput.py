@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +103,14 @@ class SpotCluster:
         self.cluster.shutdown()
 
 
-class TraceReplay(threading.Thread):
-    """Replays the trace against the cluster from `t0`; records when each event landed."""
+class TraceReplay:
+    """Replays the trace against the cluster from `t0`; records when each event landed.
+
+    Runs on the main thread (Ray starts a node's processes only from there) while the
+    job runs on another: `run_job(fn)` does both.
+    """
 
     def __init__(self, cluster: SpotCluster, events: list[dict[str, Any]], t0: float):
-        super().__init__(daemon=True)
         self.cluster, self.t0 = cluster, t0
         self.todo = sorted(
             [dict(e) for e in events]
@@ -118,25 +122,40 @@ class TraceReplay(threading.Thread):
             key=lambda e: e["at"],
         )
         self.log: list[dict[str, Any]] = []
-        self._stop = threading.Event()
 
-    def run(self) -> None:
+    def run_job(self, job: Callable[[], Any]) -> Any:
+        """Run `job()` on a thread while replaying the trace here; return its result."""
+        out: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                out["result"] = job()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                out["error"] = e
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
         for e in self.todo:
-            if self._stop.wait(max(0.0, self.t0 + e["at"] - time.time())):
-                return
-            node = self.cluster.slots[e["node"]]
-            node_id = node.node_id if node is not None else None
-            if e["kind"] == "notice":
-                self.cluster.drain(e["node"], e["deadline_s"])
-            elif e["kind"] in ("loss", "gone"):
-                self.cluster.remove(e["node"])
-            elif e["kind"] == "return":
-                self.cluster.add(e["node"])
-                node_id = self.cluster.slots[e["node"]].node_id
-            self.log.append({"t": time.time(), "kind": e["kind"], "node_id": node_id})
+            thread.join(max(0.0, self.t0 + e["at"] - time.time()))
+            if not thread.is_alive():
+                break
+            self._apply(e)
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["result"]
 
-    def stop(self) -> None:
-        self._stop.set()
+    def _apply(self, e: dict[str, Any]) -> None:
+        node = self.cluster.slots[e["node"]]
+        node_id = node.node_id if node is not None else None
+        if e["kind"] == "notice":
+            self.cluster.drain(e["node"], e["deadline_s"])
+        elif e["kind"] in ("loss", "gone"):
+            self.cluster.remove(e["node"])
+        elif e["kind"] == "return":
+            self.cluster.add(e["node"])
+            node_id = self.cluster.slots[e["node"]].node_id
+        self.log.append({"t": time.time(), "kind": e["kind"], "node_id": node_id})
 
     def times(self, kind: str) -> list[float]:
         return [e["t"] for e in self.log if e["kind"] == kind]
@@ -175,11 +194,9 @@ def run_spotline(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path)
     try:
         t0 = time.time()
         run = spotline.Job(spec).start()
-        replay = TraceReplay(cluster, (trace or {}).get("events", []) if trace else [], t0)
-        replay.start()
-        result = run.wait(verbose=False)
+        replay = TraceReplay(cluster, trace["events"] if trace else [], t0)
+        result = replay.run_job(lambda: run.wait(verbose=False))
         wall = time.time() - t0
-        replay.stop()
     finally:
         cluster.close()
     jit = [x["committed_at"] for x in result.notices if x.get("committed_at") is not None]
@@ -311,12 +328,26 @@ def run_raytrain(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path)
                 checkpoint_config=CheckpointConfig(num_to_keep=3),
             ),
         )
+        controller_errors: list[str] = []
+
+        def fit_until_done():
+            # A run whose controller gives up (e.g. on an abrupt node loss) is fit again
+            # with the same name and storage, which resumes from its latest checkpoint:
+            # what a user's retry loop does. The time it takes counts.
+            from ray.train import ControllerError
+
+            for _ in range(5):
+                try:
+                    return trainer.fit()
+                except ControllerError as e:
+                    controller_errors.append(str(e).strip().splitlines()[-1][:300])
+                    print(f"[spot_goodput]   ray train controller error, fit again: {e}")
+            raise RuntimeError(f"Ray Train failed 5 times: {controller_errors}")
+
         t0 = time.time()
         replay = TraceReplay(cluster, trace["events"] if trace else [], t0)
-        replay.start()
-        result = trainer.fit()
+        result = replay.run_job(fit_until_done)
         wall = time.time() - t0
-        replay.stop()
     finally:
         cluster.close()
     marks = [json.loads(line) for line in events.read_text().splitlines()]
@@ -333,6 +364,7 @@ def run_raytrain(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path)
         "recovery_s": _latencies(first_steps, replay.times("loss")),
         "restarts": len(first_steps) - 1,
         "replica_history": [],
+        "controller_errors": controller_errors,
     }
 
 
@@ -350,7 +382,7 @@ def _fmt(x: float | None, unit: str = "s") -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--steps", type=int, default=1500, help="steps every arm trains")
+    ap.add_argument("--steps", type=int, default=2400, help="steps every arm trains")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument(
         "--only", nargs="*", help="run only these arms (for debugging; ratios need both runs)"

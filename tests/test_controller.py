@@ -528,3 +528,30 @@ def test_stop_while_waiting_for_capacity_ends_stopped(tmp_path):
     assert ctl.state is State.WAITING
     ctl.request_stop()
     assert ctl.step() is State.STOPPED
+
+
+def test_notice_at_a_checkpoint_boundary_does_not_save_that_step_twice(tmp_path):
+    # The notice lands while step 10, an interval boundary, is being saved: the JIT
+    # path then waits for that save's upload instead of overwriting its staged files.
+    ctl, store = make(
+        tmp_path, capacity=lambda held: 1 if any(g.shut for g in FakeGroup.instances) else 2
+    )
+    saves = []
+    orig = FakeGroup.save
+
+    def save_then_notice(self):
+        saves.append(self.step)
+        blocked = orig(self)
+        if self.step == 10:
+            ctl.notify(_notice("node-1"))
+        return blocked
+
+    FakeGroup.save = save_then_notice
+    try:
+        res = ctl.run()
+    finally:
+        FakeGroup.save = orig
+    assert res["state"] == "finished"
+    assert saves.count(10) == 1
+    assert res["notices"][0]["committed_step"] == 10
+    assert [g.replicas for g in FakeGroup.instances] == [2, 1]

@@ -82,7 +82,7 @@ def _grow(**kw):
         since_resize_s=1e6,
     )
     args.update(kw)
-    return GrowPolicy(max_replicas=4, interval_s=120.0).decide(**args)
+    return GrowPolicy(ScalingPolicy(1, 4), interval_s=120.0).decide(**args)
 
 
 def test_grow_when_the_time_saved_beats_twice_the_restart_cost() -> None:
@@ -108,3 +108,13 @@ def test_grow_uses_the_rate_measured_at_the_bigger_size() -> None:
     # Measured before: 2 replicas ran no faster than 1 (a host-bound job): never worth it.
     assert _grow(measured={2: 1.0}) is None
     assert _grow(measured={2: 1.9}) == Resize(2)
+
+
+def test_scaling_and_growing_pick_only_allowed_sizes() -> None:
+    sizes = ScalingPolicy(1, 8, sizes=[1, 2, 4, 8])
+    assert sizes.decide(7) == Resize(4)
+    assert sizes.decide(8) == Resize(8)
+    grow = GrowPolicy(sizes, interval_s=0.0)
+    args = dict(steps_left=1000, steps_per_s=1.0, restart_s=1.0, since_resize_s=1.0)
+    assert grow.decide(replicas=2, capacity=3, **args) is None  # 3 is not allowed
+    assert grow.decide(replicas=2, capacity=5, **args) == Resize(4)

@@ -6,6 +6,7 @@ moto server of conftest.py, and fails before it would even do that.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ def test_every_config_loads(path: Path) -> None:
     spec = load_spec(path)
     e = spec.elastic
     assert spec.micro_batch_size() >= 1
-    for replicas in range(e.min_replicas, e.max_replicas + 1):
+    assert spec.replica_counts()[0] == e.min_replicas
+    for replicas in spec.replica_counts():
         ga = spec.grad_accum(replicas)
         assert ga >= 1
         if e.batch_policy == "constant":
@@ -154,8 +156,8 @@ def test_global_batch_not_divisible_by_full_size_suggests_the_step_unit(
     assert load_spec(raw).micro_batch_size() == 2
 
 
-@pytest.mark.parametrize(("micro", "lo", "hi"), [(1, 1, 3), (2, 3, 4), (1, 3, 4), (1, 2, 4)])
-def test_constant_batch_needs_whole_micro_batches_at_every_size(
+@pytest.mark.parametrize(("micro", "lo", "hi"), [(1, 2, 3), (2, 3, 4), (1, 3, 4), (2, 5, 8)])
+def test_constant_batch_needs_min_replicas_to_divide_the_micro_batches(
     micro: int, lo: int, hi: int
 ) -> None:
     raw = {
@@ -165,18 +167,28 @@ def test_constant_batch_needs_whole_micro_batches_at_every_size(
     }
     msg = _spec_error(raw)
     assert "elastic.batch_policy 'constant'" in msg
-    marker = "Set micro_batches to "
-    fix = int(msg.split(marker, 1)[1].split()[0])
-    raw["parallel"]["micro_batches"] = fix
-    raw["train"]["global_batch_size"] = fix * hi * 4
+    assert f"elastic.min_replicas ({lo}) must divide" in msg
+    choices = msg.split("Set min_replicas to one of ", 1)[1].split("]", 1)[0] + "]"
+    fix = max(d for d in json.loads(choices) if d <= lo)
+    raw["elastic"]["min_replicas"] = fix
     spec = load_spec(raw)
-    for d in range(lo, hi + 1):
-        assert spec.global_batch(d) == fix * hi * 4
-    # The scaled policy takes the original shape as it is.
-    raw["parallel"]["micro_batches"] = micro
-    raw["train"]["global_batch_size"] = micro * hi * 4
-    raw["elastic"]["batch_policy"] = "scaled"
-    assert load_spec(raw).grad_accum(lo) == micro
+    assert fix in spec.replica_counts() and hi in spec.replica_counts()
+    for d in spec.replica_counts():
+        assert spec.global_batch(d) == micro * hi * 4
+    # The scaled policy runs at every count in [min, max].
+    raw["elastic"].update(min_replicas=lo, batch_policy="scaled")
+    assert load_spec(raw).replica_counts() == list(range(lo, hi + 1))
+
+
+def test_constant_policy_runs_only_at_counts_that_divide_the_micro_batches() -> None:
+    spec = load_spec(
+        {
+            "train": {"global_batch_size": 64},
+            "parallel": {"micro_batches": 4},
+            "elastic": {"min_replicas": 1, "max_replicas": 16},
+        }
+    )
+    assert spec.replica_counts() == [1, 2, 4, 8, 16]
 
 
 def test_constant_policy_changes_micro_batches_per_step_not_their_size() -> None:

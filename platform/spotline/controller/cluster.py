@@ -117,6 +117,13 @@ class RayClusterView:
         import ray
         from ray.core.generated import autoscaler_pb2
 
+        if node_id == ray.get_runtime_context().get_node_id():
+            log.warning(
+                "preemption notice for node %s, where the controller runs: not draining it. "
+                "Keep the head node on-demand; the job's checkpoints survive it either way.",
+                node_id[:12],
+            )
+            return False
         gcs = ray._private.worker.global_worker.gcs_client
         try:
             accepted, why = gcs.drain_node(

@@ -84,8 +84,8 @@ class Controller:
         self.clock = clock
         e = spec.elastic
         self.failure_policy = FailurePolicy(spec.failure.max_failures)
-        self.scaling_policy = ScalingPolicy(e.min_replicas, e.max_replicas)
-        self.grow_policy = GrowPolicy(e.max_replicas, e.scale_up_interval_s)
+        self.scaling_policy = ScalingPolicy(e.min_replicas, e.max_replicas, spec.replica_counts())
+        self.grow_policy = GrowPolicy(self.scaling_policy, e.scale_up_interval_s)
 
         self.state = State.PENDING
         self.group: WorkerGroup | None = None
@@ -433,7 +433,9 @@ class Controller:
 
     def _checkpointing(self) -> State:
         assert self.group is not None
-        if self.step_count not in self.committed:
+        # A step the live group already saved (a notice right at a checkpoint boundary)
+        # is not saved again: its upload may still be reading the staged files.
+        if self.step_count not in self.committed and self.step_count not in self._save_world:
             blocked = self.group.save()
             self.blocked_s.append(blocked)
             self._save_world[self.step_count] = self.group.world_size
@@ -462,7 +464,7 @@ class Controller:
         return State.FINISHED
 
     def _on_failure(self, error: str) -> State:
-        lost = self._lost_nodes() if "worker process died" in error else set()
+        lost = self._lost_nodes(patient="worker process died" in error)
         if self.attempts:
             self.attempts[-1].error = error
             self.attempts[-1].ended_by = "node lost" if lost else "failure"
@@ -490,17 +492,19 @@ class Controller:
         self._event(decision.reason.splitlines()[0])
         return State.RECOVERING
 
-    def _lost_nodes(self) -> set[str]:
-        """Nodes of the live group that are gone; checked a few times, as a lost node's
-        workers can be reported dead a moment before the node itself."""
+    def _lost_nodes(self, patient: bool) -> set[str]:
+        """Nodes of the live group that are gone. A failure may surface first as a peer's
+        collective error; a worker reported dead gets a few checks, as its node can be
+        seen gone a moment after its processes."""
         if self.group is None:
             return set()
         mine = self.group.node_ids()
-        for _ in range(constants.SPOTLINE_NODE_LOSS_CHECKS):
+        for _ in range(constants.SPOTLINE_NODE_LOSS_CHECKS if patient else 1):
             lost = self.cluster.gone(mine)
             if lost:
                 return lost
-            self.sleep(1.0)
+            if patient:
+                self.sleep(1.0)
         return set()
 
     def _recovering(self) -> State:

@@ -59,15 +59,25 @@ class ScalingPolicy:
     """Size the group from live capacity, within [min_replicas, max_replicas].
 
     `capacity` is how many whole replicas the live, schedulable devices can hold now.
+    `sizes` are the replica counts the job can run at (all of [min, max] unless the
+    batch policy allows only some, see `JobSpec.replica_counts`); the largest one that
+    fits is chosen.
     """
 
-    def __init__(self, min_replicas: int, max_replicas: int):
+    def __init__(self, min_replicas: int, max_replicas: int, sizes: list[int] | None = None):
         self.min_replicas = min_replicas
         self.max_replicas = max_replicas
+        self.sizes = sorted(sizes or range(min_replicas, max_replicas + 1))
+
+    def fit(self, capacity: int) -> int | None:
+        """The largest allowed replica count that `capacity` holds, if any."""
+        fitting = [d for d in self.sizes if d <= capacity]
+        return fitting[-1] if fitting else None
 
     def decide(self, capacity: int) -> Resize | Wait:
-        if capacity >= self.min_replicas:
-            return Resize(min(capacity, self.max_replicas))
+        size = self.fit(capacity)
+        if size is not None:
+            return Resize(size)
         return Wait(
             f"the cluster can hold {capacity} replica(s) now; elastic.min_replicas is "
             f"{self.min_replicas}. Waiting for capacity (add nodes, or lower min_replicas)."
@@ -87,8 +97,8 @@ class GrowPolicy:
     The factor 2 leaves margin for capacity that leaves again soon after it came.
     """
 
-    def __init__(self, max_replicas: int, interval_s: float):
-        self.max_replicas = max_replicas
+    def __init__(self, scaling: ScalingPolicy, interval_s: float):
+        self.scaling = scaling
         self.interval_s = interval_s
 
     def decide(
@@ -101,7 +111,7 @@ class GrowPolicy:
         since_resize_s: float,
         measured: dict[int, float] | None = None,
     ) -> Resize | None:
-        target = min(capacity, self.max_replicas)
+        target = self.scaling.fit(capacity) or 0
         if target <= replicas or since_resize_s < self.interval_s or steps_per_s <= 0:
             return None
         faster = (measured or {}).get(target) or steps_per_s * target / replicas

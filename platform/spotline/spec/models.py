@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import re
-from math import lcm
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -94,9 +93,11 @@ class ElasticSpec(_Section):
     """How the global batch follows the replica count D. 'constant': every step trains on
     train.global_batch_size sequences at any D, by running (m x max_replicas / D)
     micro-batches per step of a fixed size, so the training math does not depend on how
-    many replicas survive. 'scaled': every replica runs m micro-batches, so the global
-    batch is global_batch_size x D / max_replicas, and the learning rate follows the
-    square-root rule for Adam: lr x sqrt(D / max_replicas)."""
+    many replicas survive; the job runs only at the D that divide m x max_replicas (the
+    largest that fits), e.g. 1, 2, 4, 8, 16 for m=4, max_replicas=16. 'scaled': every
+    replica runs m micro-batches, so the global batch is global_batch_size x D /
+    max_replicas, and the learning rate follows the square-root rule for Adam:
+    lr x sqrt(D / max_replicas)."""
     wait_for_capacity_s: float = Field(600.0, gt=0.0)
     """Below min_replicas, wait this long for capacity to come back, then fail."""
     scale_up_interval_s: float = Field(120.0, ge=0.0)
@@ -234,18 +235,16 @@ class JobSpec(_Section):
                 f"of micro-batches of one step at full size; set global_batch_size to a "
                 f"multiple of {slots}"
             )
-        if e.batch_policy == "constant":
-            bad = [d for d in range(e.min_replicas, e.max_replicas + 1) if slots % d]
-            if bad:
-                every = _lcm_all(e.min_replicas, e.max_replicas)
-                fix_m = every // math.gcd(every, e.max_replicas)
-                raise ValueError(
-                    f"with elastic.batch_policy 'constant', parallel.micro_batches x "
-                    f"elastic.max_replicas ({slots}) must be divisible by every replica count "
-                    f"in [{e.min_replicas}, {e.max_replicas}], so each size runs a whole "
-                    f"number of micro-batches; {bad} do not divide it. Set micro_batches to "
-                    f"{fix_m} or a multiple of it, or use batch_policy 'scaled'"
-                )
+        if e.batch_policy == "constant" and slots % e.min_replicas:
+            raise ValueError(
+                f"with elastic.batch_policy 'constant', elastic.min_replicas "
+                f"({e.min_replicas}) must divide parallel.micro_batches x "
+                f"elastic.max_replicas ({slots}), so a group of min_replicas runs a whole "
+                f"number of micro-batches per replica; the job runs at the replica counts "
+                f"that divide {slots}. Set min_replicas to one of "
+                f"{[d for d in range(1, e.max_replicas + 1) if slots % d == 0]}, or use "
+                "batch_policy 'scaled'"
+            )
         return self
 
     # --- derived -----------------------------------------------------------------
@@ -258,6 +257,17 @@ class JobSpec(_Section):
         return self.train.global_batch_size // (
             self.parallel.micro_batches * self.elastic.max_replicas
         )
+
+    def replica_counts(self) -> list[int]:
+        """Replica counts the job runs at: under the constant batch policy, those in
+        [min, max] that divide micro_batches x max_replicas (each replica then runs a
+        whole number of micro-batches); every count in [min, max] when scaled."""
+        e = self.elastic
+        span = range(e.min_replicas, e.max_replicas + 1)
+        if e.batch_policy == "scaled":
+            return list(span)
+        slots = self.parallel.micro_batches * e.max_replicas
+        return [d for d in span if slots % d == 0]
 
     def grad_accum(self, replicas: int) -> int:
         """Micro-batches per step per replica (the 1F1B depth when pipelined)."""
@@ -321,10 +331,3 @@ class JobSpec(_Section):
             fields["max_replicas"] = self.elastic.max_replicas
         blob = json.dumps(fields, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _lcm_all(lo: int, hi: int) -> int:
-    out = 1
-    for d in range(lo, hi + 1):
-        out = lcm(out, d)
-    return out
