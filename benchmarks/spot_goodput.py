@@ -174,14 +174,22 @@ def _latencies(marks: list[float], events: list[float]) -> list[float]:
 # --- Spotline arms ------------------------------------------------------------------------
 
 
-def run_spotline(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path) -> dict[str, Any]:
-    import spotline
-    from spotline.spec import load_spec
-
-    n = (trace or {}).get("spot_nodes", 3)
+def _workload(mode: str, steps: int) -> dict[str, Any]:
+    """The shared workload as a fresh spec dict for one arm."""
     raw = json.loads(json.dumps(WORKLOAD))
     raw["name"] = f"goodput-{mode}"
     raw["train"]["steps"] = steps
+    return raw
+
+
+def run_spotline(
+    trace: dict[str, Any], preempt: bool, steps: int, mode: str, tmp: Path
+) -> dict[str, Any]:
+    import spotline
+    from spotline.spec import load_spec
+
+    n = trace["spot_nodes"]
+    raw = _workload(mode, steps)
     raw["checkpoint"]["uri"] = f"file://{tmp}/{mode}/ckpt"
     raw["checkpoint"]["staging_dir"] = str(tmp / mode / "staging")
     if mode == "spotline":
@@ -190,11 +198,11 @@ def run_spotline(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path)
     else:  # nopreempt and periodic: a fixed-size job that waits for its nodes
         raw["elastic"] = {"min_replicas": n, "max_replicas": n, "wait_for_capacity_s": 3600}
     spec = load_spec(raw)
-    cluster = SpotCluster(trace or {"spot_nodes": n, "node": {"num_cpus": 1, "num_gpus": 1}})
+    cluster = SpotCluster(trace)
     try:
         t0 = time.time()
         run = spotline.Job(spec).start()
-        replay = TraceReplay(cluster, trace["events"] if trace else [], t0)
+        replay = TraceReplay(cluster, trace["events"] if preempt else [], t0)
         result = replay.run_job(lambda: run.wait(verbose=False))
         wall = time.time() - t0
     finally:
@@ -296,21 +304,21 @@ def _append(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run_raytrain(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path) -> dict[str, Any]:
+def run_raytrain(
+    trace: dict[str, Any], preempt: bool, steps: int, mode: str, tmp: Path
+) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from spotline.spec import load_spec
 
-    n = (trace or {}).get("spot_nodes", 3)
-    raw = json.loads(json.dumps(WORKLOAD))
-    raw["name"] = f"goodput-{mode}"
-    raw["train"]["steps"] = steps
+    n = trace["spot_nodes"]
+    raw = _workload(mode, steps)
     raw["elastic"] = {"min_replicas": 1, "max_replicas": n}
     spec = load_spec(raw)
     events = tmp / mode / "events.jsonl"
     events.parent.mkdir(parents=True, exist_ok=True)
-    cluster = SpotCluster(trace or {"spot_nodes": n, "node": {"num_cpus": 1, "num_gpus": 1}})
+    cluster = SpotCluster(trace)
     try:
         trainer = TorchTrainer(
             _raytrain_loop,
@@ -345,7 +353,7 @@ def run_raytrain(trace: dict[str, Any] | None, steps: int, mode: str, tmp: Path)
             raise RuntimeError(f"Ray Train failed 5 times: {controller_errors}")
 
         t0 = time.time()
-        replay = TraceReplay(cluster, trace["events"] if trace else [], t0)
+        replay = TraceReplay(cluster, trace["events"] if preempt else [], t0)
         result = replay.run_job(fit_until_done)
         wall = time.time() - t0
     finally:
@@ -391,19 +399,19 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     trace = yaml.safe_load(args.trace.read_text())
     arms = [
-        ("nopreempt", run_spotline, None),
-        ("spotline", run_spotline, trace),
-        ("periodic", run_spotline, trace),
-        ("raytrain-nopreempt", run_raytrain, None),
-        ("raytrain", run_raytrain, trace),
+        ("nopreempt", run_spotline, False),
+        ("spotline", run_spotline, True),
+        ("periodic", run_spotline, True),
+        ("raytrain-nopreempt", run_raytrain, False),
+        ("raytrain", run_raytrain, True),
     ]
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="spotline-goodput-") as tmp:
-        for name, fn, tr in arms:
+        for name, fn, preempt in arms:
             if args.only and name not in args.only:
                 continue
             print(f"[spot_goodput] running {name} ({args.steps} steps) ...", flush=True)
-            rows[name] = fn(tr, args.steps, name, Path(tmp))
+            rows[name] = fn(trace, preempt, args.steps, name, Path(tmp))
             r = rows[name]
             print(
                 f"[spot_goodput]   {name}: {r['steps']} steps in {r['wall_s']:.0f}s, "

@@ -12,7 +12,7 @@ import pytest
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry
 from spotline.controller import Controller, State
 from spotline.spec import load_spec
-from spotline.workers.group import ChunkResult, WorkerFailure
+from spotline.workers.group import PROCESS_DIED, ChunkResult, WorkerFailure
 from spotline.workers.uploads import UploadResult
 
 pytestmark = pytest.mark.unit
@@ -61,7 +61,7 @@ class FakeGroup:
                     self.cluster.nodes.discard(lost)
                 raise WorkerFailure(
                     "training",
-                    {"worker process died (killed, out of memory, or its node was lost)": [3]},
+                    {PROCESS_DIED: [3]},
                     {3: "node-1"},
                 )
             self.step += 1
@@ -133,9 +133,6 @@ class FakeCluster:
     def capacity(self, held_workers=0):
         cap = self._capacity
         return cap(held_workers) if callable(cap) else cap
-
-    def alive_nodes(self):
-        return set(self.nodes)
 
     def gone(self, node_ids):
         return set(node_ids) - self.nodes

@@ -25,10 +25,6 @@ class ClusterView(Protocol):
         (devices the job's own live group holds and would give back on a restart)."""
         ...
 
-    def alive_nodes(self) -> set[str] | None:
-        """Ids of the nodes alive now; None when unknown."""
-        ...
-
     def gone(self, node_ids: set[str]) -> set[str]:
         """The nodes of `node_ids` that are lost: dead to Ray, or not answering."""
         ...
@@ -79,7 +75,7 @@ class RayClusterView:
         )
         return (free + held_workers) // self.spec.parallel.pipeline_stages
 
-    def alive_nodes(self) -> set[str] | None:
+    def _alive_nodes(self) -> set[str] | None:
         import ray
 
         try:
@@ -151,7 +147,7 @@ class RayClusterView:
 
         from spotline.preemption.actor import NodeWatcherActor, watcher_name
 
-        alive = self.alive_nodes()
+        alive = self._alive_nodes()
         if alive is None:
             return
         for node in list(self._watchers):

@@ -123,7 +123,6 @@ class Controller:
         self._interrupted_at: tuple[float, str] | None = None  # (clock, why) until resumed
         self._last_resize = self.clock()
         self._restart_s: float | None = None  # measured cost of the last (re)start
-        self._recent_sps = 0.0
         self._sps_by_replicas: dict[int, float] = {}  # latest measured rate at each size
         self._stop_reason: str | None = None
 
@@ -215,7 +214,7 @@ class Controller:
                 return self.state
             self.state = handler()
         except WorkerFailure as e:
-            self.state = self._on_failure(str(e))
+            self.state = self._on_failure(str(e), process_died=e.process_died)
         except (CheckpointMismatchError, CorruptCheckpointError) as e:
             self.state = self._fail(str(e))
         except StorageError as e:
@@ -387,8 +386,7 @@ class Controller:
         done = len(chunk.losses)
         self.steps_trained += done
         if done and n > 1:  # single steps after a restart include warm-up
-            self._recent_sps = done / seconds
-            self._sps_by_replicas[self.group.replicas] = self._recent_sps
+            self._sps_by_replicas[self.group.replicas] = done / seconds
         self.attempts[-1].losses.extend(chunk.losses)
         for step, loss in chunk.losses:
             self.losses[step] = loss
@@ -463,8 +461,8 @@ class Controller:
         )
         return State.FINISHED
 
-    def _on_failure(self, error: str) -> State:
-        lost = self._lost_nodes(patient="worker process died" in error)
+    def _on_failure(self, error: str, process_died: bool = False) -> State:
+        lost = self._lost_nodes(patient=process_died)
         if self.attempts:
             self.attempts[-1].error = error
             self.attempts[-1].ended_by = "node lost" if lost else "failure"
@@ -629,7 +627,7 @@ class Controller:
             replicas=self.group.replicas,
             capacity=capacity,
             steps_left=self.spec.train.steps - self.step_count,
-            steps_per_s=self._recent_sps,
+            steps_per_s=self._sps_by_replicas.get(self.group.replicas, 0.0),
             restart_s=self._restart_s or 0.0,
             since_resize_s=self.clock() - self._last_resize,
             measured=self._sps_by_replicas,

@@ -13,6 +13,7 @@ all-reduce, whether any of them was asked, so they all stop at the same step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import socket
@@ -30,6 +31,8 @@ from spotline.spec.models import JobSpec
 from spotline.workers.trainer import Topology, Trainer, init_distributed
 from spotline.workers.uploads import Uploader
 
+log = logging.getLogger("spotline.worker")
+
 
 class TrainWorker:
     def __init__(self, spec_json: str, topo: Topology, store: CheckpointStore, run_id: str):
@@ -45,7 +48,6 @@ class TrainWorker:
             store, topo.rank, topo.world_size, None if cap is None else cap * 1e6
         )
         self._stop = threading.Event()
-        self._stop_reasons: list[str] = []
         self._sigterm = None
         self._sigterm_reported = False
         sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
@@ -95,7 +97,7 @@ class TrainWorker:
     @ray.method(concurrency_group="control")
     def request_checkpoint(self, reason: str) -> None:
         """Stop the running chunk at the next step boundary (every rank stops there)."""
-        self._stop_reasons.append(reason)
+        log.info("rank %d: asked to stop at the next step boundary (%s)", self.topo.rank, reason)
         self._stop.set()
 
     def train(self, n_steps: int) -> dict[str, Any]:

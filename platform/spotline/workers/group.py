@@ -20,6 +20,8 @@ from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifes
 from spotline.spec.models import JobSpec
 from spotline.workers.trainer import Topology
 
+PROCESS_DIED = "worker process died (killed, out of memory, or its node was lost)"
+
 
 class WorkerFailure(RuntimeError):
     """One or more ranks failed. `ranks_by_error` groups identical errors across ranks."""
@@ -36,6 +38,11 @@ class WorkerFailure(RuntimeError):
         self.nodes = nodes or {}
         self.causes = causes or []
         super().__init__(self._render())
+
+    @property
+    def process_died(self) -> bool:
+        """Some rank's process is gone (not merely raised): its node may be lost."""
+        return PROCESS_DIED in self.ranks_by_error
 
     def _render(self) -> str:
         lines = [f"{self.what} failed:"]
@@ -286,7 +293,7 @@ def _cause(e: BaseException) -> BaseException:
 def _describe(e: BaseException) -> str:
     name = type(e).__name__
     if "ActorDied" in name or "ActorUnavailable" in name or "RayActorError" in name:
-        return "worker process died (killed, out of memory, or its node was lost)"
+        return PROCESS_DIED
     cause = getattr(e, "cause", None)
     if cause is not None:
         return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
