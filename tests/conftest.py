@@ -187,3 +187,14 @@ def tiny_spec(tmp_path: Path, name: str, **overrides: Any):
         "resources": {"cpus_per_worker": 0.5},
     }
     return load_spec(raw, overrides)
+
+
+@pytest.fixture(scope="session")
+def reference_run(ray_session, tmp_path_factory):
+    """One uninterrupted tiny run that other runs compare their per-step losses to."""
+    import spotline
+
+    tmp = tmp_path_factory.mktemp("reference")
+    spec = tiny_spec(tmp, "reference")
+    result = spotline.Job(spec).run(verbose=False)
+    return spec, result, tmp

@@ -574,3 +574,49 @@ def test_cli_validate_online_reports_a_bad_corpus(
     )
     assert main(["validate", str(cfg)]) == 2
     assert "data.corpus:" in capsys.readouterr().err
+
+
+# --- backfill -----------------------------------------------------------------------
+
+
+def test_backfill_needs_a_pipeline() -> None:
+    msg = _spec_error({"backfill": {"enabled": True}})
+    assert "backfill.enabled needs parallel.pipeline_stages >= 2" in msg
+    assert "backfill.enabled: false" in msg
+
+
+def test_backfill_task_kind_lists_the_valid_ones() -> None:
+    msg = _spec_error(QUICKSTART, {"backfill": {"tasks": [{"kind": "evl"}]}})
+    assert "backfill.tasks.0" in msg and "'eval', 'speculative'" in msg
+
+
+def test_speculative_completion_must_fit_the_context() -> None:
+    task = {"kind": "speculative", "prompts": ["x"], "max_new_tokens": 128}
+    msg = _spec_error(QUICKSTART, {"backfill": {"enabled": True, "tasks": [task]}})
+    assert "backfill.tasks[0].max_new_tokens (128) must be < model.seq_len (128)" in msg
+
+
+def test_draft_heads_must_divide_width() -> None:
+    task = {"kind": "speculative", "prompts": ["x"], "draft": {"d_model": 30, "n_heads": 4}}
+    msg = _spec_error(QUICKSTART, {"backfill": {"tasks": [task]}})
+    assert "draft.d_model (30) must be divisible by draft.n_heads (4)" in msg
+
+
+def test_prompts_file_is_read_before_any_worker_starts(tmp_path: Path) -> None:
+    spec = load_spec(REPO / "configs" / "backfill.yaml")
+    spec.checkpoint.uri = f"file://{tmp_path}/ckpt"
+    spec.data.max_bytes = 100_000
+    missing = spec.model_copy(deep=True)
+    missing.backfill.tasks[1].prompts = str(tmp_path / "nope.txt")
+    with pytest.raises(ValueError, match=r"backfill.tasks\[1\].prompts: cannot read .*nope.txt"):
+        preflight(missing)
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        preflight(spec)
+    finally:
+        os.chdir(cwd)
+    prompts = spec.backfill.tasks[1].prompts
+    assert isinstance(prompts, list) and prompts[0] == "def __init__(self"

@@ -1,7 +1,8 @@
 """End-to-end training on a local Ray cluster with real DeepSpeed engines (gloo, CPU).
 
-One uninterrupted reference run is shared: the loss test reads it, and the
-SIGKILL and corrupt-checkpoint tests compare their per-step losses to it.
+One uninterrupted reference run is shared (conftest's `reference_run`): the loss
+test reads it, and the SIGKILL and corrupt-checkpoint tests compare their per-step
+losses to it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,8 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def reference(ray_session, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    spec = tiny_spec(tmp, "reference")
-    result = spotline.Job(spec).run(verbose=False)
-    return spec, result, tmp
+def reference(reference_run):
+    return reference_run
 
 
 def test_quickstart_shape_trains_and_commits(reference):

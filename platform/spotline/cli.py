@@ -1,4 +1,4 @@
-"""`spotline` command line: run, validate, submit, status."""
+"""`spotline` command line: run, validate, submit, status, trace."""
 
 from __future__ import annotations
 
@@ -73,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("name", help="job name")
     status.add_argument("--address", default="auto")
 
+    trace = sub.add_parser(
+        "trace", help="write a job's pipeline timeline as Chrome-trace JSON (Perfetto)"
+    )
+    trace.add_argument(
+        "job", help="a running job's name, or a checkpoint URI (file://, s3://, a path)"
+    )
+    trace.add_argument("--out", default="spotline-trace.json", help="where to write the JSON")
+    trace.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
+
     args = parser.parse_args(argv)
     try:
         return _dispatch(args)
@@ -118,7 +127,55 @@ def _dispatch(args) -> int:
         st["events"] = st["events"][-10:]
         print(json.dumps(st, indent=2))
         return 0
+    if args.cmd == "trace":
+        return _trace(args)
     return 2
+
+
+def _is_uri(target: str) -> bool:
+    from pathlib import Path
+
+    return "://" in target or Path(target).exists()
+
+
+def _live_controller(name: str, address: str):
+    import ray
+
+    from spotline.controller.actor import controller_name
+
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    try:
+        return ray.get_actor(controller_name(name))
+    except ValueError:
+        raise SpecError(
+            f"no running Spotline job named {name!r} on the Ray cluster at {address}; give "
+            "the job's checkpoint URI instead to read a finished job"
+        ) from None
+
+
+def _trace(args) -> int:
+    from spotline.checkpoint import CheckpointStore
+    from spotline.controller.controller import TRACE_ARTIFACT
+
+    if _is_uri(args.job):
+        raw = CheckpointStore(args.job).read_artifact(TRACE_ARTIFACT)
+        if raw is None:
+            raise SpecError(
+                f"{args.job} holds no pipeline trace (artifacts/{TRACE_ARTIFACT}); traces are "
+                "written at every checkpoint of jobs with parallel.pipeline_stages >= 2"
+            )
+        trace = json.loads(raw)
+    else:
+        import ray
+
+        trace = ray.get(_live_controller(args.job, args.address).trace.remote())
+        if trace is None:
+            raise SpecError(f"job {args.job} has one pipeline stage: it has no bubbles to trace")
+    with open(args.out, "w") as f:
+        json.dump(trace, f)
+    print(f"wrote {args.out}: open it at https://ui.perfetto.dev or chrome://tracing")
+    return 0
 
 
 if __name__ == "__main__":

@@ -57,3 +57,10 @@ SPOTLINE_NODE_LOSS_CHECKS = int(_env_float("SPOTLINE_NODE_LOSS_CHECKS", 3))
 # many times (1 s apart) the controller reads capacity again: a group just torn down
 # frees its devices a moment later.
 SPOTLINE_CAPACITY_SETTLE_CHECKS = int(_env_float("SPOTLINE_CAPACITY_SETTLE_CHECKS", 5))
+
+# A pipeline wait shorter than this (predicted) does not wake the stage's backfill
+# executor: waking it costs more than the work it could do.
+SPOTLINE_BACKFILL_MIN_WINDOW_S = _env_float("SPOTLINE_BACKFILL_MIN_WINDOW_S", 0.002)
+# Pin rank r's worker and its backfill executor to CPU core r (benchmarks on CPU,
+# where a core stands in for a device). Off by default.
+SPOTLINE_PIN_CORES = _env_float("SPOTLINE_PIN_CORES", 0.0) > 0

@@ -54,6 +54,11 @@ class JobResult:
     """Each restart: why, and seconds from the interruption to the first step after it."""
     waited_s: float = 0.0
     """Seconds spent below elastic.min_replicas waiting for capacity."""
+    bubbles: dict[str, Any] | None = None
+    """Pipelines: measured bubble fraction vs (p-1)/(m+p-1), and the fill, overall and
+    per stage. None when pipeline_stages = 1."""
+    backfill: dict[str, Any] | None = None
+    """Backfill tasks with their results, and the governor's baseline and slowdown."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:
@@ -84,8 +89,33 @@ class JobResult:
                 f"  checkpoint save   {blocked} blocked per checkpoint (upload runs in background)",
                 f"  checkpoints       {where}",
                 f"  committed steps   {self.committed_steps}",
+                *self._bubble_lines(),
             ]
         )
+
+    def _bubble_lines(self) -> list[str]:
+        lines = []
+        b = self.bubbles
+        if b and b.get("theory") is not None:
+            lines.append(
+                f"  pipeline bubble   {b['bubble_fraction']:.1%} measured vs "
+                f"{b['theory']:.1%} (p-1)/(m+p-1); {b['fill_fraction']:.1%} filled by backfill"
+            )
+        bf = self.backfill
+        if bf:
+            slow = bf.get("slowdown")
+            lines.append(
+                f"  backfill          {bf['done']} task(s) done, {bf['failed']} failed; "
+                f"step slowdown {'n/a' if slow is None else f'{slow:+.1%}'}"
+            )
+            for t in bf["tasks"]:
+                r = t.get("result") or {}
+                if t["state"] == "done" and r.get("kind") == "eval":
+                    lines.append(
+                        f"    eval @ step {r['step']}: loss {r['loss']:.4f}, "
+                        f"perplexity {r['perplexity']:.2f}"
+                    )
+        return lines
 
 
 def _ensure_ray(address: str | None) -> None:
@@ -111,6 +141,17 @@ class JobRun:
         import ray
 
         return ray.get(self.controller.status.remote(0))
+
+    @property
+    def backfill(self) -> BackfillClient:
+        """Add backfill tasks while the job runs: `run.backfill.submit(task)`."""
+        return BackfillClient(self.controller)
+
+    def trace(self) -> dict[str, Any] | None:
+        """Chrome-trace JSON of the latest pipeline steps (Perfetto); None for pp=1."""
+        import ray
+
+        return ray.get(self.controller.trace.remote())
 
     def stop(self, reason: str = "stopped from the SDK", verbose: bool = False) -> JobResult:
         """Stop at the next step boundary after committing a checkpoint there.
@@ -146,6 +187,67 @@ class JobRun:
         if verbose:
             for line in st["events"]:
                 print(f"[spotline {self.spec.name}] {line}", file=out, flush=True)
+
+
+class BackfillHandle:
+    """A submitted backfill task; `result()` waits for it."""
+
+    def __init__(self, controller: Any, task_id: int):
+        self.controller = controller
+        self.id = task_id
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        record = ray.get(self.controller.backfill_record.remote(self.id))
+        if record is None:
+            raise KeyError(f"no backfill task {self.id} on this job")
+        return record
+
+    def result(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """The task's result dict; raises RuntimeError if it failed, TimeoutError if late."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rec = self.status()
+            if rec["state"] == "done":
+                return rec["result"]
+            if rec["state"] == "failed":
+                raise RuntimeError(f"backfill task {rec['name']} failed: {rec['error']}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"backfill task {rec['name']} still {rec['state']} after {timeout_s:.0f}s"
+                )
+            time.sleep(0.5)
+
+
+class BackfillClient:
+    def __init__(self, controller: Any):
+        self.controller = controller
+
+    def submit(self, task: Any, name: str | None = None, retries: int = 0) -> BackfillHandle:
+        """Queue a task: an EvalTaskSpec / SpeculativeTaskSpec (or its dict), or a
+        generator function `fn(ctx)` that yields after each small unit of work and
+        returns a dict (see spotline.backfill.tasks). A function is shipped by value,
+        so it may live in the driver script or a notebook.
+        """
+        import ray
+        from pydantic import TypeAdapter
+
+        from spotline.backfill.spec import TaskSpec, resolve_prompts
+        from spotline.backfill.tasks import PythonTask
+
+        if callable(task):
+            module = sys.modules.get(getattr(task, "__module__", ""), None)
+            if module is not None and not module.__name__.startswith("spotline"):
+                ray.cloudpickle.register_pickle_by_value(module)
+            task = PythonTask(task, name or getattr(task, "__name__", "python"), retries)
+        else:
+            if isinstance(task, dict):
+                task = TypeAdapter(TaskSpec).validate_python(task)
+            if task.kind == "speculative":
+                resolve_prompts(task, "task")
+        task_id = ray.get(self.controller.submit_backfill.remote(task, name))
+        return BackfillHandle(self.controller, task_id)
 
 
 @dataclass

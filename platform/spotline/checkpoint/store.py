@@ -38,6 +38,7 @@ from spotline import constants
 from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError, check_relpath
 
 MANIFEST_NAME = "manifest.json"
+ARTIFACTS_DIR = "artifacts"
 RECEIPTS_DIR = "_receipts"  # per-rank upload receipts; not part of the checkpoint
 HASH_CHUNK_BYTES = 8 * 2**20
 # Files of one step move in parallel; each large S3 object is itself split into
@@ -654,6 +655,26 @@ class CheckpointStore:
         path = f"{self._step_path(step)}/{RECEIPTS_DIR}/rank_{rank:05d}.json"
         with self._io(f"writing the upload receipt of rank {rank}, step {step}"):
             self._backend.write_atomic(self.fs, path, body)
+
+    def write_artifact(self, relpath: str, data: bytes) -> str:
+        """Write a job artifact (trace, backfill output, ledger) beside the steps; its URI.
+
+        Artifacts live under ``<root>/artifacts/``, outside every step directory, so
+        retention never deletes them and a restore never downloads them.
+        """
+        path = f"{self._backend.root}/{ARTIFACTS_DIR}/{check_relpath(relpath)}"
+        with self._io(f"writing artifact {relpath}"):
+            self._backend.write_atomic(self.fs, path, data)
+        return f"{self._backend.scheme}://{path}"
+
+    def read_artifact(self, relpath: str) -> bytes | None:
+        """An artifact written by `write_artifact`, or None if there is none."""
+        path = f"{self._backend.root}/{ARTIFACTS_DIR}/{check_relpath(relpath)}"
+        with self._io(f"reading artifact {relpath}", passthrough=(FileNotFoundError,)):
+            try:
+                return self.fs.cat_file(path)
+            except FileNotFoundError:
+                return None
 
     def read_receipts(self, step: int) -> list[dict[str, Any]]:
         """Every rank's upload receipt for an uncommitted step (empty if none)."""

@@ -53,6 +53,15 @@ class ControllerActor:
     def result(self) -> dict[str, Any]:
         return self.controller.result()
 
+    def submit_backfill(self, task: Any, name: str | None = None) -> int:
+        return self.controller.submit_backfill(task, name)
+
+    def backfill_record(self, task_id: int) -> dict[str, Any] | None:
+        return self.controller.backfill_record(task_id)
+
+    def trace(self) -> dict[str, Any] | None:
+        return self.controller.trace()
+
 
 def start_controller(spec: JobSpec, store: CheckpointStore):
     """Create the named controller actor, pinned to the head node (the driver's node)."""

@@ -19,6 +19,7 @@ back it grows toward max_replicas at a checkpoint boundary, by `GrowPolicy`'s ru
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotline import constants
+from spotline.backfill.pool import BackfillPool
+from spotline.bubbles.book import BubbleBook
 from spotline.checkpoint import (
     CheckpointStore,
     CorruptCheckpointError,
@@ -48,6 +51,8 @@ from spotline.spec.models import JobSpec
 from spotline.workers.group import WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
+
+TRACE_ARTIFACT = "trace.json"
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -125,6 +130,11 @@ class Controller:
         self._restart_s: float | None = None  # measured cost of the last (re)start
         self._sps_by_replicas: dict[int, float] = {}  # latest measured rate at each size
         self._stop_reason: str | None = None
+        # Pipeline bubbles and the backfill that fills them.
+        pp = spec.parallel.pipeline_stages
+        self.bubbles = BubbleBook(pp) if pp > 1 else None
+        self.backfill = BackfillPool(spec, self._event) if spec.backfill.enabled else None
+        self._chunks_in_group = 0
 
     # --- reporting ----------------------------------------------------------------
 
@@ -185,6 +195,12 @@ class Controller:
             "resizes": list(self.resizes),
             "recoveries": list(self.recoveries),
             "waited_s": self.waited_s,
+            "bubbles": self.bubbles.summary() if self.bubbles else None,
+            "backfill": (
+                {"tasks": self.backfill.results(), **self.backfill.summary()}
+                if self.backfill
+                else None
+            ),
         }
 
     # --- the machine --------------------------------------------------------------
@@ -267,6 +283,11 @@ class Controller:
             self.resizes[-1]["to_replicas"] = decision.replicas
         self.group = self.group_factory(decision.replicas)
         self.group.start()
+        self._chunks_in_group = 0
+        if self.bubbles is not None:
+            self.bubbles.reset_ranks()
+        if self.backfill is not None:
+            self.backfill.attach(self.group.executors())
         self.step_count = self._restore_latest(attempt)
         attempt.start_step = self.step_count
         self._restart_s = self.clock() - t0
@@ -404,6 +425,14 @@ class Controller:
                 }
             )
             self._event(f"training again {self.clock() - since:.1f}s after the {why}")
+        self._chunks_in_group += 1
+        if self.bubbles is not None:
+            on = self.backfill is not None and not self.backfill.governor.decision().paused
+            self.bubbles.add(chunk.bubbles, self.spec.grad_accum(self.group.replicas), on)
+        if self.backfill is not None:
+            # The first chunk of a group includes its warm-up: not a fair step time.
+            self.backfill.on_chunk(done, seconds, warm=self._chunks_in_group > 1 and n > 1)
+            self.backfill.poll()
         self._report_progress(chunk)
         self._collect_uploads(chunk.uploads)
         for notice in chunk.notices:
@@ -452,6 +481,9 @@ class Controller:
         assert self.group is not None
         self.heldout_loss = self.group.heldout_loss()
         self._collect_uploads(self.group.flush_uploads())
+        if self.backfill is not None:
+            self.backfill.finish(self.spec.backfill.finish_timeout_s, self.sleep)
+        self._write_trace()
         self._teardown()
         if self.spec.train.steps not in self.committed:
             return self._fail(f"the final checkpoint (step {self.spec.train.steps}) did not commit")
@@ -665,12 +697,44 @@ class Controller:
         self._interrupted_at = (self.clock(), why)
 
     def _teardown(self) -> None:
+        if self.backfill is not None:
+            self.backfill.detach()
         if self.group is not None:
             self.group.shutdown()
             self.group = None
         # Uploads of a dead group never complete; their steps stay uncommitted.
         self._uploads.clear()
         self._save_world.clear()
+
+    # --- bubbles and backfill -------------------------------------------------------
+
+    def trace(self) -> dict[str, Any] | None:
+        """Chrome-trace JSON of the latest recorded steps of every stage (None for pp=1)."""
+        if self.bubbles is None:
+            return None
+        slices = self.backfill.slices() if self.backfill is not None else {}
+        return self.bubbles.trace(self.spec.name, slices)
+
+    def _write_trace(self) -> None:
+        """Keep `artifacts/trace.json` beside the checkpoints current (for `spotline trace`)."""
+        trace = self.trace()
+        if not trace or not self.bubbles or not self.bubbles.latest:
+            return
+        try:
+            self.store.write_artifact(TRACE_ARTIFACT, json.dumps(trace).encode())
+        except StorageError as e:
+            self._event(f"could not write the pipeline trace: {e}", logging.WARNING)
+
+    def submit_backfill(self, task: Any, name: str | None = None) -> int:
+        if self.backfill is None:
+            raise RuntimeError(
+                "backfill is off for this job; set backfill.enabled: true (it needs "
+                "parallel.pipeline_stages >= 2) to run backfill tasks"
+            )
+        return self.backfill.submit(task, name)
+
+    def backfill_record(self, task_id: int) -> dict[str, Any] | None:
+        return self.backfill.record(task_id) if self.backfill is not None else None
 
     # --- commits ------------------------------------------------------------------
 
@@ -746,3 +810,7 @@ class Controller:
             f"committed checkpoint step {step} ({manifest.total_bytes / 1e6:.1f} MB, "
             f"{len(files)} files) -> {self.store.step_uri(step)}"
         )
+        if self.backfill is not None:
+            self.backfill.on_commit(manifest, final=step >= self.spec.train.steps)
+            self.backfill.poll()  # start what is due now, not after the next chunk
+        self._write_trace()

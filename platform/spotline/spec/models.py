@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from spotline.backfill.spec import BackfillSpec
 from spotline.preemption.spec import PreemptionSpec
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -192,6 +193,7 @@ class JobSpec(_Section):
     failure: FailureSpec = Field(default_factory=FailureSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
+    backfill: BackfillSpec = Field(default_factory=BackfillSpec)
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     """Extra DeepSpeed config keys merged over the derived config (advanced)."""
 
@@ -245,6 +247,20 @@ class JobSpec(_Section):
                 f"{[d for d in range(1, e.max_replicas + 1) if slots % d == 0]}, or use "
                 "batch_policy 'scaled'"
             )
+        bf = self.backfill
+        if bf.enabled and p.pipeline_stages < 2:
+            raise ValueError(
+                "backfill.enabled needs parallel.pipeline_stages >= 2: backfill fills the "
+                "idle windows of a pipeline, and a job with one stage has none; set "
+                "pipeline_stages: 2 or more, or backfill.enabled: false"
+            )
+        for i, task in enumerate(bf.tasks):
+            if task.kind == "speculative" and task.max_new_tokens >= self.model.seq_len:
+                raise ValueError(
+                    f"backfill.tasks[{i}].max_new_tokens ({task.max_new_tokens}) must be < "
+                    f"model.seq_len ({self.model.seq_len}): prompt and completion must fit "
+                    "in the model's context; lower max_new_tokens"
+                )
         return self
 
     # --- derived -----------------------------------------------------------------

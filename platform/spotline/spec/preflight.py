@@ -7,8 +7,10 @@ not minutes later inside a worker.
 
 from __future__ import annotations
 
+from spotline.backfill.spec import resolve_prompts
 from spotline.checkpoint import CheckpointStore
 from spotline.data import load_corpus
+from spotline.spec.loader import SpecError
 from spotline.spec.models import JobSpec
 
 
@@ -22,7 +24,14 @@ def open_store(spec: JobSpec) -> CheckpointStore:
 
 
 def preflight(spec: JobSpec) -> CheckpointStore:
-    """Validate storage (reachable, writable, credentials) and the corpus; return the store."""
+    """Validate storage (reachable, writable, credentials), the corpus and backfill
+    prompts (read into the spec); return the store."""
+    for i, task in enumerate(spec.backfill.tasks):
+        if task.kind == "speculative":
+            try:
+                resolve_prompts(task, f"backfill.tasks[{i}]")
+            except ValueError as e:
+                raise SpecError(str(e)) from e
     store = open_store(spec)
     store.check_writable()
     load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)

@@ -25,6 +25,8 @@ from typing import Any
 import ray
 
 from spotline import constants
+from spotline.backfill.executor import pin_process
+from spotline.bubbles.channel import WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.preemption import make_source
 from spotline.spec.models import JobSpec
@@ -32,6 +34,12 @@ from spotline.workers.trainer import Topology, Trainer, init_distributed
 from spotline.workers.uploads import Uploader
 
 log = logging.getLogger("spotline.worker")
+
+
+def channel_path(spec: JobSpec, run_id: str, rank: int) -> str:
+    """Where a rank's trainer and backfill executor share their window channel."""
+    root = Path(spec.checkpoint.staging_dir) / spec.name / run_id
+    return str(root / f"window_rank_{rank:05d}.chan")
 
 
 class TrainWorker:
@@ -48,6 +56,9 @@ class TrainWorker:
             store, topo.rank, topo.world_size, None if cap is None else cap * 1e6
         )
         self._stop = threading.Event()
+        self.run_id = run_id
+        self.channel: WindowChannel | None = None
+        self._filled_seen = (0, 0)  # (filled_ns, overrun_ns) already reported
         self._sigterm = None
         self._sigterm_reported = False
         sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
@@ -77,9 +88,15 @@ class TrainWorker:
             return s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int) -> str:
+        if constants.SPOTLINE_PIN_CORES:
+            pin_process(self.topo.rank)
         backend = init_distributed(self.topo, master_addr, master_port)
         threads = max(1, int(self.spec.resources.cpus_per_worker))
-        self.trainer = Trainer(self.spec, self.topo, threads=threads)
+        if self.spec.backfill.enabled:
+            self.channel = WindowChannel(
+                channel_path(self.spec, self.run_id, self.topo.rank), create=True
+            )
+        self.trainer = Trainer(self.spec, self.topo, threads=threads, window_channel=self.channel)
         return backend
 
     def fetch_checkpoint(self, manifest_json: str) -> str:
@@ -126,7 +143,32 @@ class TrainWorker:
             "uploads": self.uploader.take_done(),
             "interrupted": interrupted,
             "notices": notices,
+            "bubbles": self._bubbles(),
         }
+
+    def _bubbles(self) -> dict[str, Any] | None:
+        """This stage's bubble figures since the last chunk, and its latest step's timeline."""
+        rec = self.trainer.recorder if self.trainer else None
+        if rec is None:
+            return None
+        out: dict[str, Any] = rec.take_totals()
+        out.update(stage=self.topo.stage, replica=self.topo.replica, rank=self.topo.rank)
+        out["filled_s"] = out["overrun_s"] = 0.0
+        if self.channel is not None:
+            st = self.channel.state()
+            out["filled_s"] = (st.filled_ns - self._filled_seen[0]) / 1e9
+            out["overrun_s"] = (st.overrun_ns - self._filled_seen[1]) / 1e9
+            self._filled_seen = (st.filled_ns, st.overrun_ns)
+        out["steps_timeline"] = [
+            {
+                "step": step,
+                "start_ns": int(t0 * 1e9),
+                "instrs": [(i.name, i.slot, i.start, i.end) for i in timeline],
+            }
+            for step, t0, timeline in rec.recent
+        ]
+        out["forecast"] = [(w.start, w.end) for w in rec.forecast.next_step()]
+        return out
 
     def save(self) -> dict[str, Any]:
         """Local save (the only part that blocks training), then a background upload."""

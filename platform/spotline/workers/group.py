@@ -63,6 +63,8 @@ class ChunkResult:
     """The ranks stopped early at a step boundary because one of them was asked to."""
     notices: list[dict[str, Any]] = field(default_factory=list)
     """Preemption notices the ranks saw themselves (SIGTERM), as Notice fields + rank."""
+    bubbles: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank of a pipeline: bubble figures of the chunk and its latest step's timeline."""
 
 
 class WorkerGroup(Protocol):
@@ -79,8 +81,14 @@ class WorkerGroup(Protocol):
     def save(self) -> float: ...
     def flush_uploads(self) -> list[Any]: ...
     def heldout_loss(self) -> float: ...
+    def executors(self) -> list[Any]: ...
     def worker_info(self) -> list[dict[str, Any]]: ...
     def shutdown(self) -> None: ...
+
+
+def worker_name(topo: Topology) -> str:
+    """The dashboard name of a rank: where it sits in the job, not its number."""
+    return f"stage-{topo.stage}/replica-{topo.replica}"
 
 
 def resolve_device(spec: JobSpec) -> str:
@@ -109,6 +117,7 @@ class RayWorkerGroup:
         self.run_id = uuid.uuid4().hex[:8]
         self.pg = None
         self.actors: list[Any] = []
+        self.backfill: list[Any] = []  # one executor per rank when backfill is on
         self._info: list[dict[str, Any]] = []
 
     # --- helpers ------------------------------------------------------------------
@@ -196,20 +205,25 @@ class RayWorkerGroup:
             )
         spec_json = self.spec.model_dump_json()
         cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
+        bf = self.spec.backfill
+        # With backfill the worker leaves a fraction of its GPU to its executor; both are
+        # in the same bundle, so Ray gives them the same physical device.
+        gpus = bundle.get("GPU", 0) * ((1 - bf.gpu_fraction) if bf.enabled else 1)
         for rank in range(self.world_size):
             topo = Topology(self.pp, self.replicas, rank)
             idx = topo.replica * self.pp + topo.stage
+            where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=idx)
             self.actors.append(
                 cls.options(
                     num_cpus=bundle.get("CPU", 0),
-                    num_gpus=bundle.get("GPU", 0),
-                    name=f"spotline:{self.spec.name}:rank{rank}:{self.run_id}",
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self.pg, placement_group_bundle_index=idx
-                    ),
+                    num_gpus=gpus,
+                    name=f"spotline:{self.spec.name}:{worker_name(topo)}:{self.run_id}",
+                    scheduling_strategy=where,
                     max_restarts=0,
                 ).remote(spec_json, topo, self.store, self.run_id)
             )
+            if bf.enabled:
+                self.backfill.append(self._start_executor(topo, where, bundle, spec_json))
         self._info = self._call_all("start", "info", timeout_s=timeout)
         # Rank 0 hosts the torch.distributed store: its node and a port free there.
         addr = self._info[0]["ip"]
@@ -248,7 +262,35 @@ class RayWorkerGroup:
             uploads=[u for r in results for u in r["uploads"]],
             interrupted=results[0]["interrupted"],
             notices=[n for r in results for n in r["notices"]],
+            bubbles=[r["bubbles"] for r in results if r.get("bubbles")],
         )
+
+    def _start_executor(self, topo: Topology, where: Any, bundle: dict, spec_json: str) -> Any:
+        import ray
+
+        from spotline.backfill.executor import BackfillExecutor
+        from spotline.workers.actor import channel_path
+
+        cls = ray.remote(concurrency_groups={"control": 1})(BackfillExecutor)
+        gpu = bundle.get("GPU", 0) * self.spec.backfill.gpu_fraction
+        return cls.options(
+            num_cpus=0,  # shares the worker's CPUs: it only runs while the worker waits
+            num_gpus=gpu,
+            name=f"spotline:{self.spec.name}:backfill:{worker_name(topo)}:{self.run_id}",
+            scheduling_strategy=where,
+            max_restarts=-1,  # a crashed task's executor comes back for the next task
+        ).remote(
+            spec_json,
+            topo.rank,
+            topo.stage,
+            channel_path(self.spec, self.run_id, topo.rank),
+            self.store,
+            max(1, int(self.spec.resources.cpus_per_worker)),
+            topo.rank if constants.SPOTLINE_PIN_CORES else None,
+        )
+
+    def executors(self) -> list[Any]:
+        return list(self.backfill)
 
     def request_checkpoint(self, reason: str) -> None:
         """Ask every rank to stop at the next step boundary; does not wait."""
@@ -276,10 +318,11 @@ class RayWorkerGroup:
         from ray.util.placement_group import remove_placement_group
 
         # Already-dead actors and groups are fine: teardown is idempotent.
-        for a in self.actors:
+        for a in self.backfill + self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
         self.actors = []
+        self.backfill = []
         if self.pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)

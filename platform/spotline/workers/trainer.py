@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from spotline import constants
+from spotline.bubbles.channel import WindowChannel
+from spotline.bubbles.recorder import StepRecorder
 from spotline.data import Sampler, load_corpus
 from spotline.models import build_pipeline_module, build_sequential, lm_loss
 from spotline.spec.models import JobSpec
@@ -136,7 +138,13 @@ def init_distributed(topo: Topology, master_addr: str, master_port: int) -> str:
 class Trainer:
     """Builds the engine for one rank and runs steps, saves and loads."""
 
-    def __init__(self, spec: JobSpec, topo: Topology, threads: int | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        topo: Topology,
+        threads: int | None = None,
+        window_channel: WindowChannel | None = None,
+    ):
         import deepspeed
 
         self.spec = spec
@@ -168,6 +176,18 @@ class Trainer:
         # Control messages (stop at this step boundary?) go over gloo on the host, so
         # they never queue behind, or synchronise with, the device's compute stream.
         self._control = dist.new_group(backend="gloo")
+        # Every pipeline stage times its instructions: that is where its bubbles are
+        # measured, and the backfill executor (if any) learns when a window opens.
+        self.recorder: StepRecorder | None = None
+        if self.pipelined:
+            self.recorder = StepRecorder(
+                topo.stage,
+                topo.pipeline_stages,
+                self.micro_batches,
+                channel=window_channel,
+                min_window_s=constants.SPOTLINE_BACKFILL_MIN_WINDOW_S,
+            )
+            self.recorder.attach(self.engine)
         _seed_everything(t.seed + topo.rank)
         self.step = 0  # optimizer steps done
 
@@ -184,6 +204,8 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step; returns the global-batch mean loss (same on every rank)."""
         batches = self._micro(self.sampler, self.step)
+        if self.recorder is not None:
+            self.recorder.begin_step(self.step + 1)
         if self.pipelined:
             loss = self.engine.train_batch(data_iter=iter(batches)).item()
         else:
@@ -204,7 +226,15 @@ class Trainer:
         step boundary, whichever rank (or the controller, through any rank) asked.
         """
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+
+        def agree() -> None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+
+        if self.recorder is not None:
+            # Stages that finished the step early wait here: part of their bubble.
+            self.recorder.record_sync(agree)
+        else:
+            agree()
         return bool(t.item())
 
     def _dp_mean(self, value: torch.Tensor) -> float:

@@ -1,0 +1,186 @@
+"""The backfill executor: a Ray actor beside one worker, on the worker's device.
+
+It runs one task at a time, a unit at a time, and only inside its stage's idle
+windows: it sleeps on the window channel until the trainer opens a window, runs
+units while the forecast leaves room for one more (its measured cost times a
+safety margin), and goes back to sleep when the window is predicted to close or
+closes (the stage's data arrived). Training never waits for it: the trainer only
+writes to the channel, and a unit that overruns a window costs at most that
+unit; the controller's governor widens the margin or pauses backfill when such
+overruns slow the step.
+
+A task that raises is reported failed to the pool, which retries it; a crash of
+this process (out of memory, a segfault) ends only this actor. Neither touches
+the worker process or its collectives.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from spotline.backfill.tasks import TaskContext, units_of
+from spotline.bubbles.channel import WindowChannel
+from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.spec.models import JobSpec
+
+log = logging.getLogger("spotline.backfill")
+
+_WAIT_SLICE_S = 0.5  # how often a sleeping executor checks for stop/pause changes
+
+
+class BackfillExecutor:
+    def __init__(
+        self,
+        spec_json: str,
+        rank: int,
+        stage: int,
+        channel_path: str,
+        store: CheckpointStore,
+        threads: int = 1,
+        pin_core: int | None = None,
+    ):
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.rank = rank
+        self.stage = stage
+        self.channel_path = channel_path
+        self.store = store
+        self.channel: WindowChannel | None = None
+        self.margin = 1.5
+        self.paused = False
+        self.free_run = False  # no training left: work without windows
+        self._stop = threading.Event()
+        self._cost: dict[str, float] = {}  # EMA seconds of one unit, by label
+        self._slices: collections.deque = collections.deque(maxlen=4096)
+        self._totals = {"filled_s": 0.0, "overrun_s": 0.0, "free_s": 0.0, "units": 0}
+        self._cache: dict[str, Any] = {}
+        torch.set_num_threads(max(1, threads))
+        if pin_core is not None:
+            pin_process(pin_core)
+        # Ray gives this actor a fraction of the worker's GPU: the same physical device.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.cache_dir = Path(self.spec.checkpoint.staging_dir) / self.spec.name / "backfill"
+
+    # --- control (its own concurrency group: answers while a task runs) ---------------
+
+    @ray.method(concurrency_group="control")
+    def configure(self, paused: bool, margin: float, free_run: bool = False) -> None:
+        self.paused, self.margin, self.free_run = paused, margin, free_run
+        if self.channel is not None:
+            self.channel.set_paused(paused)
+
+    @ray.method(concurrency_group="control")
+    def stats(self) -> dict[str, Any]:
+        return dict(self._totals) | {"rank": self.rank, "stage": self.stage, "margin": self.margin}
+
+    @ray.method(concurrency_group="control")
+    def recent_slices(self, since_ns: int = 0) -> list[tuple[int, int, str]]:
+        """(start_ns, end_ns, label) of recent units, on this node's CLOCK_MONOTONIC."""
+        return [s for s in list(self._slices) if s[1] >= since_ns]
+
+    # --- tasks --------------------------------------------------------------------
+
+    def run(self, task: Any, manifest_json: str) -> dict[str, Any]:
+        """Run one task to completion inside windows; its result dict (raises on failure)."""
+        manifest = Manifest.from_json(manifest_json)
+        busy = [0.0]
+        ctx = TaskContext(
+            spec=self.spec,
+            store=self.store,
+            manifest=manifest,
+            device=self.device,
+            cache_dir=self.cache_dir,
+            cache=self._cache,
+            busy_s=lambda: busy[0],
+        )
+        t0 = time.monotonic()
+        gen = units_of(task, ctx)
+        label = None
+        while True:
+            st = self._wait_for_room(label)
+            start = time.monotonic_ns()
+            try:
+                label = next(gen)
+            except StopIteration as done:
+                result = dict(done.value or {})
+                break
+            except Exception as e:
+                tb = traceback.format_exc(limit=6)
+                raise RuntimeError(
+                    f"backfill task {getattr(task, 'kind', task)!r} on rank {self.rank} "
+                    f"(stage {self.stage}) failed at checkpoint step {manifest.step}: "
+                    f"{type(e).__name__}: {e}\n{tb}"
+                ) from e
+            end = time.monotonic_ns()
+            busy[0] += (end - start) / 1e9
+            self._account(st, start, end, label)
+        result.setdefault("step", manifest.step)
+        result["rank"] = self.rank
+        result["busy_s"] = busy[0]
+        result["wall_s"] = time.monotonic() - t0
+        return result
+
+    def _account(self, st, start: int, end: int, label: str) -> None:
+        seconds = (end - start) / 1e9
+        old = self._cost.get(label)
+        self._cost[label] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self._slices.append((start, end, label))
+        self._totals["units"] += 1
+        if st is None:  # free run: no window involved
+            self._totals["free_s"] += seconds
+            return
+        now = self.channel.state()
+        closed = now.closed_ns if (now.seq != st.seq or not now.open) else None
+        if closed is None or closed >= end:
+            filled, over = end - start, 0
+        else:
+            filled = max(0, closed - start)
+            over = end - max(start, closed)
+        self._totals["filled_s"] += filled / 1e9
+        self._totals["overrun_s"] += over / 1e9
+        self.channel.account(filled, over)
+
+    def _attach(self) -> WindowChannel:
+        while self.channel is None:
+            if Path(self.channel_path).exists():
+                self.channel = WindowChannel(self.channel_path)
+            else:
+                time.sleep(0.2)  # the worker creates it when it sets up
+        return self.channel
+
+    def _wait_for_room(self, label: str | None):
+        """Block until a window has room for one more unit of `label`; None when free-running."""
+        chan = self._attach()
+        after = -1
+        while True:
+            if self.free_run:
+                return None
+            st = chan.wait_open(_WAIT_SLICE_S)
+            if st is None or self.paused or st.seq <= after:
+                if st is not None and st.seq <= after:
+                    time.sleep(0.0005)  # the window we passed on is still open
+                continue
+            need = self._cost.get(label, 0.0) * self.margin if label else 0.0
+            room = (st.predicted_end_ns - time.monotonic_ns()) / 1e9
+            if room >= need:
+                return st
+            after = st.seq  # not enough room left in this window: wait for the next
+
+
+def pin_process(core: int) -> None:
+    """Pin every thread of this process to one core (benchmarks: a core is the device)."""
+    cores = sorted(os.sched_getaffinity(0))
+    target = {cores[core % len(cores)]}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), target)

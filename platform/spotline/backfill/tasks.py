@@ -1,0 +1,266 @@
+"""Backfill task kinds, by name, and the context they run in.
+
+A task is a generator function `run(task, ctx)`: it does one small unit of work
+(one layer of a forward pass, one draft token, one draft training step) between
+two `yield`s, and yields a label naming the kind of unit it just did. The
+executor resumes it only inside a pipeline window with room for one more unit of
+that kind, so a task never needs to know about windows. Its result is the
+generator's return value (a dict).
+
+Tasks read the model from a committed checkpoint (the portable per-stage files,
+full fp32 weights by global parameter name), never from a live worker: the
+snapshot is exact, tagged with its step, and costs training nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spotline.backfill import speculative as spec_dec
+from spotline.backfill.spec import DraftSpec, EvalTaskSpec, SpeculativeTaskSpec
+from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.data import Sampler, load_corpus
+from spotline.models import build_sequential, encode, lm_loss
+from spotline.models.gpt import decode
+from spotline.spec.models import JobSpec, ModelSpec
+from spotline.workers import portable
+
+Units = Generator[str, None, dict[str, Any]]
+
+STAGE_FILES = "spotline/stage_"
+
+
+@dataclasses.dataclass
+class TaskContext:
+    """What a task may use: the job, its storage, the checkpoint to read, a device."""
+
+    spec: JobSpec
+    store: CheckpointStore
+    manifest: Manifest
+    device: torch.device
+    cache_dir: Path
+    cache: dict[str, Any]
+    """Survives across tasks on one executor (a trained draft, a loaded target)."""
+    busy_s: Callable[[], float]
+    """Seconds this task has spent working so far (not waiting for windows)."""
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    def target(self) -> torch.nn.Sequential:
+        """The whole model at the checkpoint's step (cached per step)."""
+        key = f"target@{self.step}"
+        if key not in self.cache:
+            for k in [k for k in self.cache if k.startswith("target@")]:
+                del self.cache[k]  # one snapshot at a time
+            self.cache[key] = load_target(self.spec, self.store, self.manifest, self.cache_dir)
+            self.cache[key].to(self.device)
+        return self.cache[key]
+
+
+def load_target(
+    spec: JobSpec, store: CheckpointStore, manifest: Manifest, cache_dir: Path
+) -> torch.nn.Sequential:
+    """Download and verify only the stage files of a committed step; build the model."""
+    files = [f for f in manifest.files if STAGE_FILES in f.path]
+    if not files:
+        raise RuntimeError(
+            f"checkpoint step {manifest.step} has no stage state files "
+            f"({STAGE_FILES}*.pt); backfill reads weights from them, and only "
+            "parallel.zero_stage <= 2 writes them"
+        )
+    step_dir = store.download(dataclasses.replace(manifest, files=files), cache_dir)
+    state = portable.load_files(sorted(step_dir.rglob("stage_*.pt")))
+    model = build_sequential(spec.model, spec.train.seed)
+    weights = {name: v["param"] for name, v in state["params"].items()}
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
+
+
+# --- eval -------------------------------------------------------------------------
+
+
+def run_eval(task: EvalTaskSpec, ctx: TaskContext) -> Units:
+    """Held-out loss of the checkpoint's weights on the job's fixed held-out batches.
+
+    The same batches, cut into the same micro-batches, as the job's final held-out
+    loss (`Trainer.heldout_loss`), so the two agree on the same weights.
+    """
+    spec = ctx.spec
+    model = ctx.target()
+    yield "load"
+    corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
+    mbs = spec.micro_batch_size()
+    heldout = Sampler(corpus.heldout, spec.model.seq_len, mbs, spec.data.seed + 1)
+    replicas = int(ctx.manifest.topology["replicas"])
+    micro = spec.grad_accum(replicas)
+    n = task.batches or spec.train.eval_batches
+    step_means = []
+    with torch.no_grad():
+        for k in range(n):
+            losses = []
+            for r in range(replicas):
+                for x, y in heldout.micro_batches(k, r, replicas, micro):
+                    logits = yield from spec_dec.layerwise_forward(model, x.to(ctx.device), "eval")
+                    losses.append(lm_loss(logits, y.to(ctx.device)))
+            step_means.append(float(torch.stack(losses).mean()))
+    loss = sum(step_means) / len(step_means)
+    return {
+        "kind": "eval",
+        "step": ctx.step,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "batches": n,
+        "weights": "committed checkpoint",
+    }
+
+
+# --- speculative ------------------------------------------------------------------
+
+
+def build_draft(draft: DraftSpec, seq_len: int, seed: int) -> torch.nn.Sequential:
+    return build_sequential(
+        ModelSpec(
+            n_layers=draft.n_layers,
+            d_model=draft.d_model,
+            n_heads=draft.n_heads,
+            seq_len=seq_len,
+        ),
+        seed,
+    )
+
+
+def train_draft(draft_spec: DraftSpec, ctx: TaskContext) -> Generator[str, None, Any]:
+    """The draft model, trained on the job's corpus once per executor (cached)."""
+    key = f"draft:{draft_spec.model_dump_json()}"
+    if key in ctx.cache:
+        return ctx.cache[key]
+    spec = ctx.spec
+    model = build_draft(draft_spec, spec.model.seq_len, spec.train.seed + 99991)
+    if draft_spec.path:
+        model.load_state_dict(torch.load(draft_spec.path, map_location="cpu"))
+    model.to(ctx.device)
+    if draft_spec.train_steps:
+        corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
+        sampler = Sampler(corpus.train, spec.model.seq_len, 8, spec.data.seed + 7)
+        opt = torch.optim.AdamW(model.parameters(), lr=draft_spec.lr)
+        model.train()
+        for step in range(draft_spec.train_steps):
+            ((x, y),) = sampler.micro_batches(step, 0, 1, 1)
+            loss = lm_loss(model(x.to(ctx.device)), y.to(ctx.device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            yield "draft-train"
+    model.eval()
+    ctx.cache[key] = model
+    return model
+
+
+def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
+    """Serve the prompts with greedy speculative decoding; store completions as JSONL."""
+    if isinstance(task.prompts, str):
+        raise ValueError(
+            "speculative task prompts must be resolved to a list before the job starts "
+            "(preflight reads the prompts file)"
+        )
+    seq_len = ctx.spec.model.seq_len
+    draft = yield from train_draft(task.draft, ctx)
+    target = ctx.target()
+    yield "load"
+    rows = []
+    totals = {"new_tokens": 0, "verifications": 0, "proposed": 0, "accepted": 0}
+    spec_s = target_s = 0.0
+    target_tokens = 0
+    for prompt in task.prompts:
+        ids = spec_dec.fit_prompt(encode(prompt), task.max_new_tokens, seq_len)
+        t0 = ctx.busy_s()
+        with torch.no_grad():
+            res = yield from spec_dec.speculative_generate(
+                target, draft, ids, task.gamma, task.max_new_tokens
+            )
+        spec_s += ctx.busy_s() - t0
+        totals["new_tokens"] += len(res.tokens)
+        totals["verifications"] += res.verifications
+        totals["proposed"] += res.proposed
+        totals["accepted"] += res.accepted
+        row = {
+            "step": ctx.step,
+            "prompt": prompt,
+            "completion": decode(res.tokens),
+            "tokens": res.tokens,
+            "accepted_per_verification": res.accepted_per_verification,
+        }
+        if task.compare_target_only:
+            t0 = ctx.busy_s()
+            with torch.no_grad():
+                greedy = yield from spec_dec.greedy_generate(target, ids, task.max_new_tokens)
+            target_s += ctx.busy_s() - t0
+            target_tokens += len(greedy)
+            row["equals_target_greedy"] = greedy == res.tokens
+        rows.append(row)
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    uri = ctx.store.write_artifact(f"backfill/speculative_step{ctx.step:08d}.jsonl", body)
+    out: dict[str, Any] = {
+        "kind": "speculative",
+        "step": ctx.step,
+        "prompts": len(rows),
+        **totals,
+        "acceptance_rate": totals["accepted"] / totals["proposed"] if totals["proposed"] else 0.0,
+        "accepted_per_verification": (
+            totals["accepted"] / totals["verifications"] if totals["verifications"] else 0.0
+        ),
+        "tokens_per_s": totals["new_tokens"] / spec_s if spec_s else 0.0,
+        "completions_uri": uri,
+        "gamma": task.gamma,
+    }
+    if task.compare_target_only:
+        out["target_only_tokens_per_s"] = target_tokens / target_s if target_s else 0.0
+        out["speedup"] = (
+            out["tokens_per_s"] / out["target_only_tokens_per_s"]
+            if out["target_only_tokens_per_s"]
+            else 0.0
+        )
+        out["all_equal_target_greedy"] = all(r["equals_target_greedy"] for r in rows)
+    return out
+
+
+# --- the registry -----------------------------------------------------------------
+
+TASKS: dict[str, Callable[[Any, TaskContext], Units]] = {
+    "eval": run_eval,
+    "speculative": run_speculative,
+}
+
+
+def task_runner(kind: str) -> Callable[[Any, TaskContext], Units]:
+    try:
+        return TASKS[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown backfill task kind {kind!r}; valid kinds: {', '.join(sorted(TASKS))}"
+        ) from None
+
+
+@dataclasses.dataclass
+class PythonTask:
+    """A task from the SDK: `fn(ctx)` is a generator function like the built-in ones."""
+
+    fn: Callable[[TaskContext], Units]
+    name: str = "python"
+    retries: int = 0
+    kind: str = "python"
+
+
+def units_of(task: Any, ctx: TaskContext) -> Units:
+    if isinstance(task, PythonTask):
+        return task.fn(ctx)
+    return task_runner(task.kind)(task, ctx)

@@ -1,0 +1,78 @@
+"""The controller's running account of bubbles and of how much backfill filled.
+
+Fed with what every rank reports after each chunk of steps. Measured bubble
+fraction = time stages spent waiting on other stages / step time; fill = time
+executors worked inside those waits / that waiting time. Both are summed over
+every stage and replica, and also kept per stage, and for the chunks that ran
+with backfill on (the governor pauses it to measure its baseline).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spotline.bubbles.schedule import theory_fraction
+from spotline.bubbles.trace import chrome_trace
+
+_KEYS = ("steps", "step_s", "wait_s", "window_s", "windows", "filled_s", "overrun_s")
+
+
+class BubbleBook:
+    def __init__(self, stages: int):
+        self.stages = stages
+        self.micro_batches = 0
+        self.per_stage: dict[int, dict[str, float]] = {}
+        self.while_on = dict.fromkeys(_KEYS, 0.0)  # chunks run with backfill on
+        self.latest: dict[int, dict[str, Any]] = {}  # rank -> its latest report
+        self.last_chunk: dict[str, float] | None = None
+
+    def add(
+        self, reports: list[dict[str, Any]], micro_batches: int, backfill_on: bool = False
+    ) -> None:
+        if not reports:
+            return
+        self.micro_batches = micro_batches
+        chunk = dict.fromkeys(_KEYS, 0.0)
+        for r in reports:
+            acc = self.per_stage.setdefault(r["stage"], dict.fromkeys(_KEYS, 0.0))
+            for k in _KEYS:
+                acc[k] += r.get(k, 0.0)
+                chunk[k] += r.get(k, 0.0)
+            self.latest[r["rank"]] = r
+        self.last_chunk = _fractions(chunk)
+        if backfill_on:
+            for k in _KEYS:
+                self.while_on[k] += chunk[k]
+
+    def reset_ranks(self) -> None:
+        """A new group: the old ranks' timelines no longer describe the job."""
+        self.latest.clear()
+
+    def theory(self) -> float | None:
+        return theory_fraction(self.stages, self.micro_batches) if self.micro_batches else None
+
+    def summary(self) -> dict[str, Any]:
+        total = dict.fromkeys(_KEYS, 0.0)
+        for acc in self.per_stage.values():
+            for k in _KEYS:
+                total[k] += acc[k]
+        return {
+            "stages": self.stages,
+            "micro_batches": self.micro_batches,
+            "theory": self.theory(),
+            **_fractions(total),
+            "per_stage": {s: _fractions(acc) for s, acc in sorted(self.per_stage.items())},
+            "last_chunk": self.last_chunk,
+            "while_backfill_on": _fractions(self.while_on),
+        }
+
+    def trace(self, job: str, slices: dict[int, list] | None = None) -> dict[str, Any]:
+        ranks = [dict(r, slices=(slices or {}).get(rank, [])) for rank, r in self.latest.items()]
+        return chrome_trace(ranks, job)
+
+
+def _fractions(acc: dict[str, float]) -> dict[str, float]:
+    out = dict(acc)
+    out["bubble_fraction"] = acc["wait_s"] / acc["step_s"] if acc["step_s"] else 0.0
+    out["fill_fraction"] = acc["filled_s"] / acc["wait_s"] if acc["wait_s"] else 0.0
+    return out

@@ -1,0 +1,138 @@
+"""Times every instruction a pipeline stage runs, and opens backfill windows.
+
+`StepRecorder.attach(engine)` replaces the engine's instruction table with timed
+wrappers (DeepSpeed looks the table up on the instance, so only this engine is
+affected) and wraps the loss broadcast that ends `train_batch`. The trainer
+calls `begin_step` before `train_batch` and `sync` around its per-step
+agreement; everything in between is one step's timeline.
+
+Per instruction this costs two clock reads and a list append; a wait that the
+forecast says is long enough also writes a few integers and a byte to the
+executor's channel. Only `train_batch` is recorded: `eval_batch` runs the same
+instructions outside a step and is ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from types import MethodType
+from typing import Any
+
+from spotline.bubbles.channel import WindowChannel
+from spotline.bubbles.detector import Forecast, bubble_fraction, windows
+from spotline.bubbles.schedule import WAITS, Instr, program
+
+
+class StepRecorder:
+    def __init__(
+        self,
+        stage: int,
+        stages: int,
+        micro_batches: int,
+        channel: WindowChannel | None = None,
+        min_window_s: float = 0.0,
+        history: int = 4,
+    ):
+        self.stage = stage
+        self.stages = stages
+        self.micro_batches = micro_batches
+        self.channel = channel
+        self.min_window_s = min_window_s
+        self.forecast = Forecast()
+        self.recent: deque[tuple[int, float, list[Instr]]] = deque(maxlen=history)
+        """(step, start on CLOCK_MONOTONIC, timeline) of the last steps."""
+        self._totals = {"steps": 0, "step_s": 0.0, "wait_s": 0.0, "window_s": 0.0, "windows": 0}
+        self._step: int | None = None
+        self._t0 = 0.0
+        self._instrs: list[Instr] = []
+        self._program: list[tuple[int, str]] | None = None
+
+    # --- wiring -----------------------------------------------------------------
+
+    def attach(self, engine: Any) -> None:
+        table = dict(type(engine)._INSTRUCTION_MAP)
+        engine._INSTRUCTION_MAP = {cls: self._timed(cls.__name__, fn) for cls, fn in table.items()}
+        aggregate = engine._aggregate_total_loss
+        engine._aggregate_total_loss = lambda: self._run("LossSync", aggregate)
+
+    def _timed(self, name: str, fn):
+        recorder = self
+
+        def run(engine_self, **kwargs):
+            return recorder._run(name, MethodType(fn, engine_self), **kwargs)
+
+        return run
+
+    def _run(self, name: str, fn, *args, **kwargs):
+        if self._step is None:  # outside train_batch (eval_batch): not a training step
+            return fn(*args, **kwargs)
+        index = len(self._instrs)
+        signal = (
+            self.channel is not None
+            and name in WAITS
+            and self.forecast.remaining(index) > self.min_window_s
+        )
+        if signal:
+            self.channel.open_window(self.forecast.remaining(index))
+        start = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end = time.monotonic()
+            if signal:
+                self.channel.close_window()
+            self._instrs.append(Instr(name, -1, start - self._t0, end - self._t0))
+
+    # --- steps ------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        if self._step is not None:
+            self.end_step()
+        self._step = step
+        self._instrs = []
+        self._t0 = time.monotonic()
+
+    def record_sync(self, fn):
+        """Run the all-rank agreement `fn` as the step's last wait, then close the step."""
+        if self._step is None:
+            return fn()
+        try:
+            return self._run("StepSync", fn)
+        finally:
+            self.end_step()
+
+    def end_step(self) -> None:
+        if self._step is None:
+            return
+        timeline = self._with_slots(self._instrs)
+        self.forecast.update(timeline)
+        t = self._totals
+        t["steps"] += 1
+        t["step_s"] += timeline[-1].end if timeline else 0.0
+        t["wait_s"] += sum(i.seconds for i in timeline if i.name in WAITS)
+        usable = windows(timeline, self.min_window_s)
+        t["windows"] += len(usable)
+        t["window_s"] += sum(w.seconds for w in usable)
+        self.recent.append((self._step, self._t0, timeline))
+        self._step = None
+
+    def _with_slots(self, instrs: list[Instr]) -> list[Instr]:
+        if self._program is None:
+            self._program = program(self.stages, self.micro_batches, self.stage)
+        prog = self._program
+        return [
+            Instr(
+                i.name, prog[k][0] if k < len(prog) and prog[k][1] == i.name else -1, i.start, i.end
+            )
+            for k, i in enumerate(instrs)
+        ]
+
+    def take_totals(self) -> dict[str, float]:
+        """Sums since the last call: steps, step_s, wait_s, windows, window_s."""
+        out, self._totals = self._totals, dict.fromkeys(self._totals, 0)
+        out["bubble_fraction"] = out["wait_s"] / out["step_s"] if out["step_s"] else 0.0
+        return out
+
+    def last_fraction(self) -> float:
+        return bubble_fraction(self.recent[-1][2]) if self.recent else 0.0
