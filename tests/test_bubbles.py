@@ -114,8 +114,13 @@ def test_channel_wakes_the_other_process_and_carries_the_fill(tmp_path):
     proc.join(timeout=30)
     st = chan.state()
     assert (st.open, st.filled_ns, st.overrun_ns, st.slices) == (0, 5_000_000, 1_000_000, 1)
-    assert st.closed_ns > 0
+    assert st.closed_ns > 0 and chan.closed_at(1) == st.closed_ns
+    chan.open_window(0.05)
+    assert chan.closed_at(2) is None  # still open
+    assert chan.wait_open(0.05).seq == 2
+    chan.close_window()
     assert chan.wait_open(0.05) is None  # closed: nothing to wait for
+    assert chan.closed_at(1) < chan.closed_at(2)
 
 
 class _FakeEngine:

@@ -29,7 +29,7 @@ from typing import Any
 import ray
 import torch
 
-from spotline.backfill.tasks import TaskContext, units_of
+from spotline.backfill.tasks import SETUP, TaskContext, units_of
 from spotline.bubbles.channel import WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.spec.models import JobSpec
@@ -37,6 +37,7 @@ from spotline.spec.models import JobSpec
 log = logging.getLogger("spotline.backfill")
 
 _WAIT_SLICE_S = 0.5  # how often a sleeping executor checks for stop/pause changes
+_MAX_PASSED = 50  # windows a unit may pass on for want of room before it runs anyway
 
 
 class BackfillExecutor:
@@ -67,9 +68,29 @@ class BackfillExecutor:
         torch.set_num_threads(max(1, threads))
         if pin_core is not None:
             pin_process(pin_core)
+        # On CPU the executor runs at idle priority (see idle_priority): a unit that is
+        # still running when its window closes is simply descheduled, so its wall time
+        # says little. There its cost and its fill are its CPU time, which the kernel
+        # grants only while the stage's threads are idle. On a GPU a unit's wall time
+        # inside the window is the measure.
+        self.cpu_mode = not torch.cuda.is_available()
+        if self.cpu_mode:
+            idle_priority()
         # Ray gives this actor a fraction of the worker's GPU: the same physical device.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.cache_dir = Path(self.spec.checkpoint.staging_dir) / self.spec.name / "backfill"
+        # Read the corpus now, in the background at idle priority, so the first task's
+        # setup does not have to.
+        threading.Thread(target=self._warm, daemon=True, name="backfill-warm").start()
+
+    def _warm(self) -> None:
+        from spotline.data import load_corpus
+
+        with contextlib.suppress(Exception):  # a task reads it itself if this fails
+            spec = self.spec
+            self._cache.setdefault(
+                "corpus", load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
+            )
 
     # --- control (its own concurrency group: answers while a task runs) ---------------
 
@@ -106,9 +127,11 @@ class BackfillExecutor:
         t0 = time.monotonic()
         gen = units_of(task, ctx)
         label = None
+        setup_s = 0.0
         while True:
-            st = self._wait_for_room(label)
-            start = time.monotonic_ns()
+            # The first unit is the task's setup (see tasks.py): it runs at once.
+            st = self._wait_for_room(label) if label is not None else None
+            start, cpu0 = time.monotonic_ns(), time.process_time_ns()
             try:
                 label = next(gen)
             except StopIteration as done:
@@ -121,31 +144,43 @@ class BackfillExecutor:
                     f"(stage {self.stage}) failed at checkpoint step {manifest.step}: "
                     f"{type(e).__name__}: {e}\n{tb}"
                 ) from e
-            end = time.monotonic_ns()
-            busy[0] += (end - start) / 1e9
-            self._account(st, start, end, label)
+            end, cpu = time.monotonic_ns(), time.process_time_ns() - cpu0
+            if label == SETUP:
+                setup_s += (end - start) / 1e9
+                continue
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # the unit's device work is done: its wall time counts
+                end = time.monotonic_ns()
+            work = cpu if self.cpu_mode else end - start
+            busy[0] += work / 1e9
+            self._account(st, start, end, work, label)
         result.setdefault("step", manifest.step)
         result["rank"] = self.rank
         result["busy_s"] = busy[0]
+        result["setup_s"] = setup_s
         result["wall_s"] = time.monotonic() - t0
         return result
 
-    def _account(self, st, start: int, end: int, label: str) -> None:
-        seconds = (end - start) / 1e9
+    def _account(self, st, start: int, end: int, work: int, label: str) -> None:
+        seconds = work / 1e9
         old = self._cost.get(label)
         self._cost[label] = seconds if old is None else 0.7 * old + 0.3 * seconds
         self._slices.append((start, end, label))
         self._totals["units"] += 1
-        if st is None:  # free run: no window involved
+        if st is None:  # free run, or a forced unit: no window involved
             self._totals["free_s"] += seconds
             return
-        now = self.channel.state()
-        closed = now.closed_ns if (now.seq != st.seq or not now.open) else None
-        if closed is None or closed >= end:
+        if self.cpu_mode:
+            filled, over = work, 0  # the governor measures what it cost training
+        # The unit counts as filling the window it started in, up to that window's
+        # close; anything after (even inside later windows) counts as overrun.
+        elif (now := self.channel.state()).seq == st.seq and now.open:
             filled, over = end - start, 0
         else:
-            filled = max(0, closed - start)
-            over = end - max(start, closed)
+            closed = self.channel.closed_at(st.seq)
+            closed = closed if closed is not None else start  # unknown: assume no fill
+            filled = max(0, min(end, closed) - start)
+            over = end - start - filled
         self._totals["filled_s"] += filled / 1e9
         self._totals["overrun_s"] += over / 1e9
         self.channel.account(filled, over)
@@ -159,22 +194,47 @@ class BackfillExecutor:
         return self.channel
 
     def _wait_for_room(self, label: str | None):
-        """Block until a window has room for one more unit of `label`; None when free-running."""
+        """Block until a window has room for one more unit of `label`; None when free-running.
+
+        A unit whose measured cost has not fit any of the last `_MAX_PASSED` windows
+        runs at the start of the next one anyway, so a task whose units are all bigger
+        than this stage's windows advances instead of starving; the overrun it causes
+        is measured, and the governor answers it.
+        """
         chan = self._attach()
         after = -1
+        passed = 0
         while True:
             if self.free_run:
                 return None
             st = chan.wait_open(_WAIT_SLICE_S)
-            if st is None or self.paused or st.seq <= after:
-                if st is not None and st.seq <= after:
-                    time.sleep(0.0005)  # the window we passed on is still open
+            if st is None:
+                continue
+            if st.seq <= after:
+                time.sleep(0.0005)  # the window we passed on is still open
+                continue
+            if self.paused:
+                after = st.seq
                 continue
             need = self._cost.get(label, 0.0) * self.margin if label else 0.0
             room = (st.predicted_end_ns - time.monotonic_ns()) / 1e9
-            if room >= need:
+            if room >= need or passed >= _MAX_PASSED:
                 return st
             after = st.seq  # not enough room left in this window: wait for the next
+            passed += 1
+
+
+def idle_priority() -> None:
+    """Run every thread of this process at SCHED_IDLE: on a CPU "device" the kernel
+    then gives the core to the stage's threads (compute, and gloo's transport
+    threads) the moment they are runnable, so a backfill unit can delay training by
+    at most a scheduler wake-up. It is the CPU counterpart of a low-priority stream."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
 
 
 def pin_process(core: int) -> None:

@@ -7,6 +7,11 @@ executor resumes it only inside a pipeline window with room for one more unit of
 that kind, so a task never needs to know about windows. Its result is the
 generator's return value (a dict).
 
+Everything before a task's first `yield` is its setup: host-side loading
+(download, deserialise, build the model, read the corpus). The executor runs it
+at once, outside the windows, at the idle priority it always has on CPU; it is
+not device work and is reported apart (`setup_s`).
+
 Tasks read the model from a committed checkpoint (the portable per-stage files,
 full fp32 weights by global parameter name), never from a live worker: the
 snapshot is exact, tagged with its step, and costs training nothing.
@@ -33,6 +38,7 @@ from spotline.spec.models import JobSpec, ModelSpec
 from spotline.workers import portable
 
 Units = Generator[str, None, dict[str, Any]]
+SETUP = "setup"  # the label of a task's first yield, after its host-side loading
 
 STAGE_FILES = "spotline/stage_"
 
@@ -54,6 +60,13 @@ class TaskContext:
     @property
     def step(self) -> int:
         return self.manifest.step
+
+    def corpus(self):
+        """The job's corpus, read once per executor."""
+        if "corpus" not in self.cache:
+            spec = self.spec
+            self.cache["corpus"] = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
+        return self.cache["corpus"]
 
     def target(self) -> torch.nn.Sequential:
         """The whole model at the checkpoint's step (cached per step)."""
@@ -96,10 +109,10 @@ def run_eval(task: EvalTaskSpec, ctx: TaskContext) -> Units:
     """
     spec = ctx.spec
     model = ctx.target()
-    yield "load"
-    corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
-    mbs = spec.micro_batch_size()
-    heldout = Sampler(corpus.heldout, spec.model.seq_len, mbs, spec.data.seed + 1)
+    heldout = Sampler(
+        ctx.corpus().heldout, spec.model.seq_len, spec.micro_batch_size(), spec.data.seed + 1
+    )
+    yield SETUP
     replicas = int(ctx.manifest.topology["replicas"])
     micro = spec.grad_accum(replicas)
     n = task.batches or spec.train.eval_batches
@@ -138,31 +151,33 @@ def build_draft(draft: DraftSpec, seq_len: int, seed: int) -> torch.nn.Sequentia
     )
 
 
-def train_draft(draft_spec: DraftSpec, ctx: TaskContext) -> Generator[str, None, Any]:
-    """The draft model, trained on the job's corpus once per executor (cached)."""
+def build_trained_draft(draft_spec: DraftSpec, ctx: TaskContext) -> tuple[Any, bool]:
+    """The draft model (cached per executor) and whether it still needs training."""
     key = f"draft:{draft_spec.model_dump_json()}"
     if key in ctx.cache:
-        return ctx.cache[key]
-    spec = ctx.spec
-    model = build_draft(draft_spec, spec.model.seq_len, spec.train.seed + 99991)
+        return ctx.cache[key], False
+    model = build_draft(draft_spec, ctx.spec.model.seq_len, ctx.spec.train.seed + 99991)
     if draft_spec.path:
         model.load_state_dict(torch.load(draft_spec.path, map_location="cpu"))
-    model.to(ctx.device)
-    if draft_spec.train_steps:
-        corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
-        sampler = Sampler(corpus.train, spec.model.seq_len, 8, spec.data.seed + 7)
-        opt = torch.optim.AdamW(model.parameters(), lr=draft_spec.lr)
-        model.train()
-        for step in range(draft_spec.train_steps):
-            ((x, y),) = sampler.micro_batches(step, 0, 1, 1)
-            loss = lm_loss(model(x.to(ctx.device)), y.to(ctx.device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            yield "draft-train"
-    model.eval()
-    ctx.cache[key] = model
-    return model
+    ctx.cache[key] = model.to(ctx.device)
+    return ctx.cache[key], draft_spec.train_steps > 0
+
+
+def train_draft(draft, draft_spec: DraftSpec, ctx: TaskContext) -> Generator[str, None, None]:
+    """Train the draft on the job's corpus, one small optimizer step per unit."""
+    spec = ctx.spec
+    # Two sequences per step: a unit small enough to fit a pipeline window.
+    sampler = Sampler(ctx.corpus().train, spec.model.seq_len, 2, spec.data.seed + 7)
+    opt = torch.optim.AdamW(draft.parameters(), lr=draft_spec.lr)
+    draft.train()
+    for step in range(draft_spec.train_steps):
+        ((x, y),) = sampler.micro_batches(step, 0, 1, 1)
+        loss = lm_loss(draft(x.to(ctx.device)), y.to(ctx.device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        yield "draft-train"
+    draft.eval()
 
 
 def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
@@ -173,9 +188,12 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
             "(preflight reads the prompts file)"
         )
     seq_len = ctx.spec.model.seq_len
-    draft = yield from train_draft(task.draft, ctx)
     target = ctx.target()
-    yield "load"
+    draft, untrained = build_trained_draft(task.draft, ctx)
+    ctx.corpus()
+    yield SETUP
+    if untrained:
+        yield from train_draft(draft, task.draft, ctx)
     rows = []
     totals = {"new_tokens": 0, "verifications": 0, "proposed": 0, "accepted": 0}
     spec_s = target_s = 0.0

@@ -39,7 +39,7 @@ class BubbleBook:
                 acc[k] += r.get(k, 0.0)
                 chunk[k] += r.get(k, 0.0)
             self.latest[r["rank"]] = r
-        self.last_chunk = _fractions(chunk)
+        self.last_chunk = _fractions(chunk) | {"theory": self.theory()}
         if backfill_on:
             for k in _KEYS:
                 self.while_on[k] += chunk[k]
@@ -74,5 +74,7 @@ class BubbleBook:
 def _fractions(acc: dict[str, float]) -> dict[str, float]:
     out = dict(acc)
     out["bubble_fraction"] = acc["wait_s"] / acc["step_s"] if acc["step_s"] else 0.0
-    out["fill_fraction"] = acc["filled_s"] / acc["wait_s"] if acc["wait_s"] else 0.0
+    # Bounded by 1: on CPU the fill is executor CPU time, and an executor may also use
+    # idle moments outside the stage's recorded waits (between chunks of steps).
+    out["fill_fraction"] = min(1.0, acc["filled_s"] / acc["wait_s"]) if acc["wait_s"] else 0.0
     return out

@@ -33,7 +33,9 @@ _FIELDS = (
     "paused",  # controller via executor: 1 while backfill is paused
 )
 _FMT = "<" + "q" * len(_FIELDS)
-_SIZE = struct.calcsize(_FMT)
+_RING = 16  # close times of the last windows, by seq % _RING
+_RING_OFF = struct.calcsize(_FMT)
+_SIZE = _RING_OFF + 8 * _RING
 _OFF = {name: 8 * i for i, name in enumerate(_FIELDS)}
 
 
@@ -88,7 +90,9 @@ class WindowChannel:
             os.write(self._fifo, b"w")
 
     def close_window(self) -> None:
-        self._set("closed_ns", time.monotonic_ns())
+        now = time.monotonic_ns()
+        struct.pack_into("<q", self._mm, _RING_OFF + 8 * (self._get("seq") % _RING), now)
+        self._set("closed_ns", now)
         self._set("open", 0)
 
     # --- executor side ----------------------------------------------------------
@@ -107,6 +111,15 @@ class WindowChannel:
             if ready:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._fifo, 4096)
+
+    def closed_at(self, seq: int) -> int | None:
+        """When window `seq` closed; None if it is still open or too old to know."""
+        st = self.state()
+        if seq == st.seq and st.open:
+            return None
+        if st.seq - seq >= _RING:
+            return None
+        return struct.unpack_from("<q", self._mm, _RING_OFF + 8 * (seq % _RING))[0]
 
     def account(self, filled_ns: int, overrun_ns: int, slices: int = 1) -> None:
         self._add("filled_ns", filled_ns)

@@ -1,0 +1,232 @@
+"""Pipeline bubbles and backfill: measured vs theoretical bubble, how much of it backfill
+fills, and what that costs the training step, in one invocation.
+
+For each shape (p stages, m micro-batches per step, one replica) the same Spotline
+job runs twice on a fresh local Ray cluster:
+
+off  backfill disabled: the measured bubble fraction and the step time.
+on   backfill enabled with an eval task and a speculative-decoding task due at every
+     checkpoint, so the executors always have work; the governor holds training's
+     slowdown under backfill.max_slowdown against its own paused baseline.
+
+The "device" here is a CPU core. SPOTLINE_PIN_CORES=1 pins rank r's worker *and* its
+backfill executor to core r (every thread of both processes), and each worker uses
+one torch thread, so a stage and its executor compete for exactly one core as they
+would for one GPU, and an executor can only run when its stage leaves the core idle.
+Shapes with more stages than this machine has cores are skipped (p=4 needs 4 cores).
+
+Figures, per shape:
+- bubble measured: the off run's time stages spent blocked on other stages (receives,
+  sends, the end-of-step syncs) / step time, all stages; theory: (p-1)/(m+p-1).
+- fill: the on run's executor time inside those waits / the waiting time, counted
+  over the chunks that ran with backfill on (the governor pauses it for baselines).
+- slowdown: the on run's mean step time while backfill ran / the off run's mean step
+  time (recorded by the stages themselves; checkpoint saves are not part of a step).
+  The governor's own figure (against its in-run paused baseline) is shown beside it.
+- throughput: held-out eval micro-batches and speculative tokens that backfill
+  completed per second of training, and the draft's accepted tokens per verification.
+
+    python benchmarks/bubbles.py [--steps N] [--shapes 2x2,2x8] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from overhead import machine_context  # noqa: E402
+
+# Two of configs/prompts.txt: the speculative task must finish inside a run's bubbles.
+PROMPTS = (REPO / "configs" / "prompts.txt").read_text().splitlines()[:2]
+
+
+def build_spec(p: int, m: int, steps: int, interval: int, tmp: Path, backfill: bool, name: str):
+    from spotline.spec import load_spec
+
+    return load_spec(
+        {
+            "name": name,
+            "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128},
+            "data": {"max_bytes": 2_000_000},
+            "parallel": {"pipeline_stages": p, "micro_batches": m, "zero_stage": 1},
+            "elastic": {"min_replicas": 1, "max_replicas": 1},
+            "train": {"steps": steps, "global_batch_size": 2 * m, "warmup_steps": 10},
+            "checkpoint": {
+                "uri": f"file://{tmp}/{name}/ckpt",
+                "interval_steps": interval,
+                "keep_last": 2,
+                "staging_dir": str(tmp / "staging"),
+            },
+            "resources": {"cpus_per_worker": 1},
+            "backfill": {
+                "enabled": backfill,
+                "max_slowdown": 0.02,
+                "baseline_steps": 10,
+                "rebaseline_every_steps": 100,
+                "finish_timeout_s": 0,  # count only what ran alongside training
+                "tasks": [
+                    {"kind": "eval", "every_steps": interval, "batches": 4},
+                    {
+                        "kind": "speculative",
+                        "prompts": PROMPTS,
+                        "max_new_tokens": 16,
+                        "gamma": 4,
+                        "every_steps": 4 * interval,
+                        "draft": {"n_layers": 1, "d_model": 64, "train_steps": 20},
+                    },
+                ]
+                if backfill
+                else [],
+            },
+        }
+    )
+
+
+def run_job(spec) -> Any:
+    import ray
+
+    import spotline
+    from spotline.spec.preflight import preflight
+
+    preflight(spec)  # reads the prompts file into the spec
+    ray.init(
+        num_cpus=spec.parallel.pipeline_stages,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="WARNING",
+    )
+    try:
+        return spotline.Job(spec).run(verbose=False)
+    finally:
+        ray.shutdown()
+
+
+def step_time(bubbles: dict[str, Any], key: str | None = None) -> float:
+    b = bubbles[key] if key else bubbles
+    return b["step_s"] / b["steps"] if b["steps"] else float("nan")
+
+
+def measure(p: int, m: int, args, tmp: Path) -> dict[str, Any]:
+    off = run_job(build_spec(p, m, args.steps, args.interval, tmp, False, f"off-p{p}m{m}"))
+    on = run_job(build_spec(p, m, args.steps, args.interval, tmp, True, f"on-p{p}m{m}"))
+    ob, nb = off.bubbles, on.bubbles
+    while_on = nb["while_backfill_on"]
+    train_s = on.steps / on.steps_per_s if on.steps_per_s else float("nan")
+    done = [t["result"] for t in on.backfill["tasks"] if t["state"] == "done"]
+    evals = [r for r in done if r["kind"] == "eval"]
+    specs = [r for r in done if r["kind"] == "speculative"]
+    eval_mb = sum(r["batches"] * m for r in evals)  # micro-batches of one replica
+    verifs = sum(r["verifications"] for r in specs)
+    return {
+        "p": p,
+        "m": m,
+        "bubble_theory": ob["theory"],
+        "bubble_measured": ob["bubble_fraction"],
+        "bubble_measured_per_stage": [s["bubble_fraction"] for s in ob["per_stage"].values()],
+        "fill": while_on["fill_fraction"],
+        "fill_per_stage_overall": [s["fill_fraction"] for s in nb["per_stage"].values()],
+        "overrun_s_per_step": while_on["overrun_s"] / while_on["steps"]
+        if while_on["steps"]
+        else 0.0,
+        "slowdown": step_time(while_on) / step_time(ob) if while_on["steps"] else float("nan"),
+        "governor_slowdown": on.backfill["slowdown"],
+        "governor_margin": on.backfill["margin"],
+        "step_s_off": step_time(ob),
+        "step_s_on": step_time(while_on) if while_on["steps"] else None,
+        "steps_with_backfill_on": int(while_on["steps"] / p),
+        "eval_batches_per_s": eval_mb / train_s,
+        "spec_tokens_per_s": sum(r["new_tokens"] for r in specs) / train_s,
+        "accepted_per_verification": (
+            sum(r["accepted"] for r in specs) / verifs if verifs else None
+        ),
+        "spec_speedup_vs_target_only": (
+            sum(r["speedup"] for r in specs) / len(specs) if specs else None
+        ),
+        "tasks_done": len(done),
+        "steps_per_s_off": off.steps_per_s,
+        "steps_per_s_on": on.steps_per_s,
+    }
+
+
+def render(runs: list[dict[str, Any]], ctx: dict[str, Any], skipped: list[str]) -> str:
+    cols = [
+        ("p x m", lambda r: f"{r['p']}x{r['m']}"),
+        ("bubble theory", lambda r: f"{r['bubble_theory']:.3f}"),
+        ("bubble measured", lambda r: f"{r['bubble_measured']:.3f}"),
+        ("fill", lambda r: f"{r['fill']:.3f}"),
+        ("slowdown on/off", lambda r: f"{r['slowdown']:.3f}"),
+        ("governor", lambda r: _pct(r["governor_slowdown"])),
+        ("eval mb/s", lambda r: f"{r['eval_batches_per_s']:.2f}"),
+        ("spec tok/s", lambda r: f"{r['spec_tokens_per_s']:.1f}"),
+        ("acc/verif", lambda r: _num(r["accepted_per_verification"])),
+    ]
+    widths = [max(len(h), *(len(f(r)) for r in runs)) for h, f in cols]
+    lines = ["  ".join(h.rjust(w) for (h, _), w in zip(cols, widths, strict=True))]
+    for r in runs:
+        lines.append("  ".join(f(r).rjust(w) for (_, f), w in zip(cols, widths, strict=True)))
+    lines.append(
+        f"machine: {ctx['cores']} cores, load avg {ctx['load_avg_1min_at_start']} at start, "
+        f"torch {ctx['torch']}, deepspeed {ctx['deepspeed']}, ray {ctx['ray']}; one core per "
+        "stage, shared with its executor"
+    )
+    lines += [f"skipped {s}" for s in skipped]
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=600, help="training steps per run")
+    ap.add_argument("--interval", type=int, default=25, help="checkpoint every N steps")
+    ap.add_argument(
+        "--shapes",
+        default="2x2,2x8,4x8",  # 4x8 runs only with 4 cores to pin
+        help="comma-separated PxM pipeline shapes (P stages, M micro-batches)",
+    )
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["SPOTLINE_PIN_CORES"] = "1"  # inherited by the local Ray cluster's workers
+    ctx = machine_context()
+    cores = len(os.sched_getaffinity(0))
+    runs, skipped = [], []
+    with tempfile.TemporaryDirectory(prefix="spotline-bubbles-") as d:
+        for shape in args.shapes.split(","):
+            p, m = (int(x) for x in shape.lower().split("x"))
+            if p > cores:
+                skipped.append(
+                    f"{p}x{m}: {p} stages need {p} cores to pin, this machine has {cores}"
+                )
+                continue
+            t0 = time.time()
+            runs.append(measure(p, m, args, Path(d)))
+            print(f"{p}x{m} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    print(render(runs, ctx, skipped))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"machine": ctx, "runs": runs, "skipped": skipped}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
