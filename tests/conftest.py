@@ -150,6 +150,9 @@ def init_local_ray() -> None:
         log_to_driver=False,
         logging_level="WARNING",
         runtime_env={"env_vars": {"SPOTLINE_DIST_TIMEOUT_S": "120"}},
+        # Metrics reach the Prometheus endpoint within a second (default 10 s), so a
+        # test can scrape them while a short job runs.
+        _system_config={"metrics_report_interval_ms": 1000},
     )
 
 

@@ -7,6 +7,8 @@ the same upload path shape, and can be told to fail.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry
@@ -116,6 +118,12 @@ class FakeGroup:
 
     def request_checkpoint(self, reason):
         self.stop_requests.append(reason)
+
+    def executors(self):
+        return []
+
+    def peak_flops(self):
+        return 1e9
 
     def shutdown(self):
         self.shut = True
@@ -552,3 +560,33 @@ def test_notice_at_a_checkpoint_boundary_does_not_save_that_step_twice(tmp_path)
     assert saves.count(10) == 1
     assert res["notices"][0]["committed_step"] == 10
     assert [g.replicas for g in FakeGroup.instances] == [2, 1]
+
+
+def test_ledger_adds_up_and_counts_lost_steps_as_recomputed(tmp_path):
+    # Step 20's checkpoint never commits (an upload fails), then a worker dies at 22:
+    # the job resumes from 10, so steps 11..20 (reported) and 21..22 are trained again.
+    ctl, store = make(tmp_path, {"upload_error_step": 20, "kill_at": 22})
+    res = ctl.run()
+    assert res["state"] == "finished" and res["attempts"][1]["restored_from"] == 10
+    led = res["ledger"]
+    parts = led["device_s"]
+    assert sum(parts.values()) == pytest.approx(led["total_s"], rel=1e-9)
+    assert parts["useful"] > 0 and parts["recomputed"] > 0
+    assert parts["recovery"] > 0  # the restart itself
+    assert led["steps"] == 25  # steps whose compute counts, each once
+    assert 0 < led["goodput"] < 1
+
+
+def test_summary_and_ledger_are_stored_and_continued_by_a_new_controller(tmp_path):
+    ctl, store = make(tmp_path)
+    ctl.run()
+    summary = json.loads(store.read_artifact("summary.json"))
+    assert summary["state"] == "finished" and summary["step"] == 25
+    assert summary["last_checkpoint"]["step"] == 25
+    assert summary["mfu"] is not None  # FakeGroup's peak is 1 GFLOP/s
+    first = summary["ledger"]["total_s"]
+    assert first > 0
+    again, _ = make(tmp_path, **{"train.steps": 30})  # extend the same job
+    again.run()
+    assert again.telemetry.ledger.total_s > first  # continued, not started over
+    assert [h["step"] for h in again.telemetry.history][0] == 10

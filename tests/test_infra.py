@@ -189,3 +189,42 @@ def test_spot_config_is_sized_for_the_infra(launcher: dict[str, Any]) -> None:
     gpus_per_node = 8  # p4d.24xlarge, and the KubeRay worker's nvidia.com/gpu
     nodes = max(t.get("max_workers", 0) for t in launcher["available_node_types"].values())
     assert spec.elastic.max_replicas * spec.parallel.pipeline_stages == nodes * gpus_per_node
+
+
+# --- Grafana and Prometheus -------------------------------------------------------------
+
+
+def test_grafana_dashboard_references_only_exported_series() -> None:
+    from spotline.metrics.export import METRICS, exported_name
+
+    dash = json.loads((INFRA / "grafana" / "spotline.json").read_text())
+    exported = {exported_name(m.name) for m in METRICS}
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    used = {name for e in exprs for name in re.findall(r"\bray_spotline_[a-z_]+\b", e)}
+    assert used, "the dashboard queries no Spotline series"
+    assert used <= exported, f"not exported by Spotline: {sorted(used - exported)}"
+    assert exported <= used, f"exported but on no panel: {sorted(exported - used)}"
+    # Every other identifier in a query is PromQL, not a metric name.
+    for e in exprs:
+        other = set(re.findall(r"\b(ray_[a-z_]+)\b", e)) - exported
+        assert not other, f"{e!r} queries unknown series {other}"
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def test_prometheus_scrapes_rays_service_discovery_file() -> None:
+    from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
+
+    cfg = yaml.safe_load((INFRA / "prometheus" / "prometheus.yml").read_text())
+    (job,) = cfg["scrape_configs"]
+    files = [f for sd in job["file_sd_configs"] for f in sd["files"]]
+    assert files == [f"/tmp/ray/{PROMETHEUS_SERVICE_DISCOVERY_FILE}"]
+
+
+def test_every_series_is_declared_once() -> None:
+    from spotline.metrics.export import METRICS
+
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    assert all(n.startswith("spotline_") for n in names)
+    assert all(m.kind == "gauge" or m.name.endswith("_total") for m in METRICS)

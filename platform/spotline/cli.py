@@ -69,9 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     submit.add_argument("--working-dir", default=".")
 
-    status = sub.add_parser("status", help="show a running job's controller status")
-    status.add_argument("name", help="job name")
-    status.add_argument("--address", default="auto")
+    status = sub.add_parser(
+        "status", help="a job's state, speed, bubbles, checkpoints and goodput, as a table"
+    )
+    status.add_argument(
+        "job",
+        nargs="?",
+        help="a running job's name, or a checkpoint URI of any job (default: the one "
+        "running job on the cluster)",
+    )
+    status.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
+    status.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, metavar="SECONDS", help="refresh until it ends"
+    )
+    status.add_argument("--json", action="store_true", help="print the raw summary as JSON")
+
+    report = sub.add_parser("report", help="PNG plots: loss, step time, bubbles, goodput")
+    report.add_argument("job", help="a running job's name, or a checkpoint URI")
+    report.add_argument("--out", default="spotline-report", help="directory for the PNGs")
+    report.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
 
     trace = sub.add_parser(
         "trace", help="write a job's pipeline timeline as Chrome-trace JSON (Perfetto)"
@@ -118,17 +134,30 @@ def _dispatch(args) -> int:
         )
         return 0
     if args.cmd == "status":
-        import ray
+        fetch = _summary_source(args.job, args.address)
+        if args.json:
+            print(json.dumps(fetch(), indent=2, default=str))
+            return 0
+        from spotline.report import print_status
 
-        from spotline.controller.actor import controller_name
+        print_status(fetch, watch=args.watch)
+        return 0
+    if args.cmd == "report":
+        from pathlib import Path
 
-        ray.init(address=args.address, logging_level="WARNING")
-        st = ray.get(ray.get_actor(controller_name(args.name)).status.remote(0))
-        st["events"] = st["events"][-10:]
-        print(json.dumps(st, indent=2))
+        from spotline.report import write_report
+
+        summary = _summary_source(args.job, args.address)()
+        trace = _read_trace(args.job, args.address, required=False)
+        for path in write_report(summary, trace, Path(args.out)):
+            print(f"wrote {path}")
         return 0
     if args.cmd == "trace":
-        return _trace(args)
+        trace = _read_trace(args.job, args.address, required=True)
+        with open(args.out, "w") as f:
+            json.dump(trace, f)
+        print(f"wrote {args.out}: open it at https://ui.perfetto.dev or chrome://tracing")
+        return 0
     return 2
 
 
@@ -154,28 +183,65 @@ def _live_controller(name: str, address: str):
         ) from None
 
 
-def _trace(args) -> int:
-    from spotline.checkpoint import CheckpointStore
-    from spotline.controller.controller import TRACE_ARTIFACT
+def _running_job(address: str) -> str:
+    import ray
 
-    if _is_uri(args.job):
-        raw = CheckpointStore(args.job).read_artifact(TRACE_ARTIFACT)
-        if raw is None:
-            raise SpecError(
-                f"{args.job} holds no pipeline trace (artifacts/{TRACE_ARTIFACT}); traces are "
-                "written at every checkpoint of jobs with parallel.pipeline_stages >= 2"
-            )
-        trace = json.loads(raw)
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    names = sorted(
+        a["name"].split(":")[1]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("spotline:") and a["name"].endswith(":controller")
+    )
+    if len(names) != 1:
+        found = ", ".join(names) if names else "none"
+        raise SpecError(
+            f"name the job: running Spotline jobs on the cluster at {address}: {found}. "
+            "A finished job is read from its checkpoint URI"
+        )
+    return names[0]
+
+
+def _summary_source(target: str | None, address: str):
+    """A function returning the job's summary, from its controller or its checkpoints."""
+    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
+    from spotline.report import load_json
+
+    if target is not None and _is_uri(target):
+        store = CheckpointStore(target)
+
+        def from_store() -> dict:
+            summary = load_json(store.read_artifact(SUMMARY_ARTIFACT))
+            if summary is None:
+                raise SpecError(
+                    f"{target} holds no Spotline job summary (artifacts/{SUMMARY_ARTIFACT}); "
+                    "give the job's checkpoint.uri, with {job} filled in"
+                )
+            return summary
+
+        return from_store
+    import ray
+
+    controller = _live_controller(target or _running_job(address), address)
+    return lambda: ray.get(controller.summary.remote())
+
+
+def _read_trace(target: str, address: str, required: bool) -> dict | None:
+    from spotline.checkpoint import TRACE_ARTIFACT, CheckpointStore
+    from spotline.report import load_json
+
+    if _is_uri(target):
+        trace = load_json(CheckpointStore(target).read_artifact(TRACE_ARTIFACT))
     else:
         import ray
 
-        trace = ray.get(_live_controller(args.job, args.address).trace.remote())
-        if trace is None:
-            raise SpecError(f"job {args.job} has one pipeline stage: it has no bubbles to trace")
-    with open(args.out, "w") as f:
-        json.dump(trace, f)
-    print(f"wrote {args.out}: open it at https://ui.perfetto.dev or chrome://tracing")
-    return 0
+        trace = ray.get(_live_controller(target, address).trace.remote())
+    if trace is None and required:
+        raise SpecError(
+            f"{target} has no pipeline trace: traces exist for jobs with "
+            "parallel.pipeline_stages >= 2, written beside the checkpoints at every commit"
+        )
+    return trace
 
 
 if __name__ == "__main__":

@@ -59,6 +59,12 @@ class JobResult:
     per stage. None when pipeline_stages = 1."""
     backfill: dict[str, Any] | None = None
     """Backfill tasks with their results, and the governor's baseline and slowdown."""
+    ledger: dict[str, Any] | None = None
+    """Goodput ledger: device-seconds by part (useful, bubble, stall, recovery, ...)."""
+    cost: dict[str, Any] | None = None
+    """Dollars on spot, and for the same steps on-demand (metrics.*_usd_per_device_hour)."""
+    alerts: list[str] = field(default_factory=list)
+    """Sustained performance deviations the controller warned about."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:
@@ -90,8 +96,19 @@ class JobResult:
                 f"  checkpoints       {where}",
                 f"  committed steps   {self.committed_steps}",
                 *self._bubble_lines(),
+                *self._goodput_lines(),
             ]
         )
+
+    def _goodput_lines(self) -> list[str]:
+        if not self.ledger:
+            return []
+        line = f"  goodput           {self.ledger['goodput']:.1%} of device time was useful compute"
+        if self.cost and self.cost.get("spot") is not None:
+            line += f"; ${self.cost['spot']:.2f} on spot"
+            if self.cost.get("on_demand_same_steps") is not None:
+                line += f" vs ${self.cost['on_demand_same_steps']:.2f} on-demand"
+        return [line, *[f"  alert             {a}" for a in self.alerts]]
 
     def _bubble_lines(self) -> list[str]:
         lines = []

@@ -59,8 +59,9 @@ class TaskRecord:
 
 
 class BackfillPool:
-    def __init__(self, spec: JobSpec, event=None):
+    def __init__(self, spec: JobSpec, event=None, on_result=None):
         self.spec = spec
+        self._on_result = on_result or (lambda result: None)
         bf = spec.backfill
         self.governor = SlowdownGovernor(
             bf.max_slowdown, bf.baseline_steps, bf.rebaseline_every_steps
@@ -180,6 +181,7 @@ class BackfillPool:
             rec.result = ray.get(ref)
             rec.state = "done"
             self._event(f"backfill {rec.name} on step {rec.step}: {_summary(rec.result)}")
+            self._on_result(rec.result)
         except Exception as e:  # noqa: BLE001 - any task failure is reported, never raised
             rec.error = _describe(e)
             rec.errors.append(rec.error)

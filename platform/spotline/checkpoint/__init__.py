@@ -5,6 +5,9 @@ Imports nothing heavy: the S3 client packages load only when an s3:// URI is use
 
 from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError
 from spotline.checkpoint.store import (
+    LEDGER_ARTIFACT,
+    SUMMARY_ARTIFACT,
+    TRACE_ARTIFACT,
     CheckpointStore,
     CorruptCheckpointError,
     StorageError,
@@ -13,6 +16,9 @@ from spotline.checkpoint.store import (
 )
 
 __all__ = [
+    "LEDGER_ARTIFACT",
+    "SUMMARY_ARTIFACT",
+    "TRACE_ARTIFACT",
     "CheckpointStore",
     "CorruptCheckpointError",
     "FileEntry",

@@ -39,6 +39,10 @@ from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError, che
 
 MANIFEST_NAME = "manifest.json"
 ARTIFACTS_DIR = "artifacts"
+# The job's artifacts beside its checkpoints (see write_artifact).
+TRACE_ARTIFACT = "trace.json"  # Chrome trace of the latest pipeline steps
+SUMMARY_ARTIFACT = "summary.json"  # what `spotline status` / `report` show
+LEDGER_ARTIFACT = "ledger.json"  # the goodput ledger, continued by a restarted controller
 RECEIPTS_DIR = "_receipts"  # per-rank upload receipts; not part of the checkpoint
 HASH_CHUNK_BYTES = 8 * 2**20
 # Files of one step move in parallel; each large S3 object is itself split into

@@ -62,6 +62,9 @@ class ControllerActor:
     def trace(self) -> dict[str, Any] | None:
         return self.controller.trace()
 
+    def summary(self) -> dict[str, Any]:
+        return self.controller.summary()
+
 
 def start_controller(spec: JobSpec, store: CheckpointStore):
     """Create the named controller actor, pinned to the head node (the driver's node)."""

@@ -31,6 +31,7 @@ from spotline import constants
 from spotline.backfill.pool import BackfillPool
 from spotline.bubbles.book import BubbleBook
 from spotline.checkpoint import (
+    TRACE_ARTIFACT,
     CheckpointStore,
     CorruptCheckpointError,
     FileEntry,
@@ -47,12 +48,11 @@ from spotline.controller.policies import (
     Wait,
 )
 from spotline.controller.state import State
+from spotline.controller.telemetry import Telemetry
 from spotline.spec.models import JobSpec
 from spotline.workers.group import WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
-
-TRACE_ARTIFACT = "trace.json"
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -133,8 +133,15 @@ class Controller:
         # Pipeline bubbles and the backfill that fills them.
         pp = spec.parallel.pipeline_stages
         self.bubbles = BubbleBook(pp) if pp > 1 else None
-        self.backfill = BackfillPool(spec, self._event) if spec.backfill.enabled else None
+        self.telemetry = Telemetry(spec, self._event)
+        self.backfill = (
+            BackfillPool(spec, self._event, on_result=self._backfill_result)
+            if spec.backfill.enabled
+            else None
+        )
         self._chunks_in_group = 0
+        self._last_world = 0  # devices of the latest group (charged while waiting)
+        self._chunk_charged_s = 0.0
 
     # --- reporting ----------------------------------------------------------------
 
@@ -150,12 +157,7 @@ class Controller:
             events = self._events[since_event:]
             n_events = len(self._events)
         return {
-            "name": self.spec.name,
-            "state": self.state.value,
-            "step": self.step_count,
-            "total_steps": self.spec.train.steps,
-            "replicas": group.replicas if group else 0,
-            "max_replicas": self.spec.elastic.max_replicas,
+            **self._headline(group),
             "failures": self.failures,
             "node_losses": self.node_losses,
             "preemption_notices": len(self.notices),
@@ -166,6 +168,16 @@ class Controller:
             "events": events,
             "next_event": n_events,
             "error": self.error,
+        }
+
+    def _headline(self, group: WorkerGroup | None) -> dict[str, Any]:
+        return {
+            "name": self.spec.name,
+            "state": self.state.value,
+            "step": self.step_count,
+            "total_steps": self.spec.train.steps,
+            "replicas": group.replicas if group else 0,
+            "max_replicas": self.spec.elastic.max_replicas,
         }
 
     def result(self) -> dict[str, Any]:
@@ -195,6 +207,9 @@ class Controller:
             "resizes": list(self.resizes),
             "recoveries": list(self.recoveries),
             "waited_s": self.waited_s,
+            "ledger": self.telemetry.ledger_summary(),
+            "cost": self.telemetry.cost(),
+            "alerts": [a.message() for a in self.telemetry.deviation.alerts],
             "bubbles": self.bubbles.summary() if self.bubbles else None,
             "backfill": (
                 {"tasks": self.backfill.results(), **self.backfill.summary()}
@@ -221,6 +236,9 @@ class Controller:
             State.RECOVERING: self._recovering,
             State.FINISHING: self._finishing,
         }[self.state]
+        state, t0 = self.state, time.monotonic()
+        first_start = not self.attempts
+        chunk_failed = False
         try:
             if self._stop_reason is not None and self.state not in (
                 State.RUNNING,
@@ -230,14 +248,21 @@ class Controller:
                 return self.state
             self.state = handler()
         except WorkerFailure as e:
+            chunk_failed = state is State.RUNNING
             self.state = self._on_failure(str(e), process_died=e.process_died)
         except (CheckpointMismatchError, CorruptCheckpointError) as e:
             self.state = self._fail(str(e))
         except StorageError as e:
             # Storage unreachable while scheduling or restoring: a restart retries it.
             self.state = self._on_failure(f"checkpoint storage: {e}")
+        if self.group is not None:
+            self._last_world = self.group.world_size
+        elapsed = time.monotonic() - t0 - self._chunk_charged_s
+        self._chunk_charged_s = 0.0
+        self.telemetry.charge(state, elapsed, self._last_world, first_start, chunk_failed)
         if self.state.terminal:
             self.finished_at = time.time()
+            self._write_artifacts(trace=False)  # the group is gone; the last trace stands
             self.cluster.close()
         return self.state
 
@@ -249,6 +274,7 @@ class Controller:
 
     def _pending(self) -> State:
         self._event(f"job {self.spec.name}: checkpoints at {self.store.uri}")
+        self.telemetry.resume(self.store)
         return State.SCHEDULING
 
     def _scheduling(self) -> State:
@@ -283,13 +309,16 @@ class Controller:
             self.resizes[-1]["to_replicas"] = decision.replicas
         self.group = self.group_factory(decision.replicas)
         self.group.start()
+        self.telemetry.peak_flops = self.group.peak_flops()
         self._chunks_in_group = 0
         if self.bubbles is not None:
             self.bubbles.reset_ranks()
         if self.backfill is not None:
             self.backfill.attach(self.group.executors())
+        reached = self.step_count
         self.step_count = self._restore_latest(attempt)
         attempt.start_step = self.step_count
+        self.telemetry.ledger.lost(reached - self.step_count)  # trained again from here
         self._restart_s = self.clock() - t0
         self._last_resize = self.clock()
         if self.step_count >= self.spec.train.steps:
@@ -429,10 +458,23 @@ class Controller:
         if self.bubbles is not None:
             on = self.backfill is not None and not self.backfill.governor.decision().paused
             self.bubbles.add(chunk.bubbles, self.spec.grad_accum(self.group.replicas), on)
+        # The first chunk of a group includes its warm-up: not a fair step time.
+        warm = self._chunks_in_group > 1 and n > 1
         if self.backfill is not None:
-            # The first chunk of a group includes its warm-up: not a fair step time.
-            self.backfill.on_chunk(done, seconds, warm=self._chunks_in_group > 1 and n > 1)
+            self.backfill.on_chunk(done, seconds, warm=warm)
             self.backfill.poll()
+        self._chunk_charged_s = self.telemetry.chunk(
+            steps=chunk.losses,
+            seconds=seconds,
+            replicas=self.group.replicas,
+            world=self.group.world_size,
+            bubbles=self.bubbles.last_chunk if self.bubbles else None,
+            per_rank=chunk.bubbles,
+            lr=chunk.lr,
+            backfill_slowdown=self.backfill.governor.slowdown if self.backfill else None,
+            warm=warm,
+        )
+        self._export_counts()
         self._report_progress(chunk)
         self._collect_uploads(chunk.uploads)
         for notice in chunk.notices:
@@ -483,7 +525,8 @@ class Controller:
         self._collect_uploads(self.group.flush_uploads())
         if self.backfill is not None:
             self.backfill.finish(self.spec.backfill.finish_timeout_s, self.sleep)
-        self._write_trace()
+            self._export_counts()
+        self._write_artifacts()
         self._teardown()
         if self.spec.train.steps not in self.committed:
             return self._fail(f"the final checkpoint (step {self.spec.train.steps}) did not commit")
@@ -715,8 +758,12 @@ class Controller:
         slices = self.backfill.slices() if self.backfill is not None else {}
         return self.bubbles.trace(self.spec.name, slices)
 
-    def _write_trace(self) -> None:
-        """Keep `artifacts/trace.json` beside the checkpoints current (for `spotline trace`)."""
+    def _write_artifacts(self, trace: bool = True) -> None:
+        """Keep the trace, summary and ledger beside the checkpoints current, for
+        `spotline trace/status/report` on a finished job and for a restarted controller."""
+        self.telemetry.store(self.store, self.summary())
+        if not trace:
+            return
         trace = self.trace()
         if not trace or not self.bubbles or not self.bubbles.latest:
             return
@@ -724,6 +771,59 @@ class Controller:
             self.store.write_artifact(TRACE_ARTIFACT, json.dumps(trace).encode())
         except StorageError as e:
             self._event(f"could not write the pipeline trace: {e}", logging.WARNING)
+
+    def _backfill_result(self, result: dict[str, Any]) -> None:
+        if result.get("kind") == "eval":
+            self.telemetry.eval_result(result)
+
+    def _export_counts(self) -> None:
+        restarts: dict[str, int] = {}
+        for a in self.attempts[:-1]:
+            why = (a.ended_by or "unknown").replace(" ", "_")
+            restarts[why] = restarts.get(why, 0) + 1
+        tasks: dict[str, int] = {}
+        for t in self.backfill.results() if self.backfill else []:
+            if t["state"] in ("done", "failed"):
+                tasks[t["state"]] = tasks.get(t["state"], 0) + 1
+        self.telemetry.counts(len(self.notices), self.node_losses, restarts, tasks)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything `spotline status` and `spotline report` show, in one dict."""
+        group = self.group
+        last = self.committed[-1] if self.committed else None
+        tel = self.telemetry
+        return {
+            **self._headline(group),
+            "waiting": self._waiting_reason,
+            "train_loss": tel.last.get("train_loss"),
+            "heldout_loss": self.heldout_loss,
+            "eval": tel.evals[-1] if tel.evals else None,
+            "evals": list(tel.evals),
+            "tokens_per_s": tel.last.get("tokens_per_s"),
+            "mfu": tel.last.get("mfu"),
+            "hfu": tel.last.get("hfu"),
+            "peak_flops_per_device": tel.peak_flops,
+            "bubbles": self.bubbles.summary() if self.bubbles else None,
+            "last_checkpoint": (
+                {"step": last, "uri": self.store.step_uri(last)} if last is not None else None
+            ),
+            "preemption_notices": len(self.notices),
+            "node_losses": self.node_losses,
+            "restarts": max(0, len(self.attempts) - 1),
+            "failures": self.failures,
+            "ledger": tel.ledger_summary(),
+            "cost": tel.cost(),
+            "alerts": [a.message() for a in tel.deviation.alerts],
+            "history": list(tel.history),
+            "losses": {str(k): v for k, v in sorted(self.losses.items())},
+            "notices": [
+                {k: n.get(k) for k in ("source", "node_id", "committed_step", "notice_to_commit_s")}
+                for n in self.notices
+            ],
+            "resizes": list(self.resizes),
+            "error": self.error,
+            "updated_at": time.time(),
+        }
 
     def submit_backfill(self, task: Any, name: str | None = None) -> int:
         if self.backfill is None:
@@ -810,7 +910,10 @@ class Controller:
             f"committed checkpoint step {step} ({manifest.total_bytes / 1e6:.1f} MB, "
             f"{len(files)} files) -> {self.store.step_uri(step)}"
         )
+        self.telemetry.commit(
+            step, manifest.total_bytes, self.blocked_s[-1] if self.blocked_s else None, upload_s
+        )
         if self.backfill is not None:
             self.backfill.on_commit(manifest, final=step >= self.spec.train.steps)
             self.backfill.poll()  # start what is due now, not after the next chunk
-        self._write_trace()
+        self._write_artifacts()

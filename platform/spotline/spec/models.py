@@ -179,6 +179,25 @@ class ResourcesSpec(_Section):
     """CPUs reserved per worker; on CPU this is also the worker's torch thread budget."""
 
 
+class MetricsSpec(_Section):
+    """Cost figures of the goodput ledger, and deviation alerts."""
+
+    spot_usd_per_device_hour: float | None = Field(None, ge=0.0)
+    """What one device-hour costs on the spot capacity this job runs on. None: the
+    ledger reports device-hours only."""
+    on_demand_usd_per_device_hour: float | None = Field(None, ge=0.0)
+    """What one device-hour would cost on-demand, to price the same steps without
+    preemptions. None: not priced."""
+    deviation_threshold: float = Field(0.15, gt=0.0)
+    """Alert when step time is this much above its baseline (or tokens/s this much below)."""
+    deviation_sustain_steps: int = Field(20, gt=0)
+    """...for at least this many consecutive steps."""
+    deviation_warmup_steps: int = Field(20, ge=0)
+    """Steps ignored at the start (compilation, caches, warm-up lr) before the baseline."""
+    deviation_baseline_steps: int = Field(20, gt=0)
+    """Steps that set the baseline after the warm-up."""
+
+
 class JobSpec(_Section):
     """A whole Spotline job."""
 
@@ -194,6 +213,7 @@ class JobSpec(_Section):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     backfill: BackfillSpec = Field(default_factory=BackfillSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     """Extra DeepSpeed config keys merged over the derived config (advanced)."""
 

@@ -28,6 +28,8 @@ from spotline import constants
 from spotline.backfill.executor import pin_process
 from spotline.bubbles.channel import WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.metrics.export import Metrics, export_gpu_samples
+from spotline.metrics.flops import device_peak
 from spotline.preemption import make_source
 from spotline.spec.models import JobSpec
 from spotline.workers.trainer import Topology, Trainer, init_distributed
@@ -87,7 +89,7 @@ class TrainWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> str:
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         if constants.SPOTLINE_PIN_CORES:
             pin_process(self.topo.rank)
         backend = init_distributed(self.topo, master_addr, master_port)
@@ -97,7 +99,9 @@ class TrainWorker:
                 channel_path(self.spec, self.run_id, self.topo.rank), create=True
             )
         self.trainer = Trainer(self.spec, self.topo, threads=threads, window_channel=self.channel)
-        return backend
+        self.metrics = Metrics(self.spec.name)
+        name, peak = device_peak(self.spec.parallel.precision, threads)
+        return {"backend": backend, "device": name, "peak_flops": peak}
 
     def fetch_checkpoint(self, manifest_json: str) -> str:
         """Download and verify (sha256) a committed checkpoint; raises CorruptCheckpointError."""
@@ -123,6 +127,7 @@ class TrainWorker:
         losses: list[tuple[int, float]] = []
         notices: list[dict[str, Any]] = []
         interrupted = False
+        self._export_devices()
         t0 = time.perf_counter()
         for _ in range(n_steps):
             loss = self.trainer.train_step()
@@ -144,7 +149,11 @@ class TrainWorker:
             "interrupted": interrupted,
             "notices": notices,
             "bubbles": self._bubbles(),
+            "lr": self.trainer.lr(),
         }
+
+    def _export_devices(self) -> None:
+        export_gpu_samples(self.metrics, self.topo.stage, self.topo.replica)
 
     def _bubbles(self) -> dict[str, Any] | None:
         """This stage's bubble figures since the last chunk, and its latest step's timeline."""

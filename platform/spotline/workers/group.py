@@ -65,6 +65,8 @@ class ChunkResult:
     """Preemption notices the ranks saw themselves (SIGTERM), as Notice fields + rank."""
     bubbles: list[dict[str, Any]] = field(default_factory=list)
     """Per rank of a pipeline: bubble figures of the chunk and its latest step's timeline."""
+    lr: float | None = None
+    """Learning rate of the chunk's last step."""
 
 
 class WorkerGroup(Protocol):
@@ -82,6 +84,7 @@ class WorkerGroup(Protocol):
     def flush_uploads(self) -> list[Any]: ...
     def heldout_loss(self) -> float: ...
     def executors(self) -> list[Any]: ...
+    def peak_flops(self) -> float | None: ...
     def worker_info(self) -> list[dict[str, Any]]: ...
     def shutdown(self) -> None: ...
 
@@ -119,6 +122,7 @@ class RayWorkerGroup:
         self.actors: list[Any] = []
         self.backfill: list[Any] = []  # one executor per rank when backfill is on
         self._info: list[dict[str, Any]] = []
+        self._devices: list[dict[str, Any]] = []  # per rank: device name and peak FLOP/s
 
     # --- helpers ------------------------------------------------------------------
 
@@ -228,7 +232,7 @@ class RayWorkerGroup:
         # Rank 0 hosts the torch.distributed store: its node and a port free there.
         addr = self._info[0]["ip"]
         port = ray.get(self.actors[0].free_port.remote(), timeout=timeout)
-        self._call_all("rendezvous", "setup", addr, port, timeout_s=timeout)
+        self._devices = self._call_all("rendezvous", "setup", addr, port, timeout_s=timeout)
 
     def restore(self, manifest: Manifest, reshard: bool = False) -> int:
         """Two phases: every rank downloads and verifies, and only then does any rank load.
@@ -263,6 +267,7 @@ class RayWorkerGroup:
             interrupted=results[0]["interrupted"],
             notices=[n for r in results for n in r["notices"]],
             bubbles=[r["bubbles"] for r in results if r.get("bubbles")],
+            lr=results[0].get("lr"),
         )
 
     def _start_executor(self, topo: Topology, where: Any, bundle: dict, spec_json: str) -> Any:
@@ -291,6 +296,11 @@ class RayWorkerGroup:
 
     def executors(self) -> list[Any]:
         return list(self.backfill)
+
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of one device of this group (the slowest), None if unknown."""
+        peaks = [d.get("peak_flops") for d in self._devices]
+        return min(peaks) if peaks and None not in peaks else None
 
     def request_checkpoint(self, reason: str) -> None:
         """Ask every rank to stop at the next step boundary; does not wait."""

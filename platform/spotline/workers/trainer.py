@@ -219,6 +219,10 @@ class Trainer:
         self.step += 1
         return loss
 
+    def lr(self) -> float | None:
+        groups = self.engine.optimizer.param_groups if self.engine.optimizer else []
+        return float(groups[0]["lr"]) if groups else None
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any rank. Collective: all ranks call it.
 

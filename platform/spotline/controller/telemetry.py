@@ -1,0 +1,238 @@
+"""The controller's figures: Ray metrics, the goodput ledger, MFU, deviation alerts.
+
+Kept out of the state machine: the controller tells it what happened (a chunk of
+steps, a commit, time spent in a state) and it does the accounting and the
+exporting. Nothing here may stop a job: metric export never raises, and the
+stored summary is best effort.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from spotline.checkpoint import (
+    LEDGER_ARTIFACT,
+    SUMMARY_ARTIFACT,
+    CheckpointStore,
+    StorageError,
+)
+from spotline.controller.state import State
+from spotline.metrics.deviation import DeviationMonitor, likely_cause
+from spotline.metrics.export import Metrics
+from spotline.metrics.flops import hardware_flops_per_token, mfu, model_flops_per_token
+from spotline.metrics.ledger import GoodputLedger
+from spotline.spec.models import JobSpec
+
+# The ledger part each state's time goes to (RUNNING splits its chunk itself).
+STATE_PART = {
+    State.PENDING: "startup_other",
+    State.SCHEDULING: "recovery",  # the first start is charged to startup_other instead
+    State.WAITING: "waiting",
+    State.RUNNING: "startup_other",  # what the chunk itself did not account for
+    State.CHECKPOINTING: "checkpoint_stall",
+    State.RESIZING: "recovery",
+    State.RECOVERING: "recovery",
+    State.FINISHING: "startup_other",
+}
+
+
+class Telemetry:
+    def __init__(self, spec: JobSpec, event):
+        self.spec = spec
+        self._event = event
+        self.metrics = Metrics(spec.name)
+        self.ledger = GoodputLedger()
+        m = spec.metrics
+        self.deviation = DeviationMonitor(
+            m.deviation_threshold,
+            m.deviation_sustain_steps,
+            m.deviation_warmup_steps,
+            m.deviation_baseline_steps,
+        )
+        self.flops_per_token = model_flops_per_token(spec.model)
+        self.hw_flops_per_token = hardware_flops_per_token(spec.model, recompute=False)
+        self.peak_flops: float | None = None  # per device, from the workers
+        self.history: list[dict[str, Any]] = []  # one row per chunk
+        self.evals: list[dict[str, Any]] = []
+        self.last: dict[str, Any] = {}
+        self._exported: Counter = Counter()  # counters already exported, by key
+
+    # --- loading and storing ------------------------------------------------------
+
+    def resume(self, store: CheckpointStore) -> None:
+        """Continue the ledger and history a previous controller of this job stored."""
+        try:
+            raw = store.read_artifact(LEDGER_ARTIFACT)
+        except StorageError:
+            return
+        if raw is None:
+            return
+        saved = json.loads(raw)
+        self.ledger = GoodputLedger.from_dict(saved["ledger"])
+        self.history = saved.get("history", [])
+        self.evals = saved.get("evals", [])
+        self._event(
+            f"continuing the goodput ledger of this job: {self.ledger.total_s / 3600:.3f} "
+            "device-hours so far"
+        )
+
+    def store(self, store: CheckpointStore, summary: dict[str, Any]) -> None:
+        body = {"ledger": self.ledger.to_dict(), "history": self.history, "evals": self.evals}
+        try:
+            store.write_artifact(LEDGER_ARTIFACT, json.dumps(body).encode())
+            store.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())
+        except StorageError as e:
+            self._event(f"could not store the job summary and ledger: {e}", logging.WARNING)
+
+    # --- what happened ------------------------------------------------------------
+
+    def charge(
+        self,
+        state: State,
+        seconds: float,
+        devices: int,
+        first_start: bool,
+        chunk_failed: bool = False,
+    ) -> None:
+        """Time spent in one iteration of `state`. A chunk of steps that died with its
+        workers is thrown-away work: recomputed."""
+        part = "recomputed" if chunk_failed else STATE_PART.get(state)
+        if part is None:
+            return
+        if state is State.SCHEDULING and first_start:
+            part = "startup_other"
+        self.ledger.charge(part, seconds, devices)
+
+    def chunk(
+        self,
+        *,
+        steps: list[tuple[int, float]],
+        seconds: float,
+        replicas: int,
+        world: int,
+        bubbles: dict[str, Any] | None,
+        per_rank: list[dict[str, Any]],
+        lr: float | None,
+        backfill_slowdown: float | None,
+        warm: bool,
+    ) -> float:
+        """A chunk of training; returns the seconds it charged to the ledger."""
+        done = len(steps)
+        if not done:
+            return 0.0
+        spec = self.spec
+        tokens = done * spec.global_batch(replicas) * spec.model.seq_len
+        b = bubbles or {}
+        self.ledger.train(
+            seconds, world, done, b.get("bubble_fraction", 0.0), b.get("fill_fraction", 0.0)
+        )
+        tps = tokens / seconds if seconds else 0.0
+        util = mfu(tps, self.flops_per_token, world, self.peak_flops) if self.peak_flops else None
+        hutil = (
+            mfu(tps, self.hw_flops_per_token, world, self.peak_flops) if self.peak_flops else None
+        )
+        step, loss = steps[-1]
+        self.last = {
+            "step_s": seconds / done,
+            "tokens_per_s": tps,
+            "train_loss": loss,
+            "lr": lr,
+            "mfu": util,
+            "hfu": hutil,
+        }
+        self.history.append({"step": step, "t": time.time(), "replicas": replicas, **self.last})
+        m = self.metrics
+        m.set("spotline_step", step)
+        m.set("spotline_target_steps", spec.train.steps)
+        m.set("spotline_step_seconds", seconds / done)
+        m.set("spotline_tokens_per_second", tps)
+        m.set("spotline_train_loss", loss)
+        m.set("spotline_learning_rate", lr)
+        m.set("spotline_mfu", util)
+        m.set("spotline_hfu", hutil)
+        m.set("spotline_replicas", replicas)
+        m.set("spotline_replicas_max", spec.elastic.max_replicas)
+        if b:
+            m.set("spotline_bubble_theory", b.get("theory"))
+        for r in per_rank:
+            tags = {"stage": r["stage"], "replica": r["replica"]}
+            frac = r["wait_s"] / r["step_s"] if r.get("step_s") else 0.0
+            m.set("spotline_bubble_fraction", frac, **tags)
+            fill = r.get("filled_s", 0.0) / r["wait_s"] if r.get("wait_s") else 0.0
+            m.set("spotline_fill_fraction", fill, **tags)
+        m.set("spotline_backfill_slowdown", backfill_slowdown)
+        if warm:
+            self._check_deviation(done, seconds, tokens, replicas, per_rank, backfill_slowdown)
+        self._export_ledger()
+        return seconds
+
+    def _check_deviation(self, done, seconds, tokens, replicas, per_rank, slowdown) -> None:
+        compute: dict[int, float] = {}
+        for r in per_rank:
+            if r.get("steps"):
+                compute[r["stage"]] = max(
+                    compute.get(r["stage"], 0.0), (r["step_s"] - r["wait_s"]) / r["steps"]
+                )
+        max_slow = self.spec.backfill.max_slowdown if self.spec.backfill.enabled else None
+        cause = likely_cause(slowdown, max_slow, compute)
+        for alert in self.deviation.observe(done, seconds, tokens, replicas, cause):
+            self._event(f"performance alert: {alert.message()}", logging.WARNING)
+            self.metrics.inc("spotline_deviation_alerts_total", cause=_cause_key(alert.cause))
+
+    def commit(self, step: int, nbytes: int, blocked_s: float | None, upload_s: float | None):
+        m = self.metrics
+        m.set("spotline_checkpoint_step", step)
+        m.set("spotline_checkpoint_bytes", nbytes)
+        m.set("spotline_checkpoint_save_seconds", blocked_s)
+        m.set("spotline_checkpoint_upload_seconds", upload_s)
+
+    def eval_result(self, result: dict[str, Any]) -> None:
+        self.evals.append({"step": result["step"], "loss": result["loss"]})
+        self.metrics.set("spotline_eval_loss", result["loss"])
+        self.metrics.set("spotline_eval_weights_step", result["step"])
+
+    def counts(self, notices: int, node_losses: int, restarts: dict[str, int], tasks: dict):
+        """Export the controller's running counts as counters (only what is new)."""
+        self._count("spotline_preemption_notices_total", notices)
+        self._count("spotline_node_losses_total", node_losses)
+        for why, n in restarts.items():
+            self._count("spotline_restarts_total", n, why=why)
+        for state, n in tasks.items():
+            self._count("spotline_backfill_tasks_total", n, state=state)
+
+    def _count(self, name: str, total: int, **tags: Any) -> None:
+        key = (name, *sorted(tags.items()))
+        new = total - self._exported[key]
+        if new > 0:
+            self.metrics.inc(name, new, **tags)
+            self._exported[key] = total
+
+    def _export_ledger(self) -> None:
+        for part, v in self.ledger.device_s.items():
+            self.metrics.set("spotline_goodput_device_seconds", v, part=part)
+        self.metrics.set("spotline_goodput_fraction", self.ledger.goodput())
+        cost = self.cost()
+        self.metrics.set("spotline_cost_dollars", cost["spot"], pricing="spot")
+        self.metrics.set("spotline_cost_dollars", cost["on_demand_same_steps"], pricing="on_demand")
+
+    def cost(self) -> dict[str, float | None]:
+        m = self.spec.metrics
+        return self.ledger.cost(m.spot_usd_per_device_hour, m.on_demand_usd_per_device_hour)
+
+    def ledger_summary(self) -> dict[str, Any]:
+        return {**self.ledger.to_dict(), "goodput": self.ledger.goodput()}
+
+
+def _cause_key(cause: str) -> str:
+    for prefix, key in (
+        ("fewer replicas", "fewer_replicas"),
+        ("backfill", "backfill"),
+        ("a slow stage", "slow_stage"),
+    ):
+        if cause.startswith(prefix):
+            return key
+    return "unknown"

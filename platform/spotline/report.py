@@ -1,0 +1,233 @@
+"""A job's figures for people: the `spotline status` table and `spotline report` PNGs.
+
+Both read one summary dict: a running controller's `summary()`, or the copy the
+controller keeps beside the checkpoints (`artifacts/summary.json`, rewritten at
+every commit and at the end), so they work on a live job and on a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+# --- status -------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _num(x: float | None, fmt: str = "{:.4f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, value) rows of the status table, from a summary."""
+    b = s.get("bubbles") or {}
+    ledger = s.get("ledger") or {}
+    cost = s.get("cost") or {}
+    last = s.get("last_checkpoint")
+    preempt = (
+        f"{s.get('preemption_notices', 0)} notice(s), {s.get('node_losses', 0)} node(s) lost, "
+        f"{s.get('restarts', 0)} restart(s)"
+    )
+    goodput = _pct(ledger.get("goodput"))
+    if cost.get("spot") is not None:
+        goodput += f"  (${cost['spot']:.2f} on spot"
+        if cost.get("on_demand_same_steps") is not None:
+            goodput += f", ${cost['on_demand_same_steps']:.2f} for the same steps on-demand"
+        goodput += ")"
+    rows = [
+        ("job", str(s.get("name"))),
+        ("state", str(s.get("state"))),
+        ("replicas", f"{s.get('replicas', 0)} of {s.get('max_replicas', '?')}"),
+        ("step", f"{s.get('step', 0)} / {s.get('total_steps', '?')}"),
+        ("train loss", _num(s.get("train_loss"))),
+        ("eval loss", _eval(s)),
+        ("tokens/s", _num(s.get("tokens_per_s"), "{:,.0f}")),
+        ("MFU", _pct(s.get("mfu"))),
+        (
+            "bubble",
+            "-"
+            if not b
+            else f"{_pct(b.get('bubble_fraction'))} measured, {_pct(b.get('theory'))} theory",
+        ),
+        ("backfill fill", _pct(b.get("fill_fraction")) if b else "-"),
+        ("last checkpoint", "-" if last is None else f"step {last['step']}  {last['uri']}"),
+        ("preemptions", preempt),
+        ("goodput", goodput),
+    ]
+    if s.get("waiting"):
+        rows.insert(2, ("waiting", str(s["waiting"])))
+    if s.get("error"):
+        rows.append(("error", str(s["error"])))
+    return rows
+
+
+def _eval(s: dict[str, Any]) -> str:
+    ev = s.get("eval")
+    if ev:
+        return f"{ev['loss']:.4f} (weights of step {ev['step']})"
+    return _num(s.get("heldout_loss"))
+
+
+def render_status(s: dict[str, Any]):
+    from rich.table import Table
+
+    table = Table(title=f"Spotline job {s.get('name')}", show_header=False, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for k, v in status_rows(s):
+        table.add_row(k, v)
+    return table
+
+
+def print_status(fetch, watch: float | None = None, console=None) -> None:
+    """Print the table once, or refresh it every `watch` seconds until Ctrl-C."""
+    from rich.console import Console
+    from rich.live import Live
+
+    console = console or Console()
+    if not watch:
+        console.print(render_status(fetch()))
+        return
+    with Live(render_status(fetch()), console=console, refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(watch)
+                s = fetch()
+                live.update(render_status(s))
+                if s.get("state") in ("finished", "failed", "stopped"):
+                    return
+        except KeyboardInterrupt:
+            return
+
+
+# --- report -------------------------------------------------------------------------
+
+
+def write_report(s: dict[str, Any], trace: dict[str, Any] | None, out: Path) -> list[Path]:
+    """The report's PNGs in `out`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [
+        _loss_png(s, out / "loss.png"),
+        _step_time_png(s, out / "step_time.png"),
+        _goodput_png(s, out / "goodput.png"),
+    ]
+    if trace:
+        paths.append(_timeline_png(trace, out / "bubbles.png"))
+    return paths
+
+
+def _loss_png(s: dict[str, Any], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    losses = sorted((int(k), v) for k, v in (s.get("losses") or {}).items())
+    if losses:
+        ax.plot(*zip(*losses, strict=True), label="train", lw=1)
+    evals = sorted((e["step"], e["loss"]) for e in s.get("evals") or [])
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval (backfill)", ms=4)
+    if s.get("heldout_loss") is not None and losses:
+        ax.plot([losses[-1][0]], [s["heldout_loss"]], "s", label="held-out (final)")
+    return _finish(fig, ax, path, xlabel="step", ylabel="loss", title=f"{s.get('name')}: loss")
+
+
+def _step_time_png(s: dict[str, Any], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    hist = s.get("history") or []
+    if hist:
+        ax.plot([h["step"] for h in hist], [h["step_s"] for h in hist], lw=1, label="step time")
+    for n in s.get("notices") or []:
+        if n.get("committed_step") is not None:
+            ax.axvline(n["committed_step"], color="tab:red", ls="--", lw=1)
+    for r in s.get("resizes") or []:
+        ax.axvline(r["step"], color="tab:orange", ls=":", lw=1.5)
+    ax.plot([], [], color="tab:red", ls="--", label="preemption notice")
+    ax.plot([], [], color="tab:orange", ls=":", label="restart / resize")
+    title = f"{s.get('name')}: step time"
+    return _finish(fig, ax, path, xlabel="step", ylabel="seconds per step", title=title)
+
+
+def _goodput_png(s: dict[str, Any], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    from spotline.metrics.ledger import PARTS
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    parts = (s.get("ledger") or {}).get("device_s") or dict.fromkeys(PARTS, 0.0)
+    total = sum(parts.values())
+    bottom = total
+    colors = {"useful": "tab:green", "bubble_filled": "tab:olive"}
+    for i, name in enumerate(PARTS):
+        v = parts.get(name, 0.0) / 3600
+        bottom -= v * 3600
+        ax.bar(i, v, bottom=bottom / 3600, color=colors.get(name, "tab:red"))
+        ax.text(i, (bottom / 3600) + v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+    ax.bar(len(PARTS), total / 3600, color="tab:blue")
+    ax.set_xticks(range(len(PARTS) + 1), [*PARTS, "total"], rotation=30, ha="right")
+    ax.set(ylabel="device-hours", title=f"{s.get('name')}: where the device-hours went")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _timeline_png(trace: dict[str, Any], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    names = {
+        e["tid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    # One step: the first recorded step of each track, plus the backfill beside it.
+    first_step = min((e["args"]["step"] for e in spans if "args" in e), default=None)
+    step_spans = [e for e in spans if e.get("args", {}).get("step") == first_step]
+    t_end = max((e["ts"] + e["dur"] for e in step_spans), default=0.0)
+    shown = step_spans + [e for e in spans if e["cat"] == "backfill" and e["ts"] <= t_end]
+    tids = sorted(names)
+    colors = {"compute": "tab:green", "comm": "tab:orange", "idle": "lightgrey"}
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(tids) + 1.5))
+    for row, tid in enumerate(tids):
+        for e in shown:
+            if e["tid"] == tid:
+                ax.broken_barh(
+                    [(e["ts"] / 1e3, e["dur"] / 1e3)],
+                    (row - 0.4, 0.8),
+                    color=colors.get(e["cat"], "tab:olive"),
+                )
+    ax.set_yticks(range(len(tids)), [names[t] for t in tids])
+    ax.invert_yaxis()
+    for cat, c in [*colors.items(), ("backfill", "tab:olive")]:
+        ax.barh([], [], color=c, label=cat)
+    ax.legend(loc="upper right", fontsize=7)
+    ax.set(xlabel="ms", title=f"one pipeline step (step {first_step}): bubbles and backfill")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _finish(fig, ax, path: Path, **labels: str) -> Path:
+    ax.set(**labels)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def load_json(raw: bytes | None) -> dict[str, Any] | None:
+    return None if raw is None else json.loads(raw)

@@ -1,0 +1,228 @@
+"""FLOP accounting, device peak table, MFU and the NVML sampler. No Ray, no GPU needed."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from spotline.metrics import gpu
+from spotline.metrics.flops import (
+    DEVICE_PEAK_FLOPS,
+    hardware_flops_per_token,
+    measure_cpu_matmul_peak,
+    mfu,
+    model_flops_per_token,
+    peak_flops,
+)
+from spotline.spec import ModelSpec
+
+pytestmark = pytest.mark.unit
+
+SMALL = ModelSpec(n_layers=2, d_model=64, n_heads=4, seq_len=128)
+GPT2_SMALL = ModelSpec(n_layers=12, d_model=768, n_heads=12, seq_len=1024)
+
+
+# --- FLOPs per token, by hand ---------------------------------------------------------
+
+
+def test_small_model_flops_by_hand() -> None:
+    # d=64, T=128, L=2, V=256.  d^2 = 4096.
+    # per block forward: qkv 2*64*192 = 24576, proj 2*64*64 = 8192,
+    #   MLP 2*64*256*2 = 65536, attention 2*2*128*64 = 32768  -> 131072
+    # 2 blocks -> 262144; head 2*64*256 = 32768; forward = 294912
+    # training = 3 * 294912 = 884736
+    # check via 6N + 12LTd: N_matmul = 2*12*4096 + 256*64 = 98304 + 16384 = 114688,
+    #   6N = 688128, 12*2*128*64 = 196608, sum = 884736
+    assert model_flops_per_token(SMALL) == 884736
+    # recompute: blocks run forward once more: + 262144 -> 1146880
+    assert hardware_flops_per_token(SMALL, recompute=True) == 1146880
+    assert hardware_flops_per_token(SMALL, recompute=False) == 884736
+
+
+def test_gpt2_small_flops_by_hand() -> None:
+    # d=768, T=1024, L=12, V=256.  d^2 = 589824.
+    # per block forward: 24*d^2 = 14155776, attention 4*1024*768 = 3145728 -> 17301504
+    # 12 blocks -> 207618048; head 2*768*256 = 393216; forward = 208011264
+    # training = 3 * 208011264 = 624033792
+    # check via 6N + 12LTd: N_matmul = 12*12*589824 + 256*768 = 84934656 + 196608
+    #   = 85131264, 6N = 510787584, 12*12*1024*768 = 113246208, sum = 624033792
+    assert model_flops_per_token(GPT2_SMALL) == 624033792
+    # recompute: + 207618048 -> 831651840
+    assert hardware_flops_per_token(GPT2_SMALL, recompute=True) == 831651840
+
+
+def test_flops_match_torch_flop_counter_on_the_real_model() -> None:
+    """Independent check: torch's FlopCounterMode on the actual GPT. The math SDPA backend
+    runs attention as full (unmasked-size) matmuls, the same no-causal-discount convention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from spotline.models import build_sequential
+
+    model = build_sequential(SMALL, seed=0)
+    batch = 3
+    idx = torch.randint(0, 256, (batch, SMALL.seq_len))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx).float().sum().backward()
+    assert counter.get_total_flops() / (batch * SMALL.seq_len) == model_flops_per_token(SMALL)
+
+
+# --- peak table -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
+        ("NVIDIA H100 PCIe", "bf16", 756e12),
+        ("NVIDIA H100 NVL", "bf16", 835e12),
+        ("NVIDIA H200", "bf16", 989e12),
+        ("NVIDIA H200", torch.bfloat16, 989e12),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+        ("NVIDIA A100-PCIE-40GB", "fp16", 312e12),
+        ("NVIDIA A100 80GB PCIe", "float16", 312e12),
+        ("nvidia a100-sxm4-40gb", "fp32", 19.5e12),
+        ("NVIDIA A10", "bf16", 125e12),
+        ("NVIDIA L4", "bf16", 121e12),
+        ("NVIDIA L40S", "bf16", 362.05e12),
+        ("Tesla V100-SXM2-16GB", "fp16", 125e12),
+        ("Tesla V100-PCIE-32GB", "fp16", 112e12),
+        ("Tesla T4", "fp16", 65e12),
+        ("Tesla T4", "fp32", 8.1e12),
+    ],
+)
+def test_peak_lookup(name: str, dtype: str, expected: float) -> None:
+    assert peak_flops(name, dtype) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("NVIDIA GeForce RTX 4090", "bf16"),  # unknown device
+        ("NVIDIA A10G", "bf16"),  # must not fall back to the A10's figure
+        ("NVIDIA B200", "bf16"),
+        ("cpu", "fp32"),
+        ("", "bf16"),
+        ("Tesla T4", "bf16"),  # Turing has no bf16
+        ("Tesla V100-SXM2-16GB", "bf16"),
+        ("NVIDIA H100 80GB HBM3", "int8"),  # dtype not in the table
+    ],
+)
+def test_peak_lookup_unknown_is_none(name: str, dtype: str) -> None:
+    assert peak_flops(name, dtype) is None
+
+
+def test_peak_table_is_dense_and_ordered() -> None:
+    for peaks in DEVICE_PEAK_FLOPS.values():
+        for value in peaks.values():
+            assert 1e12 < value < 2e15  # dense per-GPU figures, not sparse or per-node
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "bf16") != peak_flops("NVIDIA A10", "bf16")
+    assert peak_flops("NVIDIA GH200 480GB", "bf16") == 989e12
+
+
+# --- MFU ------------------------------------------------------------------------------
+
+
+def test_mfu_arithmetic() -> None:
+    # 400,000 tok/s * 624,033,792 FLOP/tok = 2.496135168e14 FLOP/s over 8 * 312e12
+    # = 2.496e15 -> 0.1000054154
+    value = mfu(400_000, 624_033_792, n_devices=8, peak_per_device=312e12)
+    assert value == pytest.approx(2.496135168e14 / 2.496e15)
+    assert value == pytest.approx(0.10000541538, rel=1e-9)
+    assert mfu(1000, 1e9, 1, 1e12) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        mfu(1000, 1e9, 0, 1e12)
+
+
+def test_measure_cpu_matmul_peak() -> None:
+    peak = measure_cpu_matmul_peak(n=128, repeats=3)
+    assert peak > 1e8
+    before = torch.get_num_threads()
+    assert measure_cpu_matmul_peak(n=64, repeats=2, threads=1) > 1e8
+    assert torch.get_num_threads() == before
+
+
+# --- NVML sampler ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_nvml_cache():
+    gpu._reset_cache()
+    yield
+    gpu._reset_cache()
+
+
+def test_gpu_samples_empty_without_driver(fresh_nvml_cache, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gpu.gpu_samples() == []
+        assert gpu.gpu_samples() == []  # cached failure
+    assert caplog.records == []
+
+
+def test_gpu_samples_empty_without_pynvml(fresh_nvml_cache, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` -> ImportError
+    assert gpu.gpu_samples() == []
+    assert caplog.records == []
+
+
+class _NVMLError(Exception):
+    pass
+
+
+def _fake_pynvml(count: int, init_calls: list[int]) -> types.ModuleType:
+    m = types.ModuleType("pynvml")
+    m.NVMLError = _NVMLError
+    m.NVML_CLOCK_SM = 1
+
+    def init() -> None:
+        init_calls.append(1)
+
+    def power(h: int) -> int:
+        if h == 1:
+            raise _NVMLError("not supported")
+        return 250_000  # mW
+
+    m.nvmlInit = init
+    m.nvmlDeviceGetCount = lambda: count
+    m.nvmlDeviceGetHandleByIndex = lambda i: i
+    m.nvmlDeviceGetName = lambda h: b"NVIDIA H200" if h == 0 else "NVIDIA H200"
+    m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87, memory=40)
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        used=10 * 2**30, total=141 * 2**30, free=131 * 2**30
+    )
+    m.nvmlDeviceGetClockInfo = lambda h, kind: 1980
+    m.nvmlDeviceGetPowerUsage = power
+    return m
+
+
+def test_gpu_samples_fields_and_per_field_errors(fresh_nvml_cache, monkeypatch) -> None:
+    init_calls: list[int] = []
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(2, init_calls))
+    samples = gpu.gpu_samples()
+    assert samples[0] == {
+        "index": 0,
+        "name": "NVIDIA H200",
+        "utilization_pct": 87.0,
+        "memory_used_bytes": 10 * 2**30,
+        "memory_total_bytes": 141 * 2**30,
+        "sm_clock_mhz": 1980,
+        "power_w": 250.0,
+    }
+    assert samples[1]["index"] == 1 and samples[1]["name"] == "NVIDIA H200"
+    assert "power_w" not in samples[1]  # NVMLError on that field: omitted, the rest kept
+    assert samples[1]["sm_clock_mhz"] == 1980
+    gpu.gpu_samples()
+    assert init_calls == [1]  # NVML initialised once
+
+
+def test_gpu_samples_zero_devices(fresh_nvml_cache, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(0, []))
+    assert gpu.gpu_samples() == []

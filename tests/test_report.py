@@ -1,0 +1,88 @@
+"""`spotline status` rows and `spotline report` PNGs from a summary (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotline.bubbles import simulate
+from spotline.bubbles.trace import chrome_trace
+from spotline.metrics.ledger import GoodputLedger
+from spotline.report import status_rows, write_report
+
+pytestmark = pytest.mark.unit
+
+
+def _summary() -> dict:
+    led = GoodputLedger()
+    led.train(100.0, devices=4, steps=100, bubble_fraction=0.2, fill_fraction=0.5)
+    led.charge("recovery", 10.0, devices=4)
+    return {
+        "name": "job",
+        "state": "waiting",
+        "waiting": "0 replicas fit; min_replicas is 1.",
+        "step": 100,
+        "total_steps": 300,
+        "replicas": 0,
+        "max_replicas": 2,
+        "train_loss": 2.5,
+        "heldout_loss": None,
+        "eval": {"step": 100, "loss": 2.6},
+        "evals": [{"step": 50, "loss": 3.0}, {"step": 100, "loss": 2.6}],
+        "tokens_per_s": 1234.0,
+        "mfu": 0.41,
+        "bubbles": {"bubble_fraction": 0.21, "theory": 0.2, "fill_fraction": 0.5},
+        "last_checkpoint": {"step": 100, "uri": "file:///x/step_00000100"},
+        "preemption_notices": 1,
+        "node_losses": 1,
+        "restarts": 2,
+        "ledger": {**led.to_dict(), "goodput": led.goodput()},
+        "cost": led.cost(1.0, 3.0),
+        "history": [{"step": s, "step_s": 0.1 + 0.01 * (s > 60)} for s in range(10, 101, 10)],
+        "losses": {str(s): 5.0 - s / 40 for s in range(1, 101)},
+        "notices": [{"source": "aws", "committed_step": 60}],
+        "resizes": [{"step": 60, "from_replicas": 2, "why": "preemption"}],
+        "error": None,
+    }
+
+
+def test_status_rows_name_every_field():
+    rows = dict(status_rows(_summary()))
+    assert rows["waiting"].startswith("0 replicas fit")
+    assert rows["step"] == "100 / 300" and rows["replicas"] == "0 of 2"
+    assert rows["eval loss"] == "2.6000 (weights of step 100)"
+    assert rows["MFU"] == "41.0%" and rows["tokens/s"] == "1,234"
+    assert rows["bubble"] == "21.0% measured, 20.0% theory"
+    assert rows["backfill fill"] == "50.0%"
+    assert rows["preemptions"] == "1 notice(s), 1 node(s) lost, 2 restart(s)"
+    assert rows["goodput"].startswith("72.7%") and "on spot" in rows["goodput"]
+
+
+def test_report_writes_each_plot(tmp_path):
+    tls = simulate(2, 4, t_fwd=0.01, t_bwd=0.02)
+    trace = chrome_trace(
+        [
+            {
+                "stage": s,
+                "replica": 0,
+                "rank": s,
+                "steps_timeline": [
+                    {
+                        "step": 9,
+                        "start_ns": 0,
+                        "instrs": [(i.name, i.slot, i.start, i.end) for i in tl],
+                    }
+                ],
+                "slices": [(1_000_000, 3_000_000, "eval")],
+            }
+            for s, tl in enumerate(tls)
+        ]
+    )
+    paths = write_report(_summary(), trace, tmp_path)
+    assert sorted(p.name for p in paths) == [
+        "bubbles.png",
+        "goodput.png",
+        "loss.png",
+        "step_time.png",
+    ]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
