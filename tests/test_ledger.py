@@ -98,4 +98,5 @@ def test_fewer_replicas_is_named_as_the_cause():
 def test_likely_cause_prefers_what_is_measured():
     assert likely_cause(0.05, 0.02, None).startswith("backfill")
     assert likely_cause(0.01, 0.02, {0: 1.0, 1: 2.0}).startswith("a slow stage (stage 1")
+    assert likely_cause(None, None, {0: 1.0, 1: 1.1}, uploading=True).startswith("checkpoint")
     assert likely_cause(None, None, {0: 1.0, 1: 1.1}).startswith("unknown")

@@ -114,10 +114,13 @@ class JobResult:
         lines = []
         b = self.bubbles
         if b and b.get("theory") is not None:
-            lines.append(
+            line = (
                 f"  pipeline bubble   {b['bubble_fraction']:.1%} measured vs "
-                f"{b['theory']:.1%} (p-1)/(m+p-1); {b['fill_fraction']:.1%} filled by backfill"
+                f"{b['theory']:.1%} (p-1)/(m+p-1)"
             )
+            if self.backfill:
+                line += f"; {b['fill_fraction']:.1%} filled by backfill"
+            lines.append(line)
         bf = self.backfill
         if bf:
             slow = bf.get("slowdown")

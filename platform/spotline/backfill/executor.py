@@ -37,7 +37,7 @@ from spotline.spec.models import JobSpec
 log = logging.getLogger("spotline.backfill")
 
 _WAIT_SLICE_S = 0.5  # how often a sleeping executor checks for stop/pause changes
-_MAX_PASSED = 50  # windows a unit may pass on for want of room before it runs anyway
+_MAX_PASSED = 5  # windows a unit may pass on for want of room before it runs anyway
 
 
 class BackfillExecutor:
@@ -60,7 +60,6 @@ class BackfillExecutor:
         self.margin = 1.5
         self.paused = False
         self.free_run = False  # no training left: work without windows
-        self._stop = threading.Event()
         self._cost: dict[str, float] = {}  # EMA seconds of one unit, by label
         self._slices: collections.deque = collections.deque(maxlen=4096)
         self._totals = {"filled_s": 0.0, "overrun_s": 0.0, "free_s": 0.0, "units": 0}

@@ -20,7 +20,7 @@ from types import MethodType
 from typing import Any
 
 from spotline.bubbles.channel import WindowChannel
-from spotline.bubbles.detector import Forecast, bubble_fraction, windows
+from spotline.bubbles.detector import Forecast, windows
 from spotline.bubbles.schedule import WAITS, Instr, program
 
 
@@ -133,6 +133,3 @@ class StepRecorder:
         out, self._totals = self._totals, dict.fromkeys(self._totals, 0)
         out["bubble_fraction"] = out["wait_s"] / out["step_s"] if out["step_s"] else 0.0
         return out
-
-    def last_fraction(self) -> float:
-        return bubble_fraction(self.recent[-1][2]) if self.recent else 0.0

@@ -35,8 +35,8 @@ def chrome_trace(ranks: list[dict[str, Any]], job: str = "") -> dict[str, Any]:
         if not steps:
             continue
         name = f"stage-{r['stage']}/replica-{r['replica']}"
-        events.append(_meta(tid * 2, name, tid * 2))
-        events.append(_meta(tid * 2 + 1, f"{name} backfill", tid * 2 + 1))
+        events.append(_meta(tid * 2, name))
+        events.append(_meta(tid * 2 + 1, f"{name} backfill"))
         origin_ns = steps[0]["start_ns"]
         last_end_ns = origin_ns
         for st in steps:
@@ -79,7 +79,7 @@ def chrome_trace(ranks: list[dict[str, Any]], job: str = "") -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def _meta(tid: int, name: str, order: int) -> dict[str, Any]:
+def _meta(tid: int, name: str) -> dict[str, Any]:
     return {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}
 
 

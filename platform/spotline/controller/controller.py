@@ -473,6 +473,7 @@ class Controller:
             lr=chunk.lr,
             backfill_slowdown=self.backfill.governor.slowdown if self.backfill else None,
             warm=warm,
+            uploading=bool(self._save_world),  # saved steps whose uploads are still running
         )
         self._export_counts()
         self._report_progress(chunk)

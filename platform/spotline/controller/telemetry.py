@@ -119,6 +119,7 @@ class Telemetry:
         lr: float | None,
         backfill_slowdown: float | None,
         warm: bool,
+        uploading: bool = False,
     ) -> float:
         """A chunk of training; returns the seconds it charged to the ledger."""
         done = len(steps)
@@ -166,11 +167,15 @@ class Telemetry:
             m.set("spotline_fill_fraction", fill, **tags)
         m.set("spotline_backfill_slowdown", backfill_slowdown)
         if warm:
-            self._check_deviation(done, seconds, tokens, replicas, per_rank, backfill_slowdown)
+            self._check_deviation(
+                done, seconds, tokens, replicas, per_rank, backfill_slowdown, uploading
+            )
         self._export_ledger()
         return seconds
 
-    def _check_deviation(self, done, seconds, tokens, replicas, per_rank, slowdown) -> None:
+    def _check_deviation(
+        self, done, seconds, tokens, replicas, per_rank, slowdown, uploading
+    ) -> None:
         compute: dict[int, float] = {}
         for r in per_rank:
             if r.get("steps"):
@@ -178,7 +183,7 @@ class Telemetry:
                     compute.get(r["stage"], 0.0), (r["step_s"] - r["wait_s"]) / r["steps"]
                 )
         max_slow = self.spec.backfill.max_slowdown if self.spec.backfill.enabled else None
-        cause = likely_cause(slowdown, max_slow, compute)
+        cause = likely_cause(slowdown, max_slow, compute, uploading)
         for alert in self.deviation.observe(done, seconds, tokens, replicas, cause):
             self._event(f"performance alert: {alert.message()}", logging.WARNING)
             self.metrics.inc("spotline_deviation_alerts_total", cause=_cause_key(alert.cause))
@@ -232,6 +237,7 @@ def _cause_key(cause: str) -> str:
         ("fewer replicas", "fewer_replicas"),
         ("backfill", "backfill"),
         ("a slow stage", "slow_stage"),
+        ("checkpoint uploads", "checkpoint_upload"),
     ):
         if cause.startswith(prefix):
             return key

@@ -94,6 +94,7 @@ def likely_cause(
     backfill_slowdown: float | None,
     max_slowdown: float | None,
     stage_compute_s: dict[int, float] | None,
+    uploading: bool = False,
 ) -> str:
     """The controller's best guess from what it measures (fewer replicas is checked by
     the monitor itself, against the replica count of its baseline)."""
@@ -111,4 +112,8 @@ def likely_cause(
                 f"a slow stage (stage {slowest} computes {stage_compute_s[slowest]:.3g}s per "
                 f"step, the others {median(others):.3g}s)"
             )
+    if uploading:
+        return (
+            "checkpoint uploads running beside training (checkpoint.upload_max_mb_per_s caps them)"
+        )
     return "unknown (the machine, the data, or other work on the same devices)"
