@@ -66,9 +66,12 @@ def test_unequal_passes_keep_windows_equal_to_compute_gaps(p, m):
 
 
 def test_min_window_drops_short_waits():
+    # Simulated schedule time (one unit per pass), not a clock.
     tl = simulate(2, 4, t_fwd=1.0, t_bwd=1.0, t_comm=0.01)[0]
-    assert all(w.seconds > 0.5 for w in windows(tl, min_s=0.5))
-    assert len(windows(tl, min_s=0.5)) == 2
+    every = windows(tl)
+    kept = windows(tl, min_s=0.5)
+    assert kept == [w for w in every if w.end - w.start > 0.5]
+    assert len(kept) == 2 < len(every)
 
 
 def test_forecast_predicts_the_next_steps_windows():
@@ -173,7 +176,7 @@ def test_recorder_times_the_engines_instructions_and_opens_windows(tmp_path):
     totals = rec.take_totals()
     assert totals["steps"] == 2
     assert 0 < totals["bubble_fraction"] <= 1
-    assert totals["wait_s"] >= 0.04
+    assert totals["wait_s"] > 0
 
 
 def test_trace_has_a_track_per_stage_and_its_idle_time():

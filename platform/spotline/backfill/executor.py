@@ -96,8 +96,6 @@ class BackfillExecutor:
     @ray.method(concurrency_group="control")
     def configure(self, paused: bool, margin: float, free_run: bool = False) -> None:
         self.paused, self.margin, self.free_run = paused, margin, free_run
-        if self.channel is not None:
-            self.channel.set_paused(paused)
 
     @ray.method(concurrency_group="control")
     def stats(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ class TaskRecord:
     id: int
     task: Any
     name: str
-    step: int | None = None  # weights' step; None: the latest commit when it starts
+    manifest: Manifest | None = None  # the weights; None: the latest commit when it starts
     spec_index: int | None = None  # position in backfill.tasks; None: from the SDK
     state: str = "queued"  # queued, running, done, failed
     attempts: int = 0
@@ -43,7 +43,10 @@ class TaskRecord:
     error: str | None = None
     errors: list[str] = field(default_factory=list)  # one per failed attempt
     last_executor: int | None = None
-    submitted_at: float = field(default_factory=time.time)
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step if self.manifest else None
 
     def public(self) -> dict[str, Any]:
         return {
@@ -78,7 +81,6 @@ class BackfillPool:
         # answers a ping again (else every retry would land on the dead process).
         self._probes: dict[Any, int] = {}
         self._last_step: dict[int, int] = {}  # spec task index -> step it last ran on
-        self._manifests: dict[int, Manifest] = {}
         self._latest: Manifest | None = None
         self._applied: BackfillDecision | None = None
         self._free_run = False
@@ -117,7 +119,6 @@ class BackfillPool:
         """
         with self._lock:
             self._latest = manifest
-            self._manifests[manifest.step] = manifest
             queued = {self.records[t].spec_index: self.records[t] for t in self._queue}
         for i, task in enumerate(self.spec.backfill.tasks):
             last = self._last_step.get(i)
@@ -126,9 +127,9 @@ class BackfillPool:
             if final or last is None or manifest.step - last >= task.every_steps:
                 self._last_step[i] = manifest.step
                 if i in queued:
-                    queued[i].step = manifest.step
+                    queued[i].manifest = manifest
                 else:
-                    self._add(task, f"{task.kind}[{i}]", manifest.step, spec_index=i)
+                    self._add(task, f"{task.kind}[{i}]", manifest, spec_index=i)
 
     def submit(self, task: Any, name: str | None = None) -> int:
         """Queue a task from the SDK (a task spec or a PythonTask); its id."""
@@ -136,10 +137,12 @@ class BackfillPool:
             name = getattr(task, "name", None) or getattr(task, "kind", "task")
         return self._add(task, name, None)
 
-    def _add(self, task: Any, name: str, step: int | None, spec_index: int | None = None) -> int:
+    def _add(
+        self, task: Any, name: str, manifest: Manifest | None, spec_index: int | None = None
+    ) -> int:
         with self._lock:
             tid = next(self._ids)
-            self.records[tid] = TaskRecord(tid, task, name, step, spec_index=spec_index)
+            self.records[tid] = TaskRecord(tid, task, name, manifest, spec_index=spec_index)
             self._queue.append(tid)
         return tid
 
@@ -215,15 +218,14 @@ class BackfillPool:
                     return
                 tid = self._queue.popleft()
                 rec = self.records[tid]
-                if rec.step is None:
-                    rec.step = self._latest.step
-                manifest = self._manifests.get(rec.step) or self._latest
+                if rec.manifest is None:
+                    rec.manifest = self._latest
                 # A retry goes to another executor when there is one.
                 ex = next((i for i in idle if i != rec.last_executor), idle[0])
                 rec.last_executor = ex
                 rec.attempts += 1
                 rec.state = "running"
-                ref = self._executors[ex].run.remote(rec.task, manifest.to_json())
+                ref = self._executors[ex].run.remote(rec.task, rec.manifest.to_json())
                 self._running[ref] = (tid, ex)
                 self._busy.add(ex)
 

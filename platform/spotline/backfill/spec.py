@@ -7,6 +7,7 @@ through the SDK (`JobRun.backfill.submit`), not through YAML.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -106,8 +107,6 @@ def resolve_prompts(task: SpeculativeTaskSpec, field: str) -> None:
     if isinstance(task.prompts, list):
         prompts = task.prompts
     else:
-        from pathlib import Path
-
         path = Path(task.prompts)
         try:
             prompts = [line for line in path.read_text().splitlines() if line.strip()]

@@ -151,16 +151,16 @@ def build_draft(draft: DraftSpec, seq_len: int, seed: int) -> torch.nn.Sequentia
     )
 
 
-def build_trained_draft(draft_spec: DraftSpec, ctx: TaskContext) -> tuple[Any, bool]:
-    """The draft model (cached per executor) and whether it still needs training."""
-    key = f"draft:{draft_spec.model_dump_json()}"
-    if key in ctx.cache:
-        return ctx.cache[key], False
+def draft_key(draft_spec: DraftSpec) -> str:
+    return f"draft:{draft_spec.model_dump_json()}"
+
+
+def build_draft_model(draft_spec: DraftSpec, ctx: TaskContext) -> torch.nn.Sequential:
+    """A fresh draft (random, or loaded from draft.path) on the executor's device."""
     model = build_draft(draft_spec, ctx.spec.model.seq_len, ctx.spec.train.seed + 99991)
     if draft_spec.path:
         model.load_state_dict(torch.load(draft_spec.path, map_location="cpu"))
-    ctx.cache[key] = model.to(ctx.device)
-    return ctx.cache[key], draft_spec.train_steps > 0
+    return model.to(ctx.device)
 
 
 def train_draft(draft, draft_spec: DraftSpec, ctx: TaskContext) -> Generator[str, None, None]:
@@ -189,11 +189,16 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
         )
     seq_len = ctx.spec.model.seq_len
     target = ctx.target()
-    draft, untrained = build_trained_draft(task.draft, ctx)
+    key = draft_key(task.draft)
+    draft = ctx.cache.get(key)
+    trained = draft is not None
+    if not trained:
+        draft = build_draft_model(task.draft, ctx)
     ctx.corpus()
     yield SETUP
-    if untrained:
+    if not trained:
         yield from train_draft(draft, task.draft, ctx)
+        ctx.cache[key] = draft  # only a fully trained draft is reused
     rows = []
     totals = {"new_tokens": 0, "verifications": 0, "proposed": 0, "accepted": 0}
     spec_s = target_s = 0.0

@@ -30,7 +30,6 @@ _FIELDS = (
     "filled_ns",  # executor: time worked inside windows
     "overrun_ns",  # executor: time worked after a window closed
     "slices",  # executor: units of work run
-    "paused",  # controller via executor: 1 while backfill is paused
 )
 _FMT = "<" + "q" * len(_FIELDS)
 _RING = 16  # close times of the last windows, by seq % _RING
@@ -48,7 +47,6 @@ class ChannelState:
     filled_ns: int
     overrun_ns: int
     slices: int
-    paused: int
 
 
 class WindowChannel:
@@ -125,9 +123,6 @@ class WindowChannel:
         self._add("filled_ns", filled_ns)
         self._add("overrun_ns", overrun_ns)
         self._add("slices", slices)
-
-    def set_paused(self, paused: bool) -> None:
-        self._set("paused", int(paused))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -34,7 +34,7 @@ class Window:
 
 
 def windows(timeline: list[Instr], min_s: float = 0.0) -> list[Window]:
-    """The idle windows of one step, longest-first order not implied: in time order."""
+    """The idle windows of one step, in time order, longer than `min_s`."""
     out: list[Window] = []
     first = None
     start = end = 0.0

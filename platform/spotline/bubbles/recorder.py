@@ -67,14 +67,10 @@ class StepRecorder:
     def _run(self, name: str, fn, *args, **kwargs):
         if self._step is None:  # outside train_batch (eval_batch): not a training step
             return fn(*args, **kwargs)
-        index = len(self._instrs)
-        signal = (
-            self.channel is not None
-            and name in WAITS
-            and self.forecast.remaining(index) > self.min_window_s
-        )
+        predicted = self.forecast.remaining(len(self._instrs)) if name in WAITS else 0.0
+        signal = self.channel is not None and predicted > self.min_window_s
         if signal:
-            self.channel.open_window(self.forecast.remaining(index))
+            self.channel.open_window(predicted)
         start = time.monotonic()
         try:
             return fn(*args, **kwargs)

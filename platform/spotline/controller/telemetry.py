@@ -66,24 +66,25 @@ class Telemetry:
     def resume(self, store: CheckpointStore) -> None:
         """Continue the ledger and history a previous controller of this job stored."""
         try:
-            raw = store.read_artifact(LEDGER_ARTIFACT)
+            ledger = store.read_artifact(LEDGER_ARTIFACT)
+            summary = store.read_artifact(SUMMARY_ARTIFACT)
         except StorageError:
             return
-        if raw is None:
+        if ledger is None:
             return
-        saved = json.loads(raw)
-        self.ledger = GoodputLedger.from_dict(saved["ledger"])
-        self.history = saved.get("history", [])
-        self.evals = saved.get("evals", [])
+        self.ledger = GoodputLedger.from_dict(json.loads(ledger))
+        if summary is not None:
+            saved = json.loads(summary)
+            self.history = saved.get("history", [])
+            self.evals = saved.get("evals", [])
         self._event(
             f"continuing the goodput ledger of this job: {self.ledger.total_s / 3600:.3f} "
             "device-hours so far"
         )
 
     def store(self, store: CheckpointStore, summary: dict[str, Any]) -> None:
-        body = {"ledger": self.ledger.to_dict(), "history": self.history, "evals": self.evals}
         try:
-            store.write_artifact(LEDGER_ARTIFACT, json.dumps(body).encode())
+            store.write_artifact(LEDGER_ARTIFACT, json.dumps(self.ledger.to_dict()).encode())
             store.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())
         except StorageError as e:
             self._event(f"could not store the job summary and ledger: {e}", logging.WARNING)
