@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import threading
 import time
 import traceback
@@ -33,6 +32,7 @@ from spotline.backfill.tasks import SETUP, TaskContext, units_of
 from spotline.bubbles.channel import WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.spec.models import JobSpec
+from spotline.workers.cpu import idle_priority, pin_process
 
 log = logging.getLogger("spotline.backfill")
 
@@ -219,25 +219,3 @@ class BackfillExecutor:
                 return st
             after = st.seq  # not enough room left in this window: wait for the next
             passed += 1
-
-
-def idle_priority() -> None:
-    """Run every thread of this process at SCHED_IDLE: on a CPU "device" the kernel
-    then gives the core to the stage's threads (compute, and gloo's transport
-    threads) the moment they are runnable, so a backfill unit can delay training by
-    at most a scheduler wake-up. It is the CPU counterpart of a low-priority stream."""
-    policy = getattr(os, "SCHED_IDLE", None)
-    if policy is None:
-        return
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-
-
-def pin_process(core: int) -> None:
-    """Pin every thread of this process to one core (benchmarks: a core is the device)."""
-    cores = sorted(os.sched_getaffinity(0))
-    target = {cores[core % len(cores)]}
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(tid), target)

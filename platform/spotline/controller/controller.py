@@ -262,7 +262,7 @@ class Controller:
         self.telemetry.charge(state, elapsed, self._last_world, first_start, chunk_failed)
         if self.state.terminal:
             self.finished_at = time.time()
-            self._write_artifacts(trace=False)  # the group is gone; the last trace stands
+            self._write_artifacts(with_trace=False)  # the group is gone; the last trace stands
             self.cluster.close()
         return self.state
 
@@ -759,15 +759,13 @@ class Controller:
         slices = self.backfill.slices() if self.backfill is not None else {}
         return self.bubbles.trace(self.spec.name, slices)
 
-    def _write_artifacts(self, trace: bool = True) -> None:
+    def _write_artifacts(self, with_trace: bool = True) -> None:
         """Keep the trace, summary and ledger beside the checkpoints current, for
         `spotline trace/status/report` on a finished job and for a restarted controller."""
         self.telemetry.store(self.store, self.summary())
-        if not trace:
+        if not with_trace or self.bubbles is None or not self.bubbles.latest:
             return
         trace = self.trace()
-        if not trace or not self.bubbles or not self.bubbles.latest:
-            return
         try:
             self.store.write_artifact(TRACE_ARTIFACT, json.dumps(trace).encode())
         except StorageError as e:

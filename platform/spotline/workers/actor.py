@@ -25,13 +25,13 @@ from typing import Any
 import ray
 
 from spotline import constants
-from spotline.backfill.executor import pin_process
 from spotline.bubbles.channel import WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.metrics.export import Metrics, export_gpu_samples
 from spotline.metrics.flops import device_peak
 from spotline.preemption import make_source
 from spotline.spec.models import JobSpec
+from spotline.workers.cpu import pin_process
 from spotline.workers.trainer import Topology, Trainer, init_distributed
 from spotline.workers.uploads import Uploader
 
@@ -176,7 +176,6 @@ class TrainWorker:
             }
             for step, t0, timeline in rec.recent
         ]
-        out["forecast"] = [(w.start, w.end) for w in rec.forecast.next_step()]
         return out
 
     def save(self) -> dict[str, Any]:
