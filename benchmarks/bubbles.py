@@ -50,7 +50,7 @@ PROMPTS = (REPO / "configs" / "prompts.txt").read_text().splitlines()[:2]
 
 
 def build_spec(p: int, m: int, steps: int, interval: int, tmp: Path, backfill: bool, name: str):
-    from spotline.spec import load_spec
+    from spotline.config import load_spec
 
     return load_spec(
         {
@@ -95,7 +95,7 @@ def run_job(spec) -> Any:
     import ray
 
     import spotline
-    from spotline.spec.preflight import preflight
+    from spotline.preflight import preflight
 
     preflight(spec)  # reads the prompts file into the spec
     ray.init(

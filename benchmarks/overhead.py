@@ -118,8 +118,8 @@ def _direct_rank(
     import torch
     import torch.distributed as dist
 
-    from spotline.spec.models import JobSpec
-    from spotline.spec.preflight import open_store
+    from spotline.config.schema import JobSpec
+    from spotline.preflight import open_store
     from spotline.workers.trainer import Topology, Trainer, init_distributed
 
     spec = JobSpec.model_validate_json(spec_json)
@@ -288,7 +288,7 @@ def run_spotline(spec: Any, replicas: int, num_cpus: int) -> SpotlineResult:
 
 def _remove_prefix(spec: Any) -> None:
     """Delete what one run wrote under its own unique checkpoint prefix."""
-    from spotline.spec.preflight import open_store
+    from spotline.preflight import open_store
 
     store = open_store(spec)
     path = store.uri.split("://", 1)[1]
@@ -300,7 +300,7 @@ def _remove_prefix(spec: Any) -> None:
 
 
 def build_spec(args: argparse.Namespace) -> Any:
-    from spotline.spec import SpecError, load_spec
+    from spotline.config import SpecError, load_spec
 
     for item in args.set:
         key = item.split("=", 1)[0].strip()
@@ -443,7 +443,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from spotline.spec import SpecError
+    from spotline.config import SpecError
 
     try:
         base = build_spec(args)

@@ -186,7 +186,7 @@ def run_spotline(
     trace: dict[str, Any], preempt: bool, steps: int, mode: str, tmp: Path
 ) -> dict[str, Any]:
     import spotline
-    from spotline.spec import load_spec
+    from spotline.config import load_spec
 
     n = trace["spot_nodes"]
     raw = _workload(mode, steps)
@@ -233,9 +233,9 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from spotline.config.schema import JobSpec
     from spotline.data import Sampler, load_corpus
     from spotline.models import build_sequential, lm_loss
-    from spotline.spec.models import JobSpec
     from spotline.workers.trainer import build_optimizer, lr_lambda
 
     spec = JobSpec.model_validate_json(config["spec"])
@@ -310,7 +310,7 @@ def run_raytrain(
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from spotline.spec import load_spec
+    from spotline.config import load_spec
 
     n = trace["spot_nodes"]
     raw = _workload(mode, steps)

@@ -172,7 +172,7 @@ def ray_session() -> Iterator[None]:
 
 def tiny_spec(tmp_path: Path, name: str, **overrides: Any):
     """A 2-stage x 2-replica GPT small enough to train tens of steps in seconds on CPU."""
-    from spotline.spec import load_spec
+    from spotline.config import load_spec
 
     raw = {
         "name": name,

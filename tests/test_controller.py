@@ -12,8 +12,8 @@ import json
 import pytest
 
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry
+from spotline.config import load_spec
 from spotline.controller import Controller, State
-from spotline.spec import load_spec
 from spotline.workers.group import PROCESS_DIED, ChunkResult, WorkerFailure
 from spotline.workers.uploads import UploadResult
 
@@ -43,11 +43,11 @@ class FakeGroup:
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
 
-    def restore(self, manifest, reshard=False):
+    def restore(self, manifest):
         if manifest.step in self.script.get("corrupt_steps", ()):
             raise CorruptCheckpointError(manifest.step, "x.pt", "sha256 mismatch")
         self.restored.append(manifest.step)
-        self.resharded = reshard
+        self.resharded = manifest.topology["replicas"] != self.replicas
         self.step = manifest.step
         return self.step
 
@@ -61,6 +61,13 @@ class FakeGroup:
                 lost = self.script.pop("lose_node", None)
                 if lost is not None:
                     self.cluster.nodes.discard(lost)
+                cause = self.script.pop("cause", None)
+                if cause is not None:  # one rank raised; its peers saw the collective break
+                    raise WorkerFailure(
+                        "training",
+                        {f"{type(cause).__name__}: {cause}": [0], "gloo: peer closed": [1, 2, 3]},
+                        causes=[cause, RuntimeError("gloo: peer closed")],
+                    )
                 raise WorkerFailure(
                     "training",
                     {PROCESS_DIED: [3]},
@@ -305,7 +312,8 @@ def test_spec_change_refuses_foreign_checkpoint(tmp_path):
     ctl2, _ = make(tmp_path, **{"train.steps": 20, "model.d_model": 64})
     res = ctl2.run()
     assert res["state"] == "failed"
-    assert "different model/data/train spec" in res["error"]
+    assert "was written with spec hash" in res["error"]
+    assert "model.d_model: 128 there, 64 here" in res["error"]
 
 
 def test_waits_below_min_then_fails(tmp_path):
@@ -590,3 +598,30 @@ def test_summary_and_ledger_are_stored_and_continued_by_a_new_controller(tmp_pat
     again.run()
     assert again.telemetry.ledger.total_s > first  # continued, not started over
     assert [h["step"] for h in again.telemetry.history][0] == 10
+
+
+@pytest.mark.parametrize(
+    ("cause", "kind", "fix"),
+    [
+        (
+            MemoryError("CUDA out of memory. Tried to allocate 51.0 GiB"),
+            "out of memory",
+            "micro-batch",
+        ),
+        (
+            FileNotFoundError(2, "No such file or directory", "/data/tok.json"),
+            "missing path",
+            "path",
+        ),
+        (PermissionError(13, "Permission denied", "/stage"), "permission denied", "write access"),
+    ],
+)
+def test_a_failure_a_restart_cannot_fix_fails_at_once(tmp_path, cause, kind, fix):
+    ctl, _ = make(tmp_path, script={"kill_at": 12, "cause": cause}, **{"failure.max_failures": 5})
+    res = ctl.run()
+    assert res["state"] == "failed"
+    assert res["failures"] == 0  # not counted against failure.max_failures
+    assert len(FakeGroup.instances) == 1  # and never restarted
+    assert res["error"].startswith(f"{kind}: training failed:")
+    assert "Not retried" in res["error"] and fix in res["error"]
+    assert "max_failures" not in res["error"] and "\n" not in res["error"]

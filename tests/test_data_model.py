@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from spotline.config import DataSpec, ModelSpec
 from spotline.data import CorpusError, Sampler, load_corpus
 from spotline.models import VOCAB_SIZE, build_sequential, count_params, decode, encode, lm_loss
-from spotline.spec import DataSpec, ModelSpec
 
 pytestmark = pytest.mark.unit
 

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from spotline.config import ModelSpec
 from spotline.metrics import gpu
 from spotline.metrics.flops import (
     DEVICE_PEAK_FLOPS,
@@ -19,7 +20,6 @@ from spotline.metrics.flops import (
     model_flops_per_token,
     peak_flops,
 )
-from spotline.spec import ModelSpec
 
 pytestmark = pytest.mark.unit
 

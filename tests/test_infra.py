@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from spotline.spec import load_spec
+from spotline.config import load_spec
 
 pytestmark = pytest.mark.unit
 

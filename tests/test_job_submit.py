@@ -130,3 +130,94 @@ print(handle.logs())
     assert "Spotline job sdk-submit: finished" in logs
     manifest = CheckpointStore(f"file://{tmp_path}/ckpt").load_manifest(6)
     assert json.loads(manifest.to_json())["topology"]["replicas"] == 1
+
+
+def _encodings(secret: str) -> list[str]:
+    """The secret, and how it reads inside any base64 blob (three alignments, both
+    alphabets): what a grep must not find anywhere."""
+    import base64
+
+    raw = secret.encode()
+    out = [secret]
+    for k in range(3):
+        for enc in (base64.b64encode, base64.urlsafe_b64encode):
+            text = enc(b"\0" * k + raw).decode()
+            # Characters that depend on the secret alone, away from both edges.
+            out.append(text[(4 * k + 2) // 3 + 1 : (4 * (k + len(raw))) // 3 - 1])
+    return out
+
+
+def _grep_tree(root: Path, needles: list[str]) -> list[str]:
+    hits = []
+    for path in root.rglob("*"):
+        if path.is_file():
+            try:
+                text = path.read_bytes().decode("utf-8", errors="replace")
+            except OSError:
+                continue
+            hits += [f"{path}: {n[:6]}..." for n in needles if n in text]
+    return hits
+
+
+def test_secrets_never_reach_logs_artifacts_manifests_or_the_entrypoint(
+    ray_session, ray_head, s3_bucket, tmp_path
+):
+    """A job with credentials in checkpoint.storage_options, run here and submitted."""
+    import ray
+    from ray.job_submission import JobSubmissionClient
+
+    import spotline
+    from conftest import tiny_spec
+
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCY" + os.urandom(6).hex()
+    key_id = "AKIA" + os.urandom(8).hex().upper()
+    needles = _encodings(secret) + _encodings(key_id)
+    over = {
+        "elastic.min_replicas": 1,
+        "elastic.max_replicas": 1,
+        "train.steps": 4,
+        "checkpoint.interval_steps": 2,
+        "checkpoint.endpoint_url": s3_bucket.endpoint_url,
+        # moto takes any keys; these are the ones that must never show.
+        "checkpoint.storage_options": {"key": key_id, "secret": secret},
+    }
+    # 1. Run in this driver, on the shared test cluster.
+    run_spec = tiny_spec(tmp_path, "secret-run", **over, **{"checkpoint.uri": s3_bucket.uri("run")})
+    result = spotline.Job(run_spec).run(verbose=True)
+    assert result.committed_steps == [2, 4]
+    # 2. Submitted to the head, with the same credentials.
+    sub = tiny_spec(tmp_path, "secret-sub", **over, **{"checkpoint.uri": s3_bucket.uri("sub")})
+    script = f"""
+import json, spotline
+spec = spotline.JobSpec.model_validate_json({sub.model_dump_json()!r})
+handle = spotline.Job(spec).submit({ray_head!r}, working_dir={str(REPO)!r})
+print("STATUS", handle.wait(timeout_s=600))
+print(handle.logs())
+from ray.job_submission import JobSubmissionClient
+print("ENTRYPOINT", JobSubmissionClient({ray_head!r}).get_job_info(handle.submission_id).entrypoint)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=700,
+        cwd=REPO, env=_client_env(),
+    )  # fmt: skip
+    logs = out.stdout + out.stderr
+    assert "STATUS SUCCEEDED" in logs, logs[-3000:]
+    assert "ENTRYPOINT python jobs/train.py --spec-b64" in logs
+    # Everything a user, an operator or an attacker with the bucket could read.
+    texts = {"driver output": json.dumps(result.__dict__, default=str), "submit output": logs}
+    for prefix in ("run/", "sub/"):
+        listing = s3_bucket.client.list_objects_v2(Bucket=s3_bucket.name, Prefix=prefix)
+        for obj in listing["Contents"]:
+            body = s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=obj["Key"])["Body"]
+            texts[obj["Key"]] = body.read().decode("utf-8", errors="replace")
+    assert any(k.endswith("manifest.json") for k in texts)
+    assert any(k.endswith("summary.json") for k in texts)
+    found = [f"{where}: {n[:6]}..." for where, t in texts.items() for n in needles if n in t]
+    # Ray's own session logs: the shared cluster's and the head's.
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    found += _grep_tree(session / "logs", needles)
+    found += _grep_tree(Path(f"/tmp/sl-head-{os.getpid()}"), needles)
+    client = JobSubmissionClient(ray_head)
+    for job in client.list_jobs():
+        found += [f"job list entrypoint: {n[:6]}..." for n in needles if n in job.entrypoint]
+    assert not found, found

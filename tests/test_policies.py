@@ -27,7 +27,7 @@ def test_restarts_until_max_failures_then_fails() -> None:
     assert "2/2" in second.reason
     third = policy.decide(3, "OOM on rank 0")
     assert isinstance(third, Fail)
-    assert "after 3 worker failures" in third.reason
+    assert "after 3 transient worker failures" in third.reason
     assert "failure.max_failures=2" in third.reason
     assert "OOM on rank 0" in third.reason
 

@@ -30,12 +30,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from spotline.config import NoticeSourceSpec, PreemptionSpec
 from spotline.preemption import (
     Notice,
     NoticeSource,
-    NoticeSourceSpec,
     NoticeWatcher,
-    PreemptionSpec,
     make_source,
     source_names,
 )

@@ -23,7 +23,7 @@ STEPS = 3
 
 
 def _spec(replicas: int):
-    from spotline.spec import load_spec
+    from spotline.config import load_spec
 
     return load_spec(
         None,
@@ -52,10 +52,12 @@ def _rank_main(rank, replicas, port, load_from, load_step, save_to, queue):
         trainer = Trainer(_spec(replicas), topo, threads=1)
         report = {"rank": rank}
         if load_from is not None:
-            trainer.load(Path(load_from), load_step, reshard=True)
+            trainer.load(Path(load_from), load_step)
             now = portable.gather(trainer.engine)
             files = sorted(
-                (Path(load_from) / f"global_step{load_step}" / "spotline").glob("stage_*.pt")
+                (Path(load_from) / f"global_step{load_step}" / "spotline").glob(
+                    "stage_*.safetensors"
+                )
             )
             saved = portable.load_files(files)
             report["exact"] = all(

@@ -15,9 +15,9 @@ import pytest
 import spotline
 from spotline.checkpoint import CheckpointStore, StorageError
 from spotline.cli import main
+from spotline.config import JobSpec, SpecError, load_spec, parse_override_list
 from spotline.data import CorpusError
-from spotline.spec import JobSpec, SpecError, load_spec, parse_override_list
-from spotline.spec.preflight import preflight
+from spotline.preflight import preflight
 
 pytestmark = pytest.mark.unit
 
@@ -86,10 +86,12 @@ def test_invalid_yaml_syntax(tmp_path: Path) -> None:
     assert "is not valid YAML" in _spec_error(path)
 
 
-def test_empty_yaml_gives_defaults(tmp_path: Path) -> None:
+def test_empty_yaml_is_refused(tmp_path: Path) -> None:
+    # An empty file would otherwise validate as a default job nobody asked for.
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing here\n")
-    assert load_spec(path) == JobSpec()
+    msg = _spec_error(path)
+    assert str(path) in msg and "is empty" in msg
 
 
 def test_exponent_floats_in_yaml_are_floats(tmp_path: Path) -> None:
@@ -259,7 +261,10 @@ def test_min_replicas_above_max() -> None:
 def test_d_model_not_divisible_by_n_heads() -> None:
     msg = _spec_error({"model": {"d_model": 130, "n_heads": 4}})
     # Named once, in the config's syntax (not "model: model.d_model ...").
-    assert "\n  - model.d_model (130) must be divisible by model.n_heads (4)" in msg
+    assert (
+        "invalid job spec (<dict>): model.d_model (130) must be divisible by model.n_heads (4)"
+        in msg
+    )
 
 
 def test_errors_in_several_sections_are_all_reported() -> None:
@@ -281,7 +286,7 @@ def test_errors_in_several_sections_are_all_reported() -> None:
     ],
 )
 def test_field_bounds(raw: dict[str, Any], field: str) -> None:
-    assert f"\n  - {field}: " in _spec_error(raw)
+    assert f"invalid job spec (<dict>): {field}: " in _spec_error(raw)
 
 
 def test_train_steps_zero_shows_the_value() -> None:
@@ -292,7 +297,7 @@ def test_train_steps_zero_shows_the_value() -> None:
 
 def test_empty_checkpoint_uri() -> None:
     msg = _spec_error({"checkpoint": {"uri": "  "}})
-    assert "\n  - checkpoint.uri is empty; use e.g. file:///" in msg
+    assert "invalid job spec (<dict>): checkpoint.uri is empty; use e.g. file:///" in msg
 
 
 def test_bad_job_name() -> None:
@@ -491,7 +496,8 @@ def test_preflight_empty_corpus_dir(tmp_path: Path) -> None:
     spec = load_spec(_local_raw(tmp_path, **{"data.corpus": str(empty)}))
     with pytest.raises(CorpusError) as ei:
         preflight(spec)
-    assert "data.corpus: no readable text files found" in str(ei.value)
+    assert "data.corpus: no text files found" in str(ei.value)
+    assert "data.file_suffixes" in str(ei.value)
 
 
 def test_preflight_corpus_with_only_other_suffixes(tmp_path: Path) -> None:
@@ -587,7 +593,7 @@ def test_backfill_needs_a_pipeline() -> None:
 
 def test_backfill_task_kind_lists_the_valid_ones() -> None:
     msg = _spec_error(QUICKSTART, {"backfill": {"tasks": [{"kind": "evl"}]}})
-    assert "backfill.tasks.0" in msg and "'eval', 'speculative'" in msg
+    assert "backfill.tasks[0]" in msg and "'eval', 'speculative'" in msg
 
 
 def test_speculative_completion_must_fit_the_context() -> None:

@@ -15,8 +15,8 @@ from spotline.backfill.speculative import (
     run_to_end,
     speculative_generate,
 )
+from spotline.config.schema import ModelSpec
 from spotline.models.gpt import build_sequential, encode
-from spotline.spec.models import ModelSpec
 
 pytestmark = pytest.mark.unit
 

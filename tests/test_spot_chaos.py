@@ -226,7 +226,7 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     # constant global batch makes the math independent of the replica count.
     ref_spec = _spot_spec(
         tmp_path / "ref",
-        "elastic-ref",
+        "elastic",  # the job that owns the copied checkpoint
         **{
             **over,
             "preemption.sources": [],
@@ -257,18 +257,22 @@ def test_node_lost_mid_upload_resumes_from_the_latest_commit(
     def complete_steps() -> list[int]:
         return [c for c in store.uncommitted_steps() if len(store.read_receipts(c)) == 4]
 
-    def rank1_mid_upload(s: dict[str, Any]) -> bool:
-        # Some step >= 10 fully uploaded, and a later one under way without rank 1's part.
+    # Rank 2 is stage 1's replica 0: it writes the stage's state file, the big upload
+    # (the other replica's ranks upload only their RNG state).
+    uploader = 2
+
+    def mid_upload(s: dict[str, Any]) -> bool:
+        # Some step >= 10 fully uploaded, and a later one under way without the uploader's part.
         if not s["workers"] or not any(c >= 10 for c in complete_steps()):
             return False
         return any(
-            1 not in {r["rank"] for r in store.read_receipts(c)}
+            uploader not in {r["rank"] for r in store.read_receipts(c)}
             for c in store.uncommitted_steps()
             if c > 10
         )
 
-    st = _wait(run, rank1_mid_upload, "rank 1 to be uploading a checkpoint")
-    victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
+    st = _wait(run, mid_upload, f"rank {uploader} to be uploading a checkpoint")
+    victim = next(w["node_id"] for w in st["workers"] if w["rank"] == uploader)
     # No notice: the node and every process on it vanish at once. (Removing a simulated
     # node kills its raylet; its worker processes would linger a moment and could
     # finish an upload that a real node loss never finishes.)

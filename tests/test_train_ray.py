@@ -7,6 +7,7 @@ losses to it.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -18,7 +19,7 @@ import pytest
 
 import spotline
 from conftest import tiny_spec
-from spotline.checkpoint import CheckpointStore
+from spotline.checkpoint import CheckpointStore, hash_file
 
 pytestmark = pytest.mark.ray
 
@@ -42,10 +43,12 @@ def test_quickstart_shape_trains_and_commits(reference):
     m = store.load_manifest(30)
     assert m.topology["pipeline_stages"] == 2 and m.topology["replicas"] == 2
     assert m.data_position == {"next_step": 30, "seed": spec.data.seed}
-    # One ZeRO-1 optimizer shard per rank, and one per-rank RNG file per rank.
+    # One state file per stage (safetensors), one RNG file per rank (JSON), and nothing
+    # else: no pickled DeepSpeed files.
     names = [f.path for f in m.files]
-    assert sum("optim_states" in n for n in names) == 4
-    assert sum("/spotline/rank_" in n for n in names) == 4
+    assert sum(n.endswith(".safetensors") for n in names) == 2
+    assert sum("/spotline/rank_" in n and n.endswith(".json") for n in names) == 4
+    assert all(n.endswith((".safetensors", ".json")) for n in names), names
     assert all(b < 30 for b in result.checkpoint_blocked_s)
 
 
@@ -95,14 +98,14 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(reference, tmp_path, c
     uri = f"file://{tmp_path}/ckpt"
     shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
     store = CheckpointStore(uri)
-    victim = next(f for f in store.load_manifest(30).files if "optim_states" in f.path)
+    victim = next(f for f in store.load_manifest(30).files if f.path.endswith(".safetensors"))
     path = tmp_path / "ckpt" / "step_00000030" / victim.path
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
 
     # Same spec (train.steps sets the LR schedule), so retrained steps must match exactly.
-    spec = tiny_spec(tmp_path, "corrupt")
+    spec = tiny_spec(tmp_path, "reference")  # the job that owns these checkpoints
     result = spotline.Job(spec).run(verbose=True)
     out = capsys.readouterr().out
     assert "checkpoint step 30" in out and "failed verification" in out
@@ -120,7 +123,7 @@ def test_resume_on_fewer_replicas_reshards(reference, tmp_path, capsys):
     ref_spec, ref, ref_tmp = reference
     shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
     over = {"elastic.min_replicas": 1, "elastic.max_replicas": 1, "train.steps": 36}
-    spec = tiny_spec(tmp_path, "shrunk", **over)
+    spec = tiny_spec(tmp_path, "reference", **over)  # the job that owns these checkpoints
     result = spotline.Job(spec).run(verbose=True)
     assert "resharded from 2 to 1 replica(s)" in capsys.readouterr().out
     (attempt,) = result.attempts
@@ -207,3 +210,39 @@ def test_bad_uri_fails_before_any_worker_starts(ray_session, tmp_path):
         spotline.Job(spec).run(verbose=False)
     after = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
     assert not any("baduri" in n for n in after - before)
+
+
+def test_a_pickle_in_the_checkpoint_runs_no_code_and_falls_back(reference, tmp_path, capsys):
+    """The attack: a pickle put in the store in place of a stage file, with its sha256 and
+    size updated in the manifest. The resume must fail to parse it (safetensors holds no
+    code), say so, fall back to the previous commit, and never run the payload."""
+    import pickle
+
+    ref_spec, ref, ref_tmp = reference
+    shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    step_dir = tmp_path / "ckpt" / "step_00000030"
+    manifest_path = step_dir / "manifest.json"
+    raw = json.loads(manifest_path.read_text())
+    victim = next(f for f in raw["files"] if f["path"].endswith("stage_000.safetensors"))
+    bomb = step_dir / victim["path"]
+    bomb.write_bytes(pickle.dumps({"params": Payload()}))
+    victim["size"] = bomb.stat().st_size
+    victim["sha256"] = hash_file(bomb)
+    manifest_path.write_text(json.dumps(raw))
+
+    spec = tiny_spec(tmp_path, "reference")  # the job that owns these checkpoints
+    result = spotline.Job(spec).run(verbose=True)
+    out = capsys.readouterr().out
+    assert not marker.exists(), "the checkpoint ran code"
+    assert "checkpoint step 30" in out and "not a valid safetensors file" in out
+    assert "falling back to step 20" in out
+    (attempt,) = result.attempts
+    assert attempt["restored_from"] == 20
+    for step, loss in attempt["losses"]:
+        assert loss == ref.losses[step]

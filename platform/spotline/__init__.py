@@ -1,7 +1,7 @@
 """Spotline: elastic LLM training on preemptible GPUs, on Ray and DeepSpeed."""
 
+from spotline.config import JobSpec, SpecError, load_spec
 from spotline.job import Job, JobFailed, JobResult, JobRun, SubmittedJob
-from spotline.spec import JobSpec, SpecError, load_spec
 
 __all__ = [
     "Job",

@@ -1,16 +1,41 @@
-"""`spotline` command line: run, validate, submit, status, trace."""
+"""`spotline` command line: run, validate, submit, status, report, trace.
+
+Every way a command can fail ends in one line on stderr that says what happened and
+what to do, and a non-zero exit: 2 for bad input (spec, URI, file, arguments), 1 for a
+job that failed, 130 for Ctrl-C. A Python traceback appears only with --debug (or
+SPOTLINE_DEBUG=1).
+"""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import json
+import os
+import re
 import sys
 
-from spotline.checkpoint import StorageError
+from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError, StorageError
+from spotline.config import SpecError
+from spotline.config.redact import (
+    install_log_redaction,
+    join_secrets,
+    masked_paths,
+    read_secrets_package,
+)
+from spotline.config.redact import redact as _redact
 from spotline.data import CorpusError
-from spotline.job import JobFailed
-from spotline.spec import SpecError
+from spotline.job import JobFailed, connect_ray
+
+# Errors whose message is the whole story: bad input, found before anything ran.
+USER_ERRORS = (
+    SpecError,
+    StorageError,
+    CorpusError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+)
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -26,15 +51,31 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
         help="override a field, e.g. --set train.steps=50 (repeatable)",
     )
     p.add_argument("--spec-b64", help=argparse.SUPPRESS)
+    p.add_argument("--secrets-module", help=argparse.SUPPRESS)
 
 
 def _job_from_args(args):
+    from spotline.config import load_spec
+    from spotline.config.loader import validate_dict
     from spotline.job import Job
-    from spotline.spec import load_spec
-    from spotline.spec.loader import validate_dict
 
     if args.spec_b64:
-        raw = json.loads(base64.urlsafe_b64decode(args.spec_b64.encode()))
+        try:
+            raw = json.loads(base64.urlsafe_b64decode(args.spec_b64.encode()))
+        except ValueError:
+            raise SpecError("--spec-b64 is not a base64-encoded JSON job spec") from None
+        if args.secrets_module:
+            try:
+                raw = join_secrets(raw, read_secrets_package(args.secrets_module))
+            except ValueError as e:
+                raise SpecError(str(e)) from None
+        missing = masked_paths(raw)
+        if missing:
+            raise SpecError(
+                f"{', '.join(missing)}: the submitted spec's secrets did not reach this job; "
+                "submit with `spotline submit` or Job.submit, or give the cluster "
+                "credentials of its own (instance role, environment)"
+            )
         job = Job(validate_dict(raw, "--spec-b64"))
         return job.with_overrides(args.set) if args.set else job
     config = args.config or args.config_opt
@@ -45,6 +86,9 @@ def _job_from_args(args):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spotline", description=__doc__)
+    parser.add_argument(
+        "--debug", action="store_true", help="show Python tracebacks (also SPOTLINE_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     run = sub.add_parser("run", help="run a job to completion in this driver")
@@ -99,15 +143,44 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
 
     args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("SPOTLINE_DEBUG", "") not in ("", "0")
+    install_log_redaction()
     try:
         return _dispatch(args)
-    except (SpecError, StorageError, CorpusError) as e:
-        print(f"spotline: {e}", file=sys.stderr)
-        return 2
-    except JobFailed as e:
+    except Exception as e:
+        if debug:
+            raise
+        code, line = _explain(e)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        code, line = 130, "interrupted (a running job resumes from its latest commit)"
+    print(f"spotline: {_one_line(line)}", file=sys.stderr)
+    return code
+
+
+def _explain(e: Exception) -> tuple[int, str]:
+    """(exit code, message) for an error that ends a command."""
+    if isinstance(e, USER_ERRORS):
+        return 2, str(e)
+    if isinstance(e, JobFailed):
         print(e.result.summary(), file=sys.stderr)
-        print(f"spotline: job failed: {e}", file=sys.stderr)
-        return 1
+        return 1, f"job failed: {e}"
+    if isinstance(e, ConnectionError) or type(e).__name__ in ("RaySystemError", "GetTimeoutError"):
+        return 2, (
+            f"cannot reach a Ray cluster ({type(e).__name__}: {e}); start one with `ray start "
+            "--head`, pass --address, or give a checkpoint URI to read a finished job"
+        )
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return 2, f"{e.filename or ''}: {e.strerror or e}; check the path".lstrip(": ")
+    return 1, (
+        f"unexpected error: {type(e).__name__}: {e}. This is a Spotline bug; rerun with "
+        "--debug for the traceback"
+    )
+
+
+def _one_line(text: str) -> str:
+    return _redact(" ".join(str(text).split()))
 
 
 def _dispatch(args) -> int:
@@ -121,10 +194,9 @@ def _dispatch(args) -> int:
         return 0
     if args.cmd == "validate":
         job = _job_from_args(args)
-        if not args.offline:
-            from spotline.spec.preflight import preflight
+        from spotline.preflight import check_offline, preflight
 
-            preflight(job.spec)
+        (check_offline if args.offline else preflight)(job.spec)
         print(f"{job.spec.name}: OK (spec hash {job.spec.spec_hash()})")
         return 0
     if args.cmd == "submit":
@@ -162,9 +234,16 @@ def _dispatch(args) -> int:
 
 
 def _is_uri(target: str) -> bool:
+    """A URI or path (read from storage) rather than a running job's name. Job names
+    hold no '/' or ':' (see `name` in the spec), so anything with one is a location."""
     from pathlib import Path
 
-    return "://" in target or Path(target).exists()
+    return (
+        bool(_URI_RE.match(target))
+        or "/" in target
+        or target.startswith(("~", "."))
+        or Path(target).exists()
+    )
 
 
 def _live_controller(name: str, address: str):
@@ -172,8 +251,7 @@ def _live_controller(name: str, address: str):
 
     from spotline.controller.actor import controller_name
 
-    if not ray.is_initialized():
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    connect_ray(address)
     try:
         return ray.get_actor(controller_name(name))
     except ValueError:
@@ -186,8 +264,7 @@ def _live_controller(name: str, address: str):
 def _running_job(address: str) -> str:
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    connect_ray(address)
     names = sorted(
         a["name"].split(":")[1]
         for a in ray.util.list_named_actors(all_namespaces=True)
@@ -202,20 +279,34 @@ def _running_job(address: str) -> str:
     return names[0]
 
 
+def _job_store(target: str):
+    """The store of a finished job at `target`; SpecError when nothing of a job is there."""
+    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
+
+    store = CheckpointStore(target)
+    if store.read_artifact(SUMMARY_ARTIFACT) is None and not store.committed_steps():
+        raise SpecError(
+            f"{store.uri} holds no Spotline job (no checkpoints, no artifacts/"
+            f"{SUMMARY_ARTIFACT}); give the job's checkpoint.uri with {{job}} filled in, "
+            "or the name of a running job"
+        )
+    return store
+
+
 def _summary_source(target: str | None, address: str):
     """A function returning the job's summary, from its controller or its checkpoints."""
-    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
+    from spotline.checkpoint import SUMMARY_ARTIFACT
     from spotline.report import load_json
 
     if target is not None and _is_uri(target):
-        store = CheckpointStore(target)
+        store = _job_store(target)
 
         def from_store() -> dict:
             summary = load_json(store.read_artifact(SUMMARY_ARTIFACT))
             if summary is None:
                 raise SpecError(
-                    f"{target} holds no Spotline job summary (artifacts/{SUMMARY_ARTIFACT}); "
-                    "give the job's checkpoint.uri, with {job} filled in"
+                    f"{store.uri} holds checkpoints but no job summary (artifacts/"
+                    f"{SUMMARY_ARTIFACT}); it is written at every commit by this version"
                 )
             return summary
 
@@ -227,11 +318,11 @@ def _summary_source(target: str | None, address: str):
 
 
 def _read_trace(target: str, address: str, required: bool) -> dict | None:
-    from spotline.checkpoint import TRACE_ARTIFACT, CheckpointStore
+    from spotline.checkpoint import TRACE_ARTIFACT
     from spotline.report import load_json
 
     if _is_uri(target):
-        trace = load_json(CheckpointStore(target).read_artifact(TRACE_ARTIFACT))
+        trace = load_json(_job_store(target).read_artifact(TRACE_ARTIFACT))
     else:
         import ray
 

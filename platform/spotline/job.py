@@ -8,15 +8,19 @@ handle = job.submit("http://127.0.0.1:8265")   # through Ray's job submission
 from __future__ import annotations
 
 import base64
+import json
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from spotline import constants
-from spotline.spec import JobSpec, apply_overrides, load_spec
-from spotline.spec.loader import validate_dict
+from spotline.config import JobSpec, apply_overrides, load_spec
+from spotline.config.loader import validate_dict
+from spotline.config.redact import install_log_redaction, split_secrets, write_secrets_package
 
 
 class JobFailed(RuntimeError):
@@ -138,11 +142,23 @@ class JobResult:
         return lines
 
 
-def _ensure_ray(address: str | None) -> None:
+def connect_ray(address: str | None) -> None:
+    """Connect this driver to Ray: the cluster at `address` (or RAY_ADDRESS), else a new
+    local cluster that listens on 127.0.0.1 only.
+
+    Ray binds a new node to the machine's routable IP (GCS, raylet, workers, metrics
+    endpoints on every interface) unless it runs as a single-machine cluster; Spotline
+    starts it that way, so an embedded cluster is reachable from this machine alone.
+    The same setting lets this process find such a cluster with address="auto", and
+    does not change how it attaches to a real cluster.
+    """
     import ray
+    from ray._private import ray_constants
 
     if ray.is_initialized():
         return
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by Ray each time it resolves the node IP
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # and by any Ray process started here
     # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
     # the driver prints the controller's events, and failures arrive grouped by rank.
     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
@@ -253,8 +269,9 @@ class BackfillClient:
         import ray
         from pydantic import TypeAdapter
 
-        from spotline.backfill.spec import TaskSpec, resolve_prompts
         from spotline.backfill.tasks import PythonTask
+        from spotline.config.backfill import TaskSpec
+        from spotline.preflight import resolve_prompts
 
         if callable(task):
             module = sys.modules.get(getattr(task, "__module__", ""), None)
@@ -326,10 +343,12 @@ class Job:
     def start(self, address: str | None = None) -> JobRun:
         """Preflight (before any worker starts), then start the controller actor."""
         from spotline.controller.actor import start_controller
-        from spotline.spec.preflight import preflight
+        from spotline.preflight import preflight
 
-        store = preflight(self.spec)
-        _ensure_ray(address)
+        install_log_redaction()
+        local = address is None and not os.environ.get("RAY_ADDRESS")
+        store = preflight(self.spec, local_cluster=local)
+        connect_ray(address)
         return JobRun(self.spec, start_controller(self.spec, store))
 
     def run(self, address: str | None = None, verbose: bool = True) -> JobResult:
@@ -340,16 +359,28 @@ class Job:
         """Submit through Ray's job submission API; the entrypoint is jobs/train.py."""
         from ray.job_submission import JobSubmissionClient
 
-        from spotline.spec.preflight import preflight
+        from spotline.preflight import preflight
 
-        store = preflight(self.spec)
+        store = preflight(self.spec, local_cluster=False)
         # A relative file:// URI would resolve inside Ray's per-job working-dir copy.
         spec = self.with_overrides({"checkpoint.uri": store.uri}).spec
-        blob = base64.urlsafe_b64encode(spec.model_dump_json().encode()).decode()
+        public, secrets = split_secrets(spec.model_dump(mode="json"))
+        blob = base64.urlsafe_b64encode(json.dumps(public).encode()).decode()
+        entrypoint = f"python jobs/train.py --spec-b64 {blob}"
+        runtime_env: dict[str, Any] = {"working_dir": str(working_dir)}
         client = JobSubmissionClient(address)
-        sid = client.submit_job(
-            entrypoint=f"python jobs/train.py --spec-b64 {blob}",
-            runtime_env={"working_dir": str(working_dir)},
-            metadata={"spotline_job": self.spec.name},
-        )
+        with tempfile.TemporaryDirectory(prefix="spotline-submit-") as tmp:
+            if secrets:
+                # Not on the command line (`ray job list`, the dashboard and `ps` show it),
+                # and not in runtime_env env_vars (Ray's runtime-env agent logs them): a
+                # one-use package that Ray uploads with the job, which the entrypoint
+                # reads once and deletes.
+                module = write_secrets_package(Path(tmp), secrets)
+                runtime_env["py_modules"] = [str(Path(tmp) / module)]
+                entrypoint += f" --secrets-module {module}"
+            sid = client.submit_job(
+                entrypoint=entrypoint,
+                runtime_env=runtime_env,
+                metadata={"spotline_job": self.spec.name},
+            )
         return SubmittedJob(sid, address)

@@ -1,14 +1,5 @@
 """Backfill: evaluation and speculative inference in the pipeline's bubbles.
 
-Only the spec is imported here: `spotline.spec` imports it, and the runtime
-modules (pool, executor, tasks) import the spec in turn.
+The `backfill:` spec section lives in `spotline.config.backfill`; the runtime parts
+(pool, executor, tasks) are imported by their users, never from here.
 """
-
-from spotline.backfill.spec import (
-    BackfillSpec,
-    DraftSpec,
-    EvalTaskSpec,
-    SpeculativeTaskSpec,
-)
-
-__all__ = ["BackfillSpec", "DraftSpec", "EvalTaskSpec", "SpeculativeTaskSpec"]

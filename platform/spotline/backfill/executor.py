@@ -31,7 +31,8 @@ import torch
 from spotline.backfill.tasks import SETUP, TaskContext, units_of
 from spotline.bubbles.channel import WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
-from spotline.spec.models import JobSpec
+from spotline.config.redact import install_log_redaction
+from spotline.config.schema import JobSpec
 from spotline.workers.cpu import idle_priority, pin_process
 
 log = logging.getLogger("spotline.backfill")
@@ -51,6 +52,7 @@ class BackfillExecutor:
         threads: int = 1,
         pin_core: int | None = None,
     ):
+        install_log_redaction()
         self.spec = JobSpec.model_validate_json(spec_json)
         self.rank = rank
         self.stage = stage

@@ -25,7 +25,7 @@ from typing import Any
 from spotline.backfill.governor import BackfillDecision, SlowdownGovernor
 from spotline.backfill.tasks import PythonTask
 from spotline.checkpoint import Manifest
-from spotline.spec.models import JobSpec
+from spotline.config.schema import JobSpec
 
 log = logging.getLogger("spotline.backfill")
 

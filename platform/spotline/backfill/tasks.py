@@ -29,18 +29,19 @@ from typing import Any
 import torch
 
 from spotline.backfill import speculative as spec_dec
-from spotline.backfill.spec import DraftSpec, EvalTaskSpec, SpeculativeTaskSpec
 from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.config.backfill import DraftSpec, EvalTaskSpec, SpeculativeTaskSpec
+from spotline.config.schema import JobSpec, ModelSpec
 from spotline.data import Sampler, load_corpus
 from spotline.models import build_sequential, encode, lm_loss
 from spotline.models.gpt import decode
-from spotline.spec.models import JobSpec, ModelSpec
+from spotline.registry import BACKFILL_TASKS
 from spotline.workers import portable
 
 Units = Generator[str, None, dict[str, Any]]
 SETUP = "setup"  # the label of a task's first yield, after its host-side loading
 
-STAGE_FILES = "spotline/stage_"
+STAGE_FILES = "spotline/stage_"  # the per-stage state files (workers/portable.py)
 
 
 @dataclasses.dataclass
@@ -87,11 +88,10 @@ def load_target(
     if not files:
         raise RuntimeError(
             f"checkpoint step {manifest.step} has no stage state files "
-            f"({STAGE_FILES}*.pt); backfill reads weights from them, and only "
-            "parallel.zero_stage <= 2 writes them"
+            f"({STAGE_FILES}*{portable.STAGE_SUFFIX}); backfill reads weights from them"
         )
     step_dir = store.download(dataclasses.replace(manifest, files=files), cache_dir)
-    state = portable.load_files(sorted(step_dir.rglob("stage_*.pt")))
+    state = portable.load_files(sorted(step_dir.rglob(f"stage_*{portable.STAGE_SUFFIX}")))
     model = build_sequential(spec.model, spec.train.seed)
     weights = {name: v["param"] for name, v in state["params"].items()}
     model.load_state_dict(weights, strict=True)
@@ -155,11 +155,20 @@ def draft_key(draft_spec: DraftSpec) -> str:
     return f"draft:{draft_spec.model_dump_json()}"
 
 
+def load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """A state_dict from a .safetensors file, or a torch file read weights-only (no code)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path, device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def build_draft_model(draft_spec: DraftSpec, ctx: TaskContext) -> torch.nn.Sequential:
     """A fresh draft (random, or loaded from draft.path) on the executor's device."""
     model = build_draft(draft_spec, ctx.spec.model.seq_len, ctx.spec.train.seed + 99991)
     if draft_spec.path:
-        model.load_state_dict(torch.load(draft_spec.path, map_location="cpu"))
+        model.load_state_dict(load_state_dict(draft_spec.path))
     return model.to(ctx.device)
 
 
@@ -258,19 +267,10 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
 
 # --- the registry -----------------------------------------------------------------
 
-TASKS: dict[str, Callable[[Any, TaskContext], Units]] = {
-    "eval": run_eval,
-    "speculative": run_speculative,
-}
-
 
 def task_runner(kind: str) -> Callable[[Any, TaskContext], Units]:
-    try:
-        return TASKS[kind]
-    except KeyError:
-        raise ValueError(
-            f"unknown backfill task kind {kind!r}; valid kinds: {', '.join(sorted(TASKS))}"
-        ) from None
+    """The generator function of a task kind (`spotline.registry.BACKFILL_TASKS`)."""
+    return BACKFILL_TASKS.load(kind, "backfill task kind")
 
 
 @dataclasses.dataclass

@@ -11,6 +11,8 @@ accepts a file path that could escape the step directory when downloaded.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -25,6 +27,20 @@ _REQUIRED_FIELDS = ("step", "files", "topology", "data_position", "spec_hash", "
 
 class ManifestError(ValueError):
     """A manifest (or a file entry) that is malformed or was written by a newer Spotline."""
+
+
+SIGNATURE_FIELD = "signature"
+MIN_SIGNING_KEY_BYTES = 16
+
+
+def _canonical(raw: dict) -> bytes:
+    return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign(raw: dict, key: bytes) -> str:
+    """HMAC-SHA256 of a manifest's canonical JSON (without its signature), hex."""
+    body = {k: v for k, v in raw.items() if k != SIGNATURE_FIELD}
+    return hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
 
 
 def check_relpath(path: str) -> str:
@@ -108,17 +124,37 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+    def to_json(self, signing_key: bytes | None = None) -> str:
+        """The manifest as JSON; with a key, signed with HMAC-SHA256 (see `from_json`)."""
+        raw: dict[str, Any] = asdict(self)
+        if signing_key is not None:
+            raw[SIGNATURE_FIELD] = sign(raw, signing_key)
+        return json.dumps(raw, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, s: str | bytes) -> Manifest:
+    def from_json(cls, s: str | bytes, signing_key: bytes | None = None) -> Manifest:
+        """Parse (and, with a key, verify) a manifest. The signature is checked before any
+        field is trusted, so a manifest written by whoever can write the bucket but does
+        not hold the key is refused before a single file it names is read."""
         try:
             raw = json.loads(s)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"manifest is not valid JSON ({e})") from e
         if not isinstance(raw, dict):
             raise ManifestError(f"manifest must be a JSON object (got {type(raw).__name__})")
+        signature = raw.pop(SIGNATURE_FIELD, None)
+        if signing_key is not None:
+            if not isinstance(signature, str):
+                raise ManifestError(
+                    "manifest is not signed, and checkpoint.signing_key_env is set: it was "
+                    "written without the key (or by someone who does not hold it)"
+                )
+            if not hmac.compare_digest(signature, sign(raw, signing_key)):
+                raise ManifestError(
+                    "manifest signature does not verify with the key in "
+                    "checkpoint.signing_key_env: it was changed after it was committed, or "
+                    "signed with another key"
+                )
         version = raw.get("format_version", FORMAT_VERSION)
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise ManifestError(

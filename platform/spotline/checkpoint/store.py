@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import hashlib
+import inspect
 import json
 import os
 import posixpath
@@ -35,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from spotline import constants
-from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError, check_relpath
+from spotline.checkpoint.manifest import (
+    MIN_SIGNING_KEY_BYTES,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    check_relpath,
+)
+from spotline.config.redact import redact
 
 MANIFEST_NAME = "manifest.json"
 ARTIFACTS_DIR = "artifacts"
@@ -67,7 +76,19 @@ _CREDENTIALS_FIX = (
 
 
 class StorageError(RuntimeError):
-    """The checkpoint storage cannot be used: bad URI, unreachable, no credentials, no access."""
+    """The checkpoint storage cannot be used: bad URI, unreachable, no credentials, no access.
+
+    Worth retrying when it is an outage (unreachable, timed out); not when it is a bad
+    URI, missing credentials or refused access. The message never holds a secret.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint URI holds checkpoints this job must not resume or write over (another
+    job's, or this job's with a different model, data or training spec). Not retryable."""
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -211,6 +232,14 @@ class _LocalBackend(_Backend):
                 "is a local path; endpoint_url only applies to s3:// URIs (did you mean "
                 "s3://bucket/prefix?)"
             )
+        if options:
+            # LocalFileSystem would take them and ignore them: a typo'd s3 option, or
+            # credentials meant for another URI, must not pass silently.
+            raise StorageError(
+                f"checkpoint.storage_options ({', '.join(sorted(map(str, options)))}) are set "
+                f"but checkpoint.uri {uri!r} is a local path, which takes none; remove them, "
+                "or use an s3:// checkpoint.uri"
+            )
         if bare:
             path = os.path.expanduser(rest)
         elif rest.startswith("/"):
@@ -234,13 +263,7 @@ class _LocalBackend(_Backend):
     def make_fs(self, probe_timeout_s: float | None = None) -> Any:
         from fsspec.implementations.local import LocalFileSystem
 
-        try:
-            return LocalFileSystem(**{"auto_mkdir": True, **self.options})
-        except TypeError as e:
-            raise StorageError(
-                f"checkpoint.storage_options {self.options!r} are not accepted for local "
-                f"paths ({e}); remove them or use an s3:// checkpoint.uri"
-            ) from e
+        return LocalFileSystem(auto_mkdir=True)
 
     def write_atomic(self, fs: Any, path: str, data: bytes) -> None:
         # Readers list the directory at any moment: they must see either no
@@ -284,6 +307,60 @@ class _LocalBackend(_Backend):
         return f"{type(exc).__name__}: {exc}"
 
 
+# Options every fsspec filesystem takes, besides its own constructor's.
+_FSSPEC_COMMON_OPTIONS = {
+    "skip_instance_cache",
+    "use_listings_cache",
+    "listings_expiry_time",
+    "max_paths",
+    "asynchronous",
+    "loop",
+}
+# s3fs options that must be mappings (botocore would fail deep inside with a TypeError).
+_S3_MAPPING_OPTIONS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs")
+
+
+def check_s3_options(options: dict, field: str) -> None:
+    """Refuse storage options s3fs would ignore or choke on, naming `field` and the fix.
+
+    s3fs forwards unknown keyword arguments to a base class that keeps them unused, so
+    a misspelt `secert:` would silently fall back to other credentials.
+    """
+    for name in _S3_MAPPING_OPTIONS:
+        value = options.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise StorageError(
+                f"{field}.{name} must be a mapping of keyword arguments (got "
+                f"{type(value).__name__}); write it as {name}: {{key: value}}"
+            )
+    known = _s3fs_option_names()
+    if known is None:
+        return
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise StorageError(
+            f"{field}: s3fs takes no option {unknown[0]!r}{hint} (it would be ignored). Valid "
+            f"options include key, secret, token, profile, anon, client_kwargs, config_kwargs"
+        )
+
+
+def _s3fs_option_names() -> set[str] | None:
+    try:
+        import s3fs
+    except ImportError:  # reported when the filesystem is built
+        return None
+    import aiobotocore.session
+
+    # s3fs's own keywords; the rest go to the botocore session it creates (`profile`).
+    names: set[str] = set(_FSSPEC_COMMON_OPTIONS)
+    for fn in (s3fs.S3FileSystem.__init__, aiobotocore.session.AioSession.__init__):
+        params = inspect.signature(fn).parameters
+        names |= {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names - {"self"}
+
+
 def _import_s3fs() -> Any:
     try:
         import s3fs
@@ -322,6 +399,7 @@ class _S3Backend(_Backend):
         self.root = "/".join([bucket, *parts])
         self.uri = "s3://" + self.root
         self.multipart_chunksize: int | None = None
+        check_s3_options(self.options, "checkpoint.storage_options")
 
     def make_fs(self, probe_timeout_s: float | None = None) -> Any:
         s3fs = _import_s3fs()
@@ -348,8 +426,8 @@ class _S3Backend(_Backend):
             )
         except (TypeError, KeyError, ValueError) as e:
             raise StorageError(
-                f"checkpoint.storage_options {self.options!r} were refused by s3fs ({e}); "
-                "fix or remove them"
+                f"checkpoint.storage_options ({', '.join(sorted(map(str, self.options)))}) "
+                f"were refused by s3fs ({redact(str(e))}); fix or remove them"
             ) from e
         if probe_timeout_s is not None:
             fs.retries = 1  # s3fs's own retry loop, on top of botocore's
@@ -481,6 +559,7 @@ class CheckpointStore:
         storage_options: dict | None = None,
         *,
         multipart_chunksize: int | None = None,
+        signing_key_env: str | None = None,
     ) -> None:
         """
         Args:
@@ -491,6 +570,9 @@ class CheckpointStore:
                 (for S3: ``key``/``secret``/``profile``/``anon``/``client_kwargs``...).
             multipart_chunksize: S3 only; part size in bytes for multipart uploads
                 (files of at least two parts go multipart). Default: s3fs's 50 MiB.
+            signing_key_env: name of an environment variable holding the manifest
+                signing key (read in each process that commits or restores; the key is
+                never pickled, stored or logged).
         """
         self._backend = _make_backend(uri, endpoint_url, storage_options or {})
         if multipart_chunksize is not None:
@@ -502,6 +584,7 @@ class CheckpointStore:
             if isinstance(self._backend, _S3Backend):
                 self._backend.multipart_chunksize = multipart_chunksize
         self._multipart_chunksize = multipart_chunksize
+        self.signing_key_env = signing_key_env
         self._fs: Any = None
         self._fs_lock = threading.Lock()
 
@@ -509,11 +592,36 @@ class CheckpointStore:
     # the normalized URI goes, so a relative file:// path keeps meaning the same place.
     def __getstate__(self) -> dict:
         b = self._backend
-        return {"args": (self.uri, b.endpoint_url, b.options, self._multipart_chunksize)}
+        return {
+            "args": (self.uri, b.endpoint_url, b.options, self._multipart_chunksize),
+            "signing_key_env": self.signing_key_env,
+        }
 
     def __setstate__(self, state: dict) -> None:
         uri, endpoint_url, options, chunk = state["args"]
-        self.__init__(uri, endpoint_url, options, multipart_chunksize=chunk)  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            uri,
+            endpoint_url,
+            options,
+            multipart_chunksize=chunk,
+            signing_key_env=state.get("signing_key_env"),
+        )
+
+    def signing_key(self) -> bytes | None:
+        """The manifest signing key from the environment; None when signing is off."""
+        name = self.signing_key_env
+        if name is None:
+            return None
+        value = os.environ.get(name, "")
+        if len(value.encode()) < MIN_SIGNING_KEY_BYTES:
+            state = "is not set" if not value else f"holds fewer than {MIN_SIGNING_KEY_BYTES} bytes"
+            raise StorageError(
+                f"checkpoint.signing_key_env names {name}, which {state} in this process "
+                f"(on {socket.gethostname()}); set it to a secret of at least "
+                f"{MIN_SIGNING_KEY_BYTES} bytes on every node and in the driver (e.g. "
+                "`openssl rand -hex 32`), or remove checkpoint.signing_key_env"
+            )
+        return value.encode()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r})"
@@ -640,7 +748,7 @@ class CheckpointStore:
             )
         with self._io(f"writing the manifest of step {step}"):
             self._backend.write_atomic(
-                self.fs, self._manifest_path(step), manifest.to_json().encode()
+                self.fs, self._manifest_path(step), manifest.to_json(self.signing_key()).encode()
             )
 
     def write_receipt(self, step: int, rank: int, world_size: int, files: list[FileEntry]) -> None:
@@ -736,7 +844,7 @@ class CheckpointStore:
                     f"checkpoint step {step} is not committed at {self.uri} (no {MANIFEST_NAME})"
                 ) from e
         try:
-            manifest = Manifest.from_json(raw)
+            manifest = Manifest.from_json(raw, self.signing_key())
         except ManifestError as e:
             raise CorruptCheckpointError(step, MANIFEST_NAME, str(e), uri=self.uri) from e
         if manifest.step != step:
@@ -747,6 +855,57 @@ class CheckpointStore:
                 uri=self.uri,
             )
         return manifest
+
+    def check_owner(self, spec: Any) -> None:
+        """Raise CheckpointMismatchError when this URI holds another job's checkpoints, or
+        this job's with a different model/data/train spec. Reads only; writes nothing.
+
+        The newest manifest that parses decides; with none committed, the stored job
+        summary does (a job that failed before its first commit still owns its URI).
+        """
+        mine = spec.spec_hash()
+        for step in reversed(self.committed_steps()):
+            try:
+                m = self.load_manifest(step)
+            except (CorruptCheckpointError, FileNotFoundError):
+                continue
+            job = m.extra.get("job")
+            if job == spec.name and m.spec_hash == mine:
+                return
+            raise CheckpointMismatchError(
+                self.describe_mismatch(spec, job, m.spec_hash, m.extra.get("spec"), step)
+            )
+        raw = self.read_artifact(SUMMARY_ARTIFACT)
+        try:
+            summary = json.loads(raw) if raw else {}
+        except ValueError:
+            summary = {}
+        job = summary.get("name") if isinstance(summary, dict) else None
+        if job is not None and job != spec.name:
+            raise CheckpointMismatchError(self.describe_mismatch(spec, job, None, None, None))
+
+    def describe_mismatch(
+        self, spec: Any, job: str | None, their_hash: str | None, theirs: Any, step: int | None
+    ) -> str:
+        what = f"checkpoint step {step}" if step is not None else "the job summary"
+        if job is not None and job != spec.name:
+            why = f"belongs to job {job!r}, and this job is {spec.name!r}"
+        else:
+            why = f"was written with spec hash {their_hash}, and this job has {spec.spec_hash()}"
+        if isinstance(theirs, dict):
+            ours = spec.hashed_fields()
+            diff = [
+                f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
+                for k in sorted(set(theirs) | set(ours))
+                if theirs.get(k) != ours.get(k)
+            ]
+            if diff:
+                why += " (" + "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "") + ")"
+        return (
+            f"checkpoint.uri {self.uri}: {what} there {why}. Nothing was written there. Point "
+            "checkpoint.uri at a new location (e.g. --set checkpoint.uri=...), or use the "
+            "original job name and spec to resume it"
+        )
 
     def latest_manifest(self) -> Manifest | None:
         """Manifest of the newest committed step, or None if nothing is committed."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from spotline.checkpoint import CheckpointStore
+from spotline.config.schema import JobSpec
 from spotline.controller.controller import Controller
-from spotline.spec.models import JobSpec
 
 
 def controller_name(job: str) -> str:
@@ -23,10 +23,12 @@ class ControllerActor:
 
         import ray
 
+        from spotline.config.redact import install_log_redaction
         from spotline.controller.cluster import RayClusterView
         from spotline.workers.group import RayWorkerGroup, resolve_device
 
-        # Events also go to this actor's log, which the Ray dashboard shows.
+        # Events also go to this actor's log, which the Ray dashboard shows: redacted.
+        install_log_redaction()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         spec = JobSpec.model_validate_json(spec_json)
         device = resolve_device(spec)

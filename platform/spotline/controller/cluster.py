@@ -14,7 +14,7 @@ import socket
 from typing import Any, Protocol
 
 from spotline import constants
-from spotline.spec.models import JobSpec
+from spotline.config.schema import JobSpec
 
 log = logging.getLogger("spotline.controller")
 

@@ -32,12 +32,15 @@ from spotline.backfill.pool import BackfillPool
 from spotline.bubbles.book import BubbleBook
 from spotline.checkpoint import (
     TRACE_ARTIFACT,
+    CheckpointMismatchError,
     CheckpointStore,
     CorruptCheckpointError,
     FileEntry,
     Manifest,
     StorageError,
 )
+from spotline.config.redact import redact
+from spotline.config.schema import JobSpec
 from spotline.controller.cluster import ClusterView
 from spotline.controller.policies import (
     Fail,
@@ -46,17 +49,13 @@ from spotline.controller.policies import (
     Resize,
     ScalingPolicy,
     Wait,
+    classify,
 )
 from spotline.controller.state import State
 from spotline.controller.telemetry import Telemetry
-from spotline.spec.models import JobSpec
 from spotline.workers.group import WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
-
-
-class CheckpointMismatchError(RuntimeError):
-    """The checkpoint URI holds checkpoints this job cannot resume."""
 
 
 @dataclass
@@ -141,11 +140,13 @@ class Controller:
         )
         self._chunks_in_group = 0
         self._last_world = 0  # devices of the latest group (charged while waiting)
+        self._owns_store = False  # the URI holds no other job's checkpoints (see _pending)
         self._chunk_charged_s = 0.0
 
     # --- reporting ----------------------------------------------------------------
 
     def _event(self, text: str, level: int = logging.INFO) -> None:
+        text = redact(text)
         log.log(level, text)
         with self._lock:
             self._events.append(text)
@@ -249,12 +250,19 @@ class Controller:
             self.state = handler()
         except WorkerFailure as e:
             chunk_failed = state is State.RUNNING
-            self.state = self._on_failure(str(e), process_died=e.process_died)
+            self.state = self._on_failure(str(e), e.process_died, e.causes)
         except (CheckpointMismatchError, CorruptCheckpointError) as e:
             self.state = self._fail(str(e))
         except StorageError as e:
             # Storage unreachable while scheduling or restoring: a restart retries it.
             self.state = self._on_failure(f"checkpoint storage: {e}")
+        except Exception as e:  # noqa: BLE001 - nothing may leave workers behind
+            log.exception("unexpected error in the controller")
+            self.state = self._fail(
+                f"internal error in the controller while {state.value}: "
+                f"{type(e).__name__}: {e}. This is a Spotline bug; the job resumes from its "
+                "latest committed checkpoint when resubmitted"
+            )
         if self.group is not None:
             self._last_world = self.group.world_size
         elapsed = time.monotonic() - t0 - self._chunk_charged_s
@@ -267,6 +275,7 @@ class Controller:
         return self.state
 
     def _fail(self, reason: str) -> State:
+        reason = redact(" ".join(reason.split()))  # one line, and never a secret
         self.error = reason
         self._event(f"FAILED: {reason}", logging.ERROR)
         self._teardown()
@@ -274,6 +283,10 @@ class Controller:
 
     def _pending(self) -> State:
         self._event(f"job {self.spec.name}: checkpoints at {self.store.uri}")
+        # The preflight checked this already; checked again here, before anything is
+        # written, because another job may have committed there since.
+        self.store.check_owner(self.spec)
+        self._owns_store = True
         self.telemetry.resume(self.store)
         return State.SCHEDULING
 
@@ -359,7 +372,7 @@ class Controller:
             manifest = self.store.load_manifest(step)
             reshard = self._check_compatible(manifest)
             try:
-                restored = self.group.restore(manifest, reshard)
+                restored = self.group.restore(manifest)
             except CorruptCheckpointError as e:
                 older = steps[i + 1] if i + 1 < len(steps) else None
                 nxt = (
@@ -393,11 +406,11 @@ class Controller:
 
     def _check_compatible(self, m: Manifest) -> bool:
         """Raise if this job cannot resume `m`; return True if it must reshard to do so."""
-        if m.spec_hash != self.spec.spec_hash():
+        if m.spec_hash != self.spec.spec_hash() or m.extra.get("job") != self.spec.name:
             raise CheckpointMismatchError(
-                f"checkpoint step {m.step} at {self.store.uri} was written by a job with a different "
-                f"model/data/train spec (hash {m.spec_hash}, this job {self.spec.spec_hash()}). "
-                "Point checkpoint.uri at a new location, or restore the original spec."
+                self.store.describe_mismatch(
+                    self.spec, m.extra.get("job"), m.spec_hash, m.extra.get("spec"), m.step
+                )
             )
         assert self.group is not None
         saved_pp, saved_d = m.topology.get("pipeline_stages"), m.topology.get("replicas")
@@ -537,7 +550,9 @@ class Controller:
         )
         return State.FINISHED
 
-    def _on_failure(self, error: str, process_died: bool = False) -> State:
+    def _on_failure(
+        self, error: str, process_died: bool = False, causes: list[BaseException] | None = None
+    ) -> State:
         lost = self._lost_nodes(patient=process_died)
         if self.attempts:
             self.attempts[-1].error = error
@@ -558,12 +573,14 @@ class Controller:
                 logging.WARNING,
             )
             return State.RECOVERING
-        self.failures += 1
+        kind = classify(causes or [], error)
+        if kind.retryable:  # only transient faults use up failure.max_failures
+            self.failures += 1
         self._event(f"worker failure at step {self.step_count}: {error}", logging.WARNING)
-        decision = self.failure_policy.decide(self.failures, error)
+        decision = self.failure_policy.decide(self.failures, error, kind)
         if isinstance(decision, Fail):
             return self._fail(decision.reason)
-        self._event(decision.reason.splitlines()[0])
+        self._event(decision.reason)
         return State.RECOVERING
 
     def _lost_nodes(self, patient: bool) -> set[str]:
@@ -761,7 +778,10 @@ class Controller:
 
     def _write_artifacts(self, with_trace: bool = True) -> None:
         """Keep the trace, summary and ledger beside the checkpoints current, for
-        `spotline trace/status/report` on a finished job and for a restarted controller."""
+        `spotline trace/status/report` on a finished job and for a restarted controller.
+        Never into a URI this job does not own (another job's artifacts stay intact)."""
+        if not self._owns_store:
+            return
         self.telemetry.store(self.store, self.summary())
         if not with_trace or self.bubbles is None or not self.bubbles.latest:
             return
@@ -891,7 +911,11 @@ class Controller:
             data_position={"next_step": step, "seed": self.spec.data.seed},
             spec_hash=self.spec.spec_hash(),
             created_at=time.time(),
-            extra={"job": self.spec.name, "batch": self.spec.batch_record(replicas)},
+            extra={
+                "job": self.spec.name,
+                "batch": self.spec.batch_record(replicas),
+                "spec": self.spec.hashed_fields(),  # so a refused resume can say what differs
+            },
         )
         try:
             self.store.commit(manifest)

@@ -37,21 +37,108 @@ class Wait:
     reason: str
 
 
+@dataclass(frozen=True)
+class FailureKind:
+    """What a failure is, whether restarting can help, and what fixes it."""
+
+    name: str
+    retryable: bool
+    fix: str = ""
+
+
+TRANSIENT = FailureKind("transient", True)
+
+_OOM_FIX = (
+    "lower the memory per device: a smaller train.global_batch_size (micro-batch), more "
+    "parallel.pipeline_stages, a higher parallel.zero_stage, parallel.precision: bf16, or a "
+    "smaller model"
+)
+# Words of torch's, the allocator's and Ray's memory monitor's out-of-memory errors.
+_OOM_MARKERS = (
+    "cuda out of memory",
+    "outofmemoryerror",
+    "memory monitor",
+    "cannot allocate memory",
+    "not enough memory",
+    "defaultcpuallocator: can't allocate",
+)
+
+
+def classify(causes: list[BaseException], text: str = "") -> FailureKind:
+    """Sort a failure into the ones a restart cannot fix and the transient rest.
+
+    Out of memory, a missing path, a permission error, an import error (user code not
+    shipped to the workers) and a spec/checkpoint mismatch fail the same way on every
+    restart; a dead process, a lost peer, a timeout or a storage outage may not.
+    Pure: decided from exception types and messages alone.
+    """
+    names = {c.__name__ for e in causes for c in type(e).__mro__}
+    blob = " ".join([text, *(f"{type(e).__name__}: {e}" for e in causes)]).lower()
+    if (
+        isinstance_any(causes, MemoryError)
+        or "OutOfMemoryError" in names
+        or any(m in blob for m in _OOM_MARKERS)
+    ):
+        return FailureKind("out of memory", False, _OOM_FIX)
+    if "SpecError" in names:
+        return FailureKind("invalid spec", False, "fix the field named above")
+    if "CheckpointMismatchError" in names:
+        return FailureKind(
+            "checkpoint mismatch",
+            False,
+            "point checkpoint.uri at a new location, or resubmit with the spec that wrote it",
+        )
+    if isinstance_any(causes, ImportError):
+        return FailureKind(
+            "import error",
+            False,
+            "make the module importable on every node: install it in the image, or ship it "
+            "with the job's runtime_env (working_dir or py_modules)",
+        )
+    if isinstance_any(causes, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return FailureKind(
+            "missing path", False, "fix the path named above (it must exist on every node)"
+        )
+    if isinstance_any(causes, PermissionError):
+        return FailureKind(
+            "permission denied",
+            False,
+            "give the user Ray runs as write access to the path named above, or choose another one",
+        )
+    if "no space left on device" in blob:
+        return FailureKind(
+            "disk full", False, "free space on the node, or point the path named above elsewhere"
+        )
+    return TRANSIENT
+
+
+def isinstance_any(causes: list[BaseException], types: type | tuple[type, ...]) -> bool:
+    return any(isinstance(e, types) for e in causes)
+
+
 class FailurePolicy:
-    """Restart after a worker failure until max_failures restarts were used (-1: never stop)."""
+    """Restart after a transient worker failure until max_failures restarts were used
+    (-1: never stop); fail at once on one a restart cannot fix."""
 
     def __init__(self, max_failures: int):
         self.max_failures = max_failures
 
-    def decide(self, failures: int, error: str) -> Restart | Fail:
-        """`failures` counts failures so far, this one included."""
+    def decide(self, failures: int, error: str, kind: FailureKind = TRANSIENT) -> Restart | Fail:
+        """`failures` counts transient failures so far, this one included."""
+        if not kind.retryable:
+            return Fail(
+                f"{kind.name}: {error}. Not retried, as a restart would fail the same way: "
+                f"{kind.fix}; then resubmit (the job resumes from its latest committed "
+                "checkpoint)"
+            )
         if self.max_failures < 0 or failures <= self.max_failures:
             budget = "unlimited" if self.max_failures < 0 else f"{failures}/{self.max_failures}"
             return Restart(f"restart {budget} after: {error}")
         return Fail(
-            f"job failed after {failures} worker failures (failure.max_failures={self.max_failures}); "
-            f"last error: {error}\nRaise failure.max_failures, or fix the cause above and resubmit: "
-            "the job resumes from its latest committed checkpoint."
+            f"job failed after {failures} transient worker failures "
+            f"(failure.max_failures={self.max_failures}); last error: {error}. Raise "
+            "failure.max_failures if failures like this are expected on this cluster, or fix "
+            "the cause and resubmit: the job resumes from its latest committed checkpoint"
         )
 
 

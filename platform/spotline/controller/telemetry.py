@@ -20,12 +20,12 @@ from spotline.checkpoint import (
     CheckpointStore,
     StorageError,
 )
+from spotline.config.schema import JobSpec
 from spotline.controller.state import State
 from spotline.metrics.deviation import DeviationMonitor, likely_cause
 from spotline.metrics.export import Metrics
 from spotline.metrics.flops import hardware_flops_per_token, mfu, model_flops_per_token
 from spotline.metrics.ledger import GoodputLedger
-from spotline.spec.models import JobSpec
 
 # The ledger part each state's time goes to (RUNNING splits its chunk itself).
 STATE_PART = {

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from spotline.spec.models import DataSpec
+from spotline.config.redact import redact
+from spotline.config.schema import DataSpec
 
 
 class CorpusError(ValueError):
@@ -60,19 +61,120 @@ def _read_local(root: Path, spec: DataSpec) -> bytes:
     return _concat(files, spec.max_bytes, root, lambda p: p.read_bytes())
 
 
+# The package an fsspec protocol needs, by URI scheme (for an ImportError's hint).
+_SCHEME_PACKAGES = {
+    "s3": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "hdfs": "pyarrow",
+    "http": "aiohttp",
+    "https": "aiohttp",
+}
+
+
+def fsspec_options(uri: str, spec: DataSpec) -> dict:
+    """Keyword arguments of the corpus's fsspec filesystem: data.storage_options, plus
+    data.endpoint_url for s3://; unknown S3 options are refused."""
+    opts = dict(spec.storage_options)
+    scheme = uri.split("://", 1)[0].lower()
+    if scheme == "s3":
+        from spotline.checkpoint.store import check_s3_options
+
+        try:
+            check_s3_options(opts, "data.storage_options")
+        except Exception as e:  # noqa: BLE001 - StorageError: report it as a corpus error
+            raise CorpusError(str(e)) from None
+        if spec.endpoint_url:
+            opts["client_kwargs"] = {
+                **opts.get("client_kwargs", {}),
+                "endpoint_url": spec.endpoint_url,
+            }
+    elif spec.endpoint_url:
+        raise CorpusError(
+            f"data.endpoint_url is set but data.corpus {uri!r} is not s3://; remove it"
+        )
+    return opts
+
+
+def explain_read_error(uri: str, e: BaseException) -> str:
+    """What went wrong reading the corpus, and the fix, in one line."""
+    names = {c.__name__ for c in type(e).__mro__}
+    if isinstance(e, ImportError):
+        scheme = uri.split("://", 1)[0].lower()
+        pkg = getattr(e, "name", None) or _SCHEME_PACKAGES.get(scheme)
+        if pkg is None:
+            return f"reading {uri} needs a package that is not installed ({e})"
+        pkg = pkg.split(".")[0]
+        return (
+            f"reading {uri} needs the package {pkg!r}, which is not installed; run: "
+            f"pip install {pkg}"
+        )
+    if "NoCredentialsError" in names:
+        return (
+            f"no AWS credentials found for {uri}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE or an instance role, or put key/secret in data.storage_options"
+        )
+    if isinstance(e, PermissionError) or "AccessDenied" in str(e):
+        return f"access denied reading {uri} ({e}); check the credentials' read permission"
+    if any(
+        n in names
+        for n in (
+            "ClientConnectorError",
+            "ConnectionError",
+            "EndpointConnectionError",
+            "ServerDisconnectedError",
+            "TimeoutError",
+            "ClientOSError",
+        )
+    ):
+        return (
+            f"cannot reach the server of {uri} ({type(e).__name__}: {e}); check that it is "
+            "running and reachable from this node (and data.endpoint_url for S3)"
+        )
+    return f"cannot read {uri}: {type(e).__name__}: {e}"
+
+
+def _unreachable(uri: str) -> str | None:
+    """For http(s): why the server cannot be reached, when that is why a path 'does not
+    exist' (fsspec's HTTP filesystem reports a refused connection as a missing file)."""
+    import socket
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=5).close()
+    except OSError as e:
+        return (
+            f"cannot reach the server of {uri} ({parts.hostname}:{port}: "
+            f"{e.strerror or e}); check that it is running and reachable from this node"
+        )
+    return None
+
+
 def _read_fsspec(uri: str, spec: DataSpec) -> bytes:
     import fsspec
 
+    opts = fsspec_options(uri, spec)
     try:
-        fs, path = fsspec.core.url_to_fs(uri)
+        fs, path = fsspec.core.url_to_fs(uri, **opts)
         if fs.isfile(path):
             files = [path]
         else:
             files = sorted(p for p in fs.find(path) if p.endswith(tuple(spec.file_suffixes)))
-    except ImportError as e:
-        raise CorpusError(f"data.corpus: {uri} needs an optional package: {e}") from None
+        if not files:
+            fs.info(path)  # an empty listing may hide an unreachable server: ask directly
+    except FileNotFoundError:
+        down = _unreachable(uri)
+        if down:
+            raise CorpusError(f"data.corpus: {down}") from None
+        raise CorpusError(f"data.corpus: {uri} does not exist; check the URI") from None
     except Exception as e:  # noqa: BLE001 - any backend error means unreadable
-        raise CorpusError(f"data.corpus: cannot list {uri}: {type(e).__name__}: {e}") from None
+        raise CorpusError(f"data.corpus: {redact(explain_read_error(uri, e))}") from None
     return _concat(files, spec.max_bytes, uri, fs.cat_file)
 
 
@@ -80,21 +182,26 @@ def _concat(files, max_bytes: int, where, read) -> bytes:
     chunks: list[bytes] = []
     total = 0
     errors = 0
+    first_error: BaseException | None = None
     for f in files:
         try:
             data = read(f)
-        except OSError:
+        except Exception as e:  # noqa: BLE001 - counted, and the first one reported
             errors += 1
+            first_error = first_error or e
             continue
         chunks.append(data)
         total += len(data)
         if total >= max_bytes:
             break
     if not chunks:
-        detail = f" ({errors} files could not be read)" if errors else ""
+        if first_error is not None:
+            raise CorpusError(
+                f"data.corpus: none of the {errors} text files in {where} could be read; the "
+                f"first: {redact(explain_read_error(str(where), first_error))}"
+            )
         raise CorpusError(
-            f"data.corpus: no readable text files found in {where}{detail}; check the path, "
-            "its permissions and data.file_suffixes"
+            f"data.corpus: no text files found in {where}; check the path and data.file_suffixes"
         )
     return b"\n".join(chunks)[:max_bytes]
 

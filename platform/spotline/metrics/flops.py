@@ -25,8 +25,8 @@ import time
 
 import torch
 
+from spotline.config.schema import ModelSpec
 from spotline.models.gpt import VOCAB_SIZE
-from spotline.spec.models import ModelSpec
 
 
 def _block_matmul_flops_fwd(spec: ModelSpec) -> int:

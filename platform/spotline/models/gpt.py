@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spotline.spec.models import ModelSpec
+from spotline.config.schema import ModelSpec
 
 VOCAB_SIZE = 256  # byte-level: every byte is a token, nothing to download
 
@@ -123,7 +123,12 @@ def build_pipeline_module(spec: ModelSpec, num_stages: int, seed: int):
     )
 
 
-def count_params(spec: ModelSpec) -> int:
-    d, t, n = spec.d_model, spec.seq_len, spec.n_layers
+def layer_param_counts(spec: ModelSpec) -> list[int]:
+    """Parameters of each layer of the flat list: embedding, N blocks, head."""
+    d, t = spec.d_model, spec.seq_len
     block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
-    return VOCAB_SIZE * d + t * d + n * block + 2 * d + d * VOCAB_SIZE
+    return [VOCAB_SIZE * d + t * d, *[block] * spec.n_layers, 2 * d + d * VOCAB_SIZE]
+
+
+def count_params(spec: ModelSpec) -> int:
+    return sum(layer_param_counts(spec))

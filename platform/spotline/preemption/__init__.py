@@ -9,15 +9,12 @@ from spotline.preemption.sources import (
     source_class,
     source_names,
 )
-from spotline.preemption.spec import NoticeSourceSpec, PreemptionSpec
 from spotline.preemption.watcher import NoticeWatcher
 
 __all__ = [
     "Notice",
     "NoticeSource",
-    "NoticeSourceSpec",
     "NoticeWatcher",
-    "PreemptionSpec",
     "make_source",
     "register",
     "source_class",

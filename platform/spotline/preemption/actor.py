@@ -11,9 +11,9 @@ import dataclasses
 import logging
 from typing import Any
 
+from spotline.config.schema import JobSpec
 from spotline.preemption.sources import Notice, make_source
 from spotline.preemption.watcher import NoticeWatcher
-from spotline.spec.models import JobSpec
 
 log = logging.getLogger("spotline.preemption")
 

@@ -14,7 +14,6 @@ Ray is imported only by the ray-drain source, and only when it polls.
 from __future__ import annotations
 
 import abc
-import difflib
 import email.utils
 import http.client
 import json
@@ -31,14 +30,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from spotline.config.preemption import check_notice_endpoint
+from spotline.config.urls import check_http_url
 from spotline.constants import (
     SPOTLINE_AWS_IMDS_TOKEN_TTL_S,
     SPOTLINE_NOTICE_HTTP_TIMEOUT_S,
     SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S,
 )
+from spotline.registry import NOTICE_SOURCES
 
 if TYPE_CHECKING:
-    from spotline.preemption.spec import NoticeSourceSpec
+    from spotline.config.preemption import NoticeSourceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +134,6 @@ class NoticeSource(abc.ABC):
 
 # --- registry ------------------------------------------------------------------------
 
-_REGISTRY: dict[str, type[NoticeSource]] = {}
 _S = TypeVar("_S", bound=type[NoticeSource])
 
 
@@ -140,28 +141,27 @@ def register(name: str) -> Callable[[_S], _S]:
     """Class decorator: make a NoticeSource available under `name` in specs."""
 
     def deco(cls: _S) -> _S:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"notice source {name!r} is already registered ({_REGISTRY[name]})")
         cls.name = name
-        _REGISTRY[name] = cls
-        return cls
+        return NOTICE_SOURCES.register(name, cls)
 
     return deco
 
 
 def source_names() -> list[str]:
     """Registered source names, sorted."""
-    return sorted(_REGISTRY)
+    return NOTICE_SOURCES.names()
 
 
 def source_class(name: str) -> type[NoticeSource]:
-    """The class registered as `name`; ValueError with a suggestion when there is none."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        names = source_names()
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown notice source {name!r}; {hint}valid kinds: {', '.join(names)}")
+    """The class registered as `name` (or a `module:attr`); ValueError naming the valid
+    kinds when there is none."""
+    cls = NOTICE_SOURCES.load(name, "preemption.sources[].kind")
+    if not (isinstance(cls, type) and issubclass(cls, NoticeSource)):
+        raise ValueError(
+            f"preemption.sources[].kind: {name!r} is {cls!r}, not a NoticeSource subclass"
+        )
+    if not cls.name:
+        cls.name = name
     return cls
 
 
@@ -214,20 +214,7 @@ class HttpNoticeSource(NoticeSource):
 
     @classmethod
     def check_endpoint(cls, endpoint: str) -> None:
-        try:
-            parts = urllib.parse.urlsplit(endpoint)
-            port_ok = parts.port is None or parts.port > 0
-        except ValueError as e:
-            raise ValueError(f"endpoint {endpoint!r} is not a valid URL: {e}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-            raise ValueError(
-                f"endpoint {endpoint!r} of notice source {cls.name!r} must be an http(s) "
-                f"base URL such as {cls.default_endpoint} or http://127.0.0.1:8080"
-            )
-        if parts.query or parts.fragment:
-            raise ValueError(
-                f"endpoint {endpoint!r} must be a base URL without '?query' or '#fragment'"
-            )
+        check_http_url(endpoint, f"endpoint of notice source {cls.name!r}", "http://127.0.0.1:8080")
 
     def _request(
         self, method: str, path: str, headers: dict[str, str], *, reason: str = "request"
@@ -561,12 +548,7 @@ class RayDrainSource(NoticeSource):
 
     @classmethod
     def check_endpoint(cls, endpoint: str) -> None:
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not host or "/" in endpoint or not port.isdigit() or int(port) == 0:
-            raise ValueError(
-                f"endpoint {endpoint!r} of notice source 'ray-drain' must be a GCS address "
-                "host:port such as 10.0.0.5:6379 (the address `ray start --head` prints)"
-            )
+        check_notice_endpoint("ray-drain", endpoint)
 
     def _gcs_client(self) -> Any:
         if self._client is not None:

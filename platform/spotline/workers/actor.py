@@ -26,11 +26,14 @@ import ray
 
 from spotline import constants
 from spotline.bubbles.channel import WindowChannel
-from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
+from spotline.checkpoint.layout import CheckpointFormatError
+from spotline.checkpoint.staging import check_local_dir
+from spotline.config.redact import install_log_redaction
+from spotline.config.schema import JobSpec
 from spotline.metrics.export import Metrics, export_gpu_samples
 from spotline.metrics.flops import device_peak
 from spotline.preemption import make_source
-from spotline.spec.models import JobSpec
 from spotline.workers.cpu import pin_process
 from spotline.workers.trainer import Topology, Trainer, init_distributed
 from spotline.workers.uploads import Uploader
@@ -46,6 +49,7 @@ def channel_path(spec: JobSpec, run_id: str, rank: int) -> str:
 
 class TrainWorker:
     def __init__(self, spec_json: str, topo: Topology, store: CheckpointStore, run_id: str):
+        install_log_redaction()
         self.spec = JobSpec.model_validate_json(spec_json)
         self.topo = topo
         self.store = store
@@ -92,6 +96,8 @@ class TrainWorker:
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         if constants.SPOTLINE_PIN_CORES:
             pin_process(self.topo.rank)
+        # This node's disk, checked before the first step rather than at the first save.
+        check_local_dir(self.staging, "checkpoint.staging_dir")
         backend = init_distributed(self.topo, master_addr, master_port)
         threads = max(1, int(self.spec.resources.cpus_per_worker))
         if self.spec.backfill.enabled:
@@ -108,9 +114,17 @@ class TrainWorker:
         manifest = Manifest.from_json(manifest_json)
         return str(self.store.download(manifest, self.restore_dir))
 
-    def load_checkpoint(self, local_dir: str, step: int, reshard: bool) -> int:
+    def load_checkpoint(self, local_dir: str, step: int) -> int:
+        """Load a verified checkpoint; a file that does not parse is reported as corrupt."""
         assert self.trainer is not None
-        self.trainer.load(Path(local_dir), step, reshard)
+        try:
+            self.trainer.load(Path(local_dir), step)
+        except CheckpointFormatError as e:
+            try:
+                where = Path(e.path).resolve().relative_to(Path(local_dir).resolve()).as_posix()
+            except ValueError:
+                where = e.path
+            raise CorruptCheckpointError(step, where, e.reason, uri=self.store.uri) from None
         return self.trainer.step
 
     # --- steady state -------------------------------------------------------------
@@ -185,7 +199,16 @@ class TrainWorker:
         local = self.staging / f"step_{step:08d}"
         shutil.rmtree(local, ignore_errors=True)
         t0 = time.perf_counter()
-        self.trainer.save(local)
+        try:
+            self.trainer.save(local)
+        except OSError as e:
+            # Same type (the controller sorts failures by it), with the field to fix.
+            raise type(e)(
+                e.errno,
+                f"rank {self.topo.rank} cannot save under checkpoint.staging_dir {local}: "
+                f"{e.strerror or e}; point checkpoint.staging_dir at a writable local disk "
+                "with room for a checkpoint",
+            ) from e
         blocked = time.perf_counter() - t0
         self.uploader.submit(step, local)
         return {"rank": self.topo.rank, "step": step, "blocked_s": blocked}

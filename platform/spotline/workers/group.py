@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
-from spotline.spec.models import JobSpec
+from spotline.config.redact import redact
+from spotline.config.schema import JobSpec
 from spotline.workers.trainer import Topology
 
 PROCESS_DIED = "worker process died (killed, out of memory, or its node was lost)"
@@ -45,13 +46,13 @@ class WorkerFailure(RuntimeError):
         return PROCESS_DIED in self.ranks_by_error
 
     def _render(self) -> str:
-        lines = [f"{self.what} failed:"]
+        parts = []
         for err, ranks in self.ranks_by_error.items():
             where = ", ".join(
                 f"{r}" + (f"@{self.nodes[r][:8]}" if r in self.nodes else "") for r in sorted(ranks)
             )
-            lines.append(f"  [ranks {where}]: {err}")
-        return "\n".join(lines)
+            parts.append(f"[ranks {where}]: {err}")
+        return redact(f"{self.what} failed: " + "; ".join(parts))
 
 
 @dataclass
@@ -76,7 +77,7 @@ class WorkerGroup(Protocol):
     replicas: int
 
     def start(self) -> None: ...
-    def restore(self, manifest: Manifest, reshard: bool = False) -> int: ...
+    def restore(self, manifest: Manifest) -> int: ...
     def train(self, n_steps: int) -> ChunkResult: ...
     def request_checkpoint(self, reason: str) -> None: ...
     def node_ids(self) -> set[str]: ...
@@ -234,29 +235,38 @@ class RayWorkerGroup:
         port = ray.get(self.actors[0].free_port.remote(), timeout=timeout)
         self._devices = self._call_all("rendezvous", "setup", addr, port, timeout_s=timeout)
 
-    def restore(self, manifest: Manifest, reshard: bool = False) -> int:
+    def restore(self, manifest: Manifest) -> int:
         """Two phases: every rank downloads and verifies, and only then does any rank load.
 
         A corrupt file found by any rank raises CorruptCheckpointError before a single
-        rank has loaded, so the controller can fall back to an older step.
+        rank has loaded, so the controller can fall back to an older step. A file that
+        verifies but does not parse (not safetensors/JSON) is corrupt too.
         """
-        try:
-            dirs = self._call_all(
+        dirs = self._corrupt_or_failure(
+            lambda: self._call_all(
                 f"download of checkpoint step {manifest.step}",
                 "fetch_checkpoint",
                 manifest.to_json(),
             )
+        )
+        steps = self._corrupt_or_failure(
+            lambda: self._call_all(
+                f"load of checkpoint step {manifest.step}",
+                "load_checkpoint",
+                per_rank_args=[(d, manifest.step) for d in dirs],
+            )
+        )
+        return steps[0]
+
+    @staticmethod
+    def _corrupt_or_failure(call):
+        try:
+            return call()
         except WorkerFailure as e:
             corrupt = [c for c in e.causes if isinstance(c, CorruptCheckpointError)]
             if corrupt:
                 raise corrupt[0] from e
             raise
-        steps = self._call_all(
-            f"load of checkpoint step {manifest.step}",
-            "load_checkpoint",
-            per_rank_args=[(d, manifest.step, reshard) for d in dirs],
-        )
-        return steps[0]
 
     def train(self, n_steps: int) -> ChunkResult:
         results = self._call_all("training", "train", n_steps)

@@ -1,14 +1,16 @@
 """Topology-free training state: full fp32 weights and Adam moments, by parameter name.
 
-DeepSpeed's own ZeRO files are sharded by data-parallel rank and load only at the
-world size that wrote them. This module gathers, per pipeline stage, every
-parameter's full fp32 master copy and Adam moments (`exp_avg`, `exp_avg_sq`) under
-its global name (`<layer index>.<param>`, the same in a PipelineModule and in the
-pp=1 Sequential), so a checkpoint written with D replicas loads with D' != D: each
+This is the whole checkpoint: Spotline does not write DeepSpeed's own (pickled,
+world-size-bound) checkpoint files. `gather` collects, per pipeline stage, every
+parameter's full fp32 master copy and Adam moments (`exp_avg`, `exp_avg_sq`) under its
+global name (`<layer index>.<param>`, the same in a PipelineModule and in the pp=1
+Sequential). A checkpoint written with D replicas therefore loads with D' != D: each
 new rank scatters the full tensors into whatever ZeRO partition it now owns.
 
+Files are safetensors with a JSON header (`spotline.checkpoint.layout`): loading one
+can never run code.
+
 `gather` is collective over the data-parallel group: every rank calls it.
-ZeRO-3 is not covered (its parameters themselves are partitioned).
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from typing import Any
 
 import torch
 
+from spotline.checkpoint.layout import CheckpointFormatError, load_tensors, save_tensors
+
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+TENSOR_KINDS = ("param", *OPTIM_KEYS)
+STAGE_SUFFIX = ".safetensors"
 
 
 def _base_optimizer(engine) -> torch.optim.Optimizer:
@@ -37,13 +43,13 @@ def _relink(engine) -> None:
 
 
 def _partitioned(p: torch.nn.Parameter) -> bool:
-    return hasattr(p, "_hp_mapping")
+    return hasattr(p, "_hp_mapping") or hasattr(p, "ds_id")  # ZeRO 1-2 / ZeRO-3
 
 
 def _full(p: torch.nn.Parameter, key: str | None, base: torch.optim.Optimizer):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    if _partitioned(p):
+    if _partitioned(p):  # collective under ZeRO-3 (an all-gather per parameter)
         v = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
     else:  # ZeRO-0: the optimizer holds the parameter itself
         v = p.detach() if key is None else base.state.get(p, {}).get(key)
@@ -59,7 +65,7 @@ def gather(engine) -> dict[str, Any]:
         for name, p in engine.module.named_parameters()
     }
     first = next(iter(base.state.values()), None)
-    step = first["step"].clone() if first and "step" in first else None
+    step = float(first["step"]) if first and "step" in first else None
     return {
         "params": params,
         "adam_step": step,
@@ -69,17 +75,29 @@ def gather(engine) -> dict[str, Any]:
     }
 
 
-def save(engine, path: Path) -> None:
-    torch.save(gather(engine), path)
+def save(state: dict[str, Any], path: Path) -> None:
+    """Write one stage's gathered state: tensors as `<name>/<kind>`, the rest as JSON."""
+    tensors = {
+        f"{name}/{kind}": t
+        for name, kinds in state["params"].items()
+        for kind, t in kinds.items()
+        if t is not None
+    }
+    meta = {k: v for k, v in state.items() if k != "params"}
+    save_tensors(path, tensors, meta)
 
 
 def load_files(paths: list[Path]) -> dict[str, Any]:
     """Merge the per-stage files of a checkpoint into one state keyed by global name."""
     merged: dict[str, Any] = {"params": {}}
     for path in sorted(paths):
-        part = torch.load(path, weights_only=False, map_location="cpu")
-        merged["params"].update(part.pop("params"))
-        merged.update(part)
+        tensors, meta = load_tensors(path)
+        for key, t in tensors.items():
+            name, _, kind = key.rpartition("/")
+            if kind not in TENSOR_KINDS or not name:
+                raise CheckpointFormatError(path, f"unexpected tensor {key!r}")
+            merged["params"].setdefault(name, {})[kind] = t
+        merged.update(meta)
     return merged
 
 
@@ -90,22 +108,29 @@ def load(engine, state: dict[str, Any]) -> None:
     base = _base_optimizer(engine)
     # Adam creates its state lazily at the first step; create it now so the
     # moments have somewhere to go.
-    for group in base.param_groups:
-        for flat in group["params"]:
-            if not base.state.get(flat):
-                base.state[flat] = {
-                    "step": state["adam_step"].clone(),
-                    "exp_avg": torch.zeros_like(flat),
-                    "exp_avg_sq": torch.zeros_like(flat),
-                }
+    step = torch.tensor(float(state["adam_step"] or 0.0), dtype=torch.float32)
+    opt = engine.optimizer
+    # ZeRO-3 keeps its flat fp32 partitions out of the base optimizer's param groups
+    # between steps; the others keep them in.
+    flats = getattr(opt, "fp32_partitioned_groups_flat", None) or [
+        flat for group in base.param_groups for flat in group["params"]
+    ]
+    for flat in flats:
+        if not base.state.get(flat):
+            base.state[flat] = {
+                "step": step.clone(),
+                "exp_avg": torch.zeros_like(flat),
+                "exp_avg_sq": torch.zeros_like(flat),
+            }
     _relink(engine)
     missing = [n for n, _ in engine.module.named_parameters() if n not in state["params"]]
     if missing:
         raise KeyError(f"checkpoint has no state for parameters {missing[:5]}")
     for name, p in engine.module.named_parameters():
         saved = state["params"][name]
-        with torch.no_grad():
-            p.data.copy_(saved["param"].to(p.dtype))
+        if not hasattr(p, "ds_id"):  # ZeRO-3 rebuilds its partitions from fp32 below
+            with torch.no_grad():
+                p.data.copy_(saved["param"].to(p.dtype))
         if _partitioned(p):
             safe_set_full_fp32_param(p, saved["param"].to(p.device))
             for k in OPTIM_KEYS:
@@ -114,6 +139,9 @@ def load(engine, state: dict[str, Any]) -> None:
             st = base.state[p]
             for k in OPTIM_KEYS:
                 st[k] = saved[k].to(p.device).clone()
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: low-precision copies from fp32
+        for sub_group in range(len(opt.fp32_partitioned_groups_flat)):
+            opt._reassign_or_swap_out_partitioned_parameters(sub_group)
     if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     engine.global_steps = state["global_steps"]

@@ -26,12 +26,13 @@ import torch.distributed as dist
 from spotline import constants
 from spotline.bubbles.channel import WindowChannel
 from spotline.bubbles.recorder import StepRecorder
+from spotline.checkpoint.layout import CheckpointFormatError, load_json, save_json
+from spotline.config.schema import JobSpec
 from spotline.data import Sampler, load_corpus
 from spotline.models import build_pipeline_module, build_sequential, lm_loss
-from spotline.spec.models import JobSpec
 from spotline.workers import portable
 
-RANK_STATE_DIR = "spotline"  # per-rank RNG state, next to DeepSpeed's files
+RANK_STATE_DIR = "spotline"  # stage state and per-rank RNG state of a step
 
 
 @dataclass(frozen=True)
@@ -69,33 +70,6 @@ def lr_lambda(spec: JobSpec, replicas: int):
         return scale * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
 
     return f
-
-
-def deepspeed_config(spec: JobSpec, replicas: int) -> dict[str, Any]:
-    """The DeepSpeed config derived from the spec; spec.deepspeed keys override it."""
-    p, t = spec.parallel, spec.train
-    cfg: dict[str, Any] = {
-        "train_batch_size": spec.global_batch(replicas),
-        "train_micro_batch_size_per_gpu": spec.micro_batch_size(),
-        "gradient_accumulation_steps": spec.grad_accum(replicas),
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": p.zero_stage},
-        "bf16": {"enabled": p.precision == "bf16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-        "checkpoint": {"load_universal": False},
-    }
-    return _deep_merge(cfg, spec.deepspeed)
-
-
-def _deep_merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = (
-            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-        )
-    return out
 
 
 def build_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
@@ -168,7 +142,7 @@ class Trainer:
             model=model,
             optimizer=opt,
             lr_scheduler=sched,
-            config=deepspeed_config(spec, topo.replicas),
+            config=spec.deepspeed_config(topo.replicas),
             dist_init_required=False,
         )
         self.device = self.engine.device
@@ -270,60 +244,50 @@ class Trainer:
         """Save this rank's share of the current step under staging_root; returns the dir.
 
         Each rank writes to its own directory (no two ranks ever write the same path,
-        even when they share a node). The union of all ranks' files is one checkpoint.
+        even when they share a node). The union of all ranks' files is one checkpoint:
+        one stage file per pipeline stage (full fp32 weights and Adam moments, written by
+        the stage's replica 0) and one JSON file of RNG state per rank.
         """
-        out = Path(staging_root)
-        tag = f"global_step{self.step}"
-        self.engine.save_checkpoint(str(out), tag=tag, save_latest=False)
-        own = out / tag / RANK_STATE_DIR
-        own.mkdir(parents=True, exist_ok=True)
-        if self.reshardable:
-            # Collective over each stage's replicas; replica 0 writes the stage's file.
-            state = portable.gather(self.engine)
-            if self.topo.replica == 0:
-                torch.save(state, own / f"stage_{self.topo.stage:03d}.pt")
-        torch.save(
-            {"rng": _rng_state(), "step": self.step, "sampler": self.sampler.state(self.step)},
-            own / f"rank_{self.topo.rank:05d}.pt",
+        out = Path(staging_root) / f"global_step{self.step}" / RANK_STATE_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        # Collective over each stage's replicas; replica 0 writes the stage's file.
+        state = portable.gather(self.engine)
+        if self.topo.replica == 0:
+            portable.save(state, out / f"stage_{self.topo.stage:03d}{portable.STAGE_SUFFIX}")
+        save_json(
+            out / f"rank_{self.topo.rank:05d}.json",
+            {
+                "rng": _rng_state(),
+                "step": self.step,
+                "sampler": self.sampler.state(self.step),
+                "topology": {
+                    "pipeline_stages": self.topo.pipeline_stages,
+                    "replicas": self.topo.replicas,
+                },
+            },
         )
-        return out
+        return Path(staging_root)
 
-    @property
-    def reshardable(self) -> bool:
-        return self.spec.parallel.zero_stage <= 2
-
-    def load(self, local_dir: Path, step: int, reshard: bool = False) -> None:
-        """Load a checkpoint; `reshard` when it was written with another replica count."""
-        tag = f"global_step{step}"
-        if reshard:
-            files = sorted((Path(local_dir) / tag / RANK_STATE_DIR).glob("stage_*.pt"))
-            if len(files) != self.topo.pipeline_stages:
-                raise RuntimeError(
-                    f"rank {self.topo.rank}: checkpoint step {step} has {len(files)} stage "
-                    f"state file(s), this job has {self.topo.pipeline_stages} stage(s)"
-                )
-            portable.load(self.engine, portable.load_files(files))
+    def load(self, local_dir: Path, step: int) -> None:
+        """Load a checkpoint written at any replica count (the stage files are full
+        tensors); per-rank RNG state comes back when the replica count is the same."""
+        own = Path(local_dir) / f"global_step{step}" / RANK_STATE_DIR
+        files = sorted(own.glob(f"stage_*{portable.STAGE_SUFFIX}"))
+        if len(files) != self.topo.pipeline_stages:
+            raise CheckpointFormatError(
+                own,
+                f"checkpoint step {step} has {len(files)} stage state file(s), this job has "
+                f"{self.topo.pipeline_stages} stage(s)",
+            )
+        portable.load(self.engine, portable.load_files(files))
+        self.step = step
+        rank_file = own / f"rank_{self.topo.rank:05d}.json"
+        saved = load_json(rank_file) if rank_file.exists() else None
+        if saved is not None and saved.get("topology", {}).get("replicas") == self.topo.replicas:
+            _set_rng_state(saved["rng"])
+        else:
             # Per-rank RNG streams do not map across sizes: reseed from (seed, rank, step).
             _seed_everything(self.spec.train.seed + 7919 * step + self.topo.rank)
-            self.step = step
-            self._sync_lr()
-            return
-        load_path, _ = self.engine.load_checkpoint(
-            str(local_dir),
-            tag=tag,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=True,
-        )
-        if load_path is None:
-            raise RuntimeError(
-                f"rank {self.topo.rank}: DeepSpeed found no checkpoint {tag} in {local_dir}"
-            )
-        state = torch.load(
-            Path(local_dir) / tag / RANK_STATE_DIR / f"rank_{self.topo.rank:05d}.pt",
-            weights_only=False,
-        )
-        _set_rng_state(state["rng"])
-        self.step = int(state["step"])
         self._sync_lr()
 
     def _sync_lr(self) -> None:
@@ -348,22 +312,27 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+    """Every RNG a rank draws from, as JSON-able values (a checkpoint holds no pickles)."""
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(mt), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def _quiet_deepspeed() -> None:

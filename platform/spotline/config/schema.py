@@ -3,7 +3,7 @@
 Everything a worker needs is derived from a validated `JobSpec`. Checks that
 need only the spec itself live here (cross-field rules); checks that touch the
 outside world (storage reachability, credentials, the corpus) live in
-`spotline.spec.preflight` and run before any worker starts.
+`spotline.preflight` and run before any worker starts.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from spotline.backfill.spec import BackfillSpec
-from spotline.preemption.spec import PreemptionSpec
+from spotline.config.backfill import BackfillSpec
+from spotline.config.preemption import PreemptionSpec
+from spotline.config.redact import register_secrets
+from spotline.config.urls import check_http_url
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_ENDPOINT_EXAMPLE = "http://127.0.0.1:9000 or https://s3.eu-west-1.amazonaws.com"
 
 
 class _Section(BaseModel):
@@ -64,6 +67,18 @@ class DataSpec(_Section):
     """Seed of the sampler. Batch k depends only on (seed, k), so sampling resumes exactly."""
     file_suffixes: list[str] = Field(default_factory=lambda: [".py", ".txt", ".md", ".rst"])
     """Only files with these suffixes are read from a directory corpus."""
+    endpoint_url: str | None = None
+    """s3:// corpora only: endpoint of an S3-compatible service (MinIO, on-prem, a test
+    server). Independent of checkpoint.endpoint_url: data and checkpoints may live in
+    different places."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the corpus's fsspec filesystem (s3:// only), e.g.
+    {profile: data-reader}. Never logged: every value is masked in messages."""
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else check_http_url(v, "data.endpoint_url", _ENDPOINT_EXAMPLE)
 
 
 class ParallelSpec(_Section):
@@ -150,7 +165,23 @@ class CheckpointSpec(_Section):
     endpoint_url: str | None = None
     """S3 only: endpoint of an S3-compatible service (MinIO, on-prem, a test server)."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword arguments for the fsspec filesystem (advanced)."""
+    """Extra keyword arguments for the S3 filesystem (s3fs), e.g. {profile: ckpt-writer}
+    or {key: ..., secret: ...}. Local paths take none. Never logged: every value is
+    masked in messages, and `spotline submit` hands them to the job as environment
+    variables, not on its command line."""
+    signing_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of an environment variable holding a key (at least 16 bytes) to sign every
+    manifest with HMAC-SHA256. A restore then refuses a manifest whose signature does
+    not verify, before it reads any file: whoever can write the bucket but not read the
+    key cannot make the job load their files. The key itself never goes into the spec
+    or the bucket; set the variable on every node (and in the driver)."""
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return (
+            None if v is None else check_http_url(v, "checkpoint.endpoint_url", _ENDPOINT_EXAMPLE)
+        )
 
     @field_validator("uri")
     @classmethod
@@ -177,6 +208,10 @@ class ResourcesSpec(_Section):
     'auto' picks gpu when the cluster has GPUs."""
     cpus_per_worker: float = Field(0.5, ge=0.0)
     """CPUs reserved per worker; on CPU this is also the worker's torch thread budget."""
+    device_memory_gb: float | None = Field(None, gt=0.0)
+    """Memory of one device, for the preflight's check that the model fits. None: the
+    driver's own GPU when it has one, the host's RAM for CPU workers of a local cluster,
+    otherwise unchecked."""
 
 
 class MetricsSpec(_Section):
@@ -267,6 +302,7 @@ class JobSpec(_Section):
                 f"{[d for d in range(1, e.max_replicas + 1) if slots % d == 0]}, or use "
                 "batch_policy 'scaled'"
             )
+        self._check_deepspeed_keys()
         bf = self.backfill
         if bf.enabled and p.pipeline_stages < 2:
             raise ValueError(
@@ -281,7 +317,57 @@ class JobSpec(_Section):
                     f"model.seq_len ({self.model.seq_len}): prompt and completion must fit "
                     "in the model's context; lower max_new_tokens"
                 )
+        # Any process that builds this spec can then mask its secrets in free text.
+        register_secrets(
+            {
+                "checkpoint": self.checkpoint.model_dump(),
+                "data": self.data.model_dump(),
+                "deepspeed": self.deepspeed,
+            }
+        )
         return self
+
+    def _check_deepspeed_keys(self) -> None:
+        """A `deepspeed:` key that Spotline derives from the spec must agree with it at
+        every replica count the job may run at; otherwise which one wins is a guess."""
+        for key, owner in _SPOTLINE_OWNED_DEEPSPEED_KEYS.items():
+            path = key.split(".")
+            given = _dig(self.deepspeed, path)
+            if given is _ABSENT:
+                continue
+            if owner is None:
+                raise ValueError(
+                    f"deepspeed.{key} cannot be set: Spotline builds AdamW and the warm-up + "
+                    "cosine schedule from train.lr, train.warmup_steps, train.min_lr_ratio "
+                    f"and train.weight_decay; remove deepspeed.{key} and set those instead"
+                )
+            derived = {_dig(self._derived_deepspeed(d), path) for d in self.replica_counts()}
+            if derived != {given}:
+                want = " or ".join(str(v) for v in sorted(derived, key=str))
+                raise ValueError(
+                    f"deepspeed.{key} ({given!r}) contradicts the value Spotline derives "
+                    f"from {owner} ({want}); remove deepspeed.{key} and set {owner}"
+                )
+
+    def _derived_deepspeed(self, replicas: int) -> dict[str, Any]:
+        p, t = self.parallel, self.train
+        return {
+            "train_batch_size": self.global_batch(replicas),
+            "train_micro_batch_size_per_gpu": self.micro_batch_size(),
+            "gradient_accumulation_steps": self.grad_accum(replicas),
+            "gradient_clipping": t.grad_clip,
+            "zero_optimization": {"stage": p.zero_stage},
+            "bf16": {"enabled": p.precision == "bf16"},
+            "fp16": {"enabled": False},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+
+    def deepspeed_config(self, replicas: int) -> dict[str, Any]:
+        """The DeepSpeed config of a group of `replicas`: derived from the spec, with the
+        `deepspeed:` section merged over it (its keys never contradict the derived ones)."""
+        return _deep_merge(self._derived_deepspeed(replicas), self.deepspeed)
 
     # --- derived -----------------------------------------------------------------
 
@@ -351,19 +437,70 @@ class JobSpec(_Section):
             "lr_scale": self.lr_scale(replicas),
         }
 
-    def spec_hash(self) -> str:
-        """Hash of everything that changes the training math (not where it runs or logs).
-
-        A checkpoint is only resumed by a job with the same hash for these fields, so a
-        resumed run cannot silently train a different model.
-        """
+    def hashed_fields(self) -> dict[str, Any]:
+        """Everything that changes the training math (not where it runs, logs, or which
+        credentials read its data), flattened to dotted keys. Manifests record it, so a
+        refused resume can say which fields differ."""
         fields = self.model_dump(
-            include={"model": True, "data": True, "train": True, "parallel": {"precision"}}
+            mode="json",
+            include={"model": True, "data": True, "train": True, "parallel": {"precision"}},
+            exclude={
+                "train": {"log_every", "steps"},
+                "data": {"endpoint_url", "storage_options"},
+            },
         )
-        fields["train"].pop("log_every", None)
-        fields["train"].pop("steps", None)
-        fields["batch_policy"] = self.elastic.batch_policy
+        fields["elastic"] = {"batch_policy": self.elastic.batch_policy}
         if self.elastic.batch_policy == "scaled":  # the reference size of batch and lr
-            fields["max_replicas"] = self.elastic.max_replicas
-        blob = json.dumps(fields, sort_keys=True, default=str).encode()
+            fields["elastic"]["max_replicas"] = self.elastic.max_replicas
+        return _flatten(fields)
+
+    def spec_hash(self) -> str:
+        """Hash of `hashed_fields`. A checkpoint is only resumed by a job with the same
+        hash, so a resumed run cannot silently train a different model."""
+        blob = json.dumps(self.hashed_fields(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_ABSENT = object()
+# deepspeed: keys Spotline derives, and the spec field each comes from (None: Spotline
+# supplies the object itself, so the key cannot be set at all).
+_SPOTLINE_OWNED_DEEPSPEED_KEYS: dict[str, str | None] = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.global_batch_size / (parallel.micro_batches "
+    "x elastic.max_replicas)",
+    "gradient_accumulation_steps": "parallel.micro_batches and elastic.batch_policy",
+    "gradient_clipping": "train.grad_clip",
+    "zero_optimization.stage": "parallel.zero_stage",
+    "bf16.enabled": "parallel.precision",
+    "fp16.enabled": "parallel.precision (fp32 or bf16; fp16 is not supported)",
+    "optimizer": None,
+    "scheduler": None,
+}
+
+
+def _dig(d: Any, path: list[str]) -> Any:
+    for part in path:
+        if not isinstance(d, dict) or part not in d:
+            return _ABSENT
+        d = d[part]
+    return d
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,7 +1,7 @@
 """The `preemption` section of a job spec: which notice sources to watch, and the budget
 the controller has from a notice to a committed checkpoint.
 
-Kinds are checked against the source registry (`spotline.preemption.sources`), so a
+Kinds are checked against the notice-source registry (`spotline.registry`), so a
 misspelt kind fails when the spec loads, not on the node when the notice comes.
 """
 
@@ -16,7 +16,8 @@ from pydantic import (
     model_validator,
 )
 
-from spotline.preemption.sources import source_class
+from spotline.config.urls import check_host_port, check_http_url
+from spotline.registry import NOTICE_SOURCES
 
 
 class NoticeSourceSpec(BaseModel):
@@ -44,15 +45,14 @@ class NoticeSourceSpec(BaseModel):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, v: str) -> str:
-        source_class(v)  # raises ValueError with a did-you-mean and the valid kinds
-        return v
+        return NOTICE_SOURCES.check(v)  # a did-you-mean and the valid kinds
 
     @field_validator("endpoint")
     @classmethod
     def _endpoint_shape(cls, v: str | None, info: ValidationInfo) -> str | None:
         kind = info.data.get("kind")  # absent when kind itself failed validation
         if v is not None and kind is not None:
-            source_class(kind).check_endpoint(v)
+            check_notice_endpoint(kind, v)
         return v
 
 
@@ -80,3 +80,28 @@ class PreemptionSpec(BaseModel):
                 )
             seen.add(key)
         return self
+
+
+_HTTP_SOURCES = {
+    "aws": "http://169.254.169.254",
+    "gcp": "http://metadata.google.internal",
+    "azure": "http://169.254.169.254",
+}
+
+
+def check_notice_endpoint(kind: str, endpoint: str) -> None:
+    """Syntax of a built-in source's endpoint; ValueError saying what it must look like.
+
+    A source given as `module:attr` checks its own endpoint when it is built.
+    """
+    field = f"endpoint of notice source {kind!r}"
+    if kind in _HTTP_SOURCES:
+        check_http_url(endpoint, field, f"{_HTTP_SOURCES[kind]} or http://127.0.0.1:8080")
+    elif kind == "ray-drain":
+        check_host_port(
+            endpoint,
+            field,
+            "a GCS address host:port such as 10.0.0.5:6379 (the address `ray start --head` prints)",
+        )
+    elif kind == "sigterm":
+        raise ValueError(f"notice source 'sigterm' takes no endpoint (got {endpoint!r})")

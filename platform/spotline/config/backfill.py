@@ -2,12 +2,12 @@
 
 Task kinds are a closed, named set ('eval', 'speculative'); a misspelt kind fails
 when the spec loads and lists the valid ones. Arbitrary Python tasks come in
-through the SDK (`JobRun.backfill.submit`), not through YAML.
+through the SDK (`JobRun.backfill.submit`), not through YAML. A prompts file is read
+into the spec by the preflight (`spotline.preflight.resolve_prompts`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -41,8 +41,9 @@ class DraftSpec(_Section):
     """Steps the executor trains the draft on the job's corpus (in bubbles, once per
     executor) before it is first used. 0 uses the draft as initialised or loaded."""
     path: str | None = None
-    """A torch state_dict of a draft with this shape to start from, on every node's
-    local disk. None starts from random weights."""
+    """A state_dict of a draft with this shape to start from, on every node's local
+    disk: a .safetensors file, or a torch file (read with weights_only=True, so it can
+    hold tensors only). None starts from random weights."""
     lr: float = Field(3e-3, gt=0.0)
 
     @model_validator(mode="after")
@@ -100,21 +101,3 @@ class BackfillSpec(_Section):
     finish_timeout_s: float = Field(300.0, ge=0.0)
     """After the last training step, tasks still queued or running may use the freed
     devices for up to this long before the job ends."""
-
-
-def resolve_prompts(task: SpeculativeTaskSpec, field: str) -> None:
-    """Read a prompts file into the task (in the driver, before any worker starts)."""
-    if isinstance(task.prompts, list):
-        prompts = task.prompts
-    else:
-        path = Path(task.prompts)
-        try:
-            prompts = [line for line in path.read_text().splitlines() if line.strip()]
-        except OSError as e:
-            raise ValueError(
-                f"{field}.prompts: cannot read {str(path)!r} ({e.strerror or e}); give a "
-                "path relative to where you run spotline, or list the prompts inline"
-            ) from e
-    if not prompts:
-        raise ValueError(f"{field}.prompts is empty; give at least one prompt")
-    task.prompts = prompts

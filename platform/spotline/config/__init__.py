@@ -1,0 +1,60 @@
+"""The job spec: typed sections, YAML loading with overrides, and redaction.
+
+A leaf package: it imports nothing from the runtime, so every other part of
+Spotline (driver, controller, workers, executors) can import it.
+"""
+
+from spotline.config.backfill import (
+    BackfillSpec,
+    DraftSpec,
+    EvalTaskSpec,
+    SpeculativeTaskSpec,
+    TaskSpec,
+)
+from spotline.config.loader import (
+    SpecError,
+    apply_overrides,
+    load_spec,
+    parse_override_list,
+    validate_dict,
+)
+from spotline.config.preemption import NoticeSourceSpec, PreemptionSpec
+from spotline.config.redact import redact
+from spotline.config.schema import (
+    CheckpointSpec,
+    DataSpec,
+    ElasticSpec,
+    FailureSpec,
+    JobSpec,
+    MetricsSpec,
+    ModelSpec,
+    ParallelSpec,
+    ResourcesSpec,
+    TrainSpec,
+)
+
+__all__ = [
+    "BackfillSpec",
+    "CheckpointSpec",
+    "DataSpec",
+    "DraftSpec",
+    "ElasticSpec",
+    "EvalTaskSpec",
+    "FailureSpec",
+    "JobSpec",
+    "MetricsSpec",
+    "ModelSpec",
+    "NoticeSourceSpec",
+    "ParallelSpec",
+    "PreemptionSpec",
+    "ResourcesSpec",
+    "SpecError",
+    "SpeculativeTaskSpec",
+    "TaskSpec",
+    "TrainSpec",
+    "apply_overrides",
+    "load_spec",
+    "parse_override_list",
+    "redact",
+    "validate_dict",
+]

@@ -1,0 +1,36 @@
+"""Syntax checks of the endpoints a spec names: pure string checks, no network.
+
+The schema runs them when a spec loads, and the parts that use an endpoint (the
+checkpoint store, the notice sources) run the same ones, so a bad endpoint reads the
+same everywhere and is caught before anything starts.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+
+
+def check_http_url(value: str, field: str, example: str) -> str:
+    """`value` if it is an http(s) base URL with a host; ValueError naming `field`."""
+    try:
+        parts = urllib.parse.urlsplit(value)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError as e:
+        raise ValueError(
+            f"{field}: {value!r} is not a valid URL ({e}); use e.g. {example}"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise ValueError(
+            f"{field}: {value!r} must be an http(s) base URL with a host, e.g. {example}"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(f"{field}: {value!r} must be a base URL without '?query' or '#fragment'")
+    return value
+
+
+def check_host_port(value: str, field: str, example: str) -> str:
+    """`value` if it is `host:port`; ValueError naming `field`."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or "/" in value or not port.isdigit() or int(port) == 0:
+        raise ValueError(f"{field}: {value!r} must be {example}")
+    return value
