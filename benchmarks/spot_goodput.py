@@ -234,8 +234,8 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from spotline.config.schema import JobSpec
-    from spotline.data import Sampler, load_corpus
-    from spotline.models import build_sequential, lm_loss
+    from spotline.data import Sampler, open_dataset
+    from spotline.models import build_sequential, model_def
     from spotline.workers.trainer import build_optimizer, lr_lambda
 
     spec = JobSpec.model_validate_json(config["spec"])
@@ -246,20 +246,21 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
     torch.manual_seed(spec.train.seed)
     # The GPUs are logical (CPU compute): wrap for DDP over gloo by hand, as prepare_model
     # would move the model to a CUDA device.
-    model = DistributedDataParallel(build_sequential(spec.model, spec.train.seed))
+    md = model_def(spec)
+    model = DistributedDataParallel(build_sequential(md))
     opt = build_optimizer(model, spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec, world))
     step = 0
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=False)
+            state = torch.load(Path(d) / "state.pt", weights_only=True)
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         step = state["step"]
-    corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
-    sampler = Sampler(corpus.train, spec.model.seq_len, spec.micro_batch_size(), spec.data.seed)
+    data = open_dataset(spec)
+    sampler = Sampler(data.train, spec.model.seq_len, spec.micro_batch_size(), spec.data.seed)
     ga = spec.grad_accum(world)
     answered: set[str] = set()
     first = True
@@ -268,7 +269,7 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
         for i, (x, y) in enumerate(batches):
             sync = cl.nullcontext() if i == ga - 1 else model.no_sync()
             with sync:
-                (lm_loss(model(x), y) / ga).backward()
+                (md.loss(model(x), y) / ga).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.train.grad_clip)
         opt.step()
         sched.step()

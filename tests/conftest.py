@@ -9,6 +9,7 @@ instance-metadata service: every request goes to 127.0.0.1.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -201,3 +202,18 @@ def reference_run(ray_session, tmp_path_factory):
     spec = tiny_spec(tmp, "reference")
     result = spotline.Job(spec).run(verbose=False)
     return spec, result, tmp
+
+
+def kill_rank_after_commit(run, after_commit: int, rank: int, killed: dict) -> None:
+    """SIGKILL `rank`'s process once `after_commit` is committed and the job is past it
+    (run on a thread beside `run.wait()`); what was killed goes into `killed`."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        st = run.status()
+        if after_commit in st["committed_steps"] and st["step"] > after_commit and st["workers"]:
+            pid = next(w["pid"] for w in st["workers"] if w["rank"] == rank)
+            killed["step"] = st["step"]
+            killed["pid"] = pid
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)

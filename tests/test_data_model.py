@@ -9,13 +9,26 @@ import numpy as np
 import pytest
 import torch
 
-from spotline.config import DataSpec, ModelSpec
-from spotline.data import CorpusError, Sampler, load_corpus
-from spotline.models import VOCAB_SIZE, build_sequential, count_params, decode, encode, lm_loss
+from spotline.config import DataSpec, GptModelSpec
+from spotline.data import ByteTokenizer, CorpusError, Sampler, load_corpus
+from spotline.models import build_sequential, layer_param_counts, lm_loss
+from spotline.models.gpt import PROVIDER
 
 pytestmark = pytest.mark.unit
 
+ModelSpec = GptModelSpec
 TINY = ModelSpec(n_layers=2, d_model=32, n_heads=2, seq_len=16)
+VOCAB_SIZE = 256
+BYTES = ByteTokenizer()
+encode, decode = BYTES.encode, BYTES.decode
+
+
+def gpt_def(spec: ModelSpec, seed: int):
+    return PROVIDER.build(spec, vocab_size=VOCAB_SIZE, seq_len=spec.seq_len, seed=seed)
+
+
+def gpt(spec: ModelSpec, seed: int):
+    return build_sequential(gpt_def(spec, seed))
 
 
 def _tokens(n: int = 5000, seed: int = 0) -> np.ndarray:
@@ -184,7 +197,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_same_seed_same_weights_other_seed_other_weights() -> None:
-    a, b, c = (_state(build_sequential(TINY, seed)) for seed in (11, 11, 12))
+    a, b, c = (_state(gpt(TINY, seed)) for seed in (11, 11, 12))
     assert a.keys() == b.keys() == c.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -203,13 +216,13 @@ def test_same_seed_same_weights_other_seed_other_weights() -> None:
     ],
     ids=["tiny", "default", "odd"],
 )
-def test_count_params_matches_the_model(spec: ModelSpec) -> None:
-    model = build_sequential(spec, 0)
-    assert count_params(spec) == sum(p.numel() for p in model.parameters())
+def test_param_counts_on_the_meta_device_match_the_model(spec: ModelSpec) -> None:
+    model = gpt(spec, 0)
+    assert sum(layer_param_counts(gpt_def(spec, 0))) == sum(p.numel() for p in model.parameters())
 
 
 def test_forward_shape_and_initial_loss() -> None:
-    model = build_sequential(TINY, 0).eval()
+    model = gpt(TINY, 0).eval()
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB_SIZE, (3, TINY.seq_len), generator=gen)
     y = torch.randint(0, VOCAB_SIZE, (3, TINY.seq_len), generator=gen)
@@ -223,7 +236,7 @@ def test_forward_shape_and_initial_loss() -> None:
 
 
 def test_forward_is_causal() -> None:
-    model = build_sequential(TINY, 0).eval()
+    model = gpt(TINY, 0).eval()
     x = torch.randint(0, VOCAB_SIZE, (1, 10))
     x2 = x.clone()
     x2[0, 7:] = (x2[0, 7:] + 1) % VOCAB_SIZE  # change only the future of position 6

@@ -10,21 +10,22 @@ import warnings
 import pytest
 import torch
 
-from spotline.config import ModelSpec
+from spotline.config import GptModelSpec, load_spec
 from spotline.metrics import gpu
 from spotline.metrics.flops import (
     DEVICE_PEAK_FLOPS,
-    hardware_flops_per_token,
     measure_cpu_matmul_peak,
     mfu,
     model_flops_per_token,
     peak_flops,
 )
+from spotline.models import build_sequential, model_def
+from spotline.models.gpt import flops_per_token
 
 pytestmark = pytest.mark.unit
 
-SMALL = ModelSpec(n_layers=2, d_model=64, n_heads=4, seq_len=128)
-GPT2_SMALL = ModelSpec(n_layers=12, d_model=768, n_heads=12, seq_len=1024)
+SMALL = GptModelSpec(n_layers=2, d_model=64, n_heads=4, seq_len=128)
+GPT2_SMALL = GptModelSpec(n_layers=12, d_model=768, n_heads=12, seq_len=1024)
 
 
 # --- FLOPs per token, by hand ---------------------------------------------------------
@@ -38,10 +39,9 @@ def test_small_model_flops_by_hand() -> None:
     # training = 3 * 294912 = 884736
     # check via 6N + 12LTd: N_matmul = 2*12*4096 + 256*64 = 98304 + 16384 = 114688,
     #   6N = 688128, 12*2*128*64 = 196608, sum = 884736
-    assert model_flops_per_token(SMALL) == 884736
-    # recompute: blocks run forward once more: + 262144 -> 1146880
-    assert hardware_flops_per_token(SMALL, recompute=True) == 1146880
-    assert hardware_flops_per_token(SMALL, recompute=False) == 884736
+    assert flops_per_token(SMALL, 256) == 884736
+    spec = load_spec(None, {"model": SMALL.model_dump()})
+    assert model_flops_per_token(spec) == 884736
 
 
 def test_gpt2_small_flops_by_hand() -> None:
@@ -51,9 +51,7 @@ def test_gpt2_small_flops_by_hand() -> None:
     # training = 3 * 208011264 = 624033792
     # check via 6N + 12LTd: N_matmul = 12*12*589824 + 256*768 = 84934656 + 196608
     #   = 85131264, 6N = 510787584, 12*12*1024*768 = 113246208, sum = 624033792
-    assert model_flops_per_token(GPT2_SMALL) == 624033792
-    # recompute: + 207618048 -> 831651840
-    assert hardware_flops_per_token(GPT2_SMALL, recompute=True) == 831651840
+    assert flops_per_token(GPT2_SMALL, 256) == 624033792
 
 
 def test_flops_match_torch_flop_counter_on_the_real_model() -> None:
@@ -62,14 +60,14 @@ def test_flops_match_torch_flop_counter_on_the_real_model() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from spotline.models import build_sequential
-
-    model = build_sequential(SMALL, seed=0)
+    spec = load_spec(None, {"model": SMALL.model_dump(), "train.seed": 0})
+    md = model_def(spec)
+    model = build_sequential(md)
     batch = 3
     idx = torch.randint(0, 256, (batch, SMALL.seq_len))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(idx).float().sum().backward()
-    assert counter.get_total_flops() / (batch * SMALL.seq_len) == model_flops_per_token(SMALL)
+    assert counter.get_total_flops() / (batch * SMALL.seq_len) == md.flops_per_token
 
 
 # --- peak table -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 INFRA = REPO / "infra"
-SPOT_CONFIG = REPO / "configs" / "gpt-1b-spot.yaml"
+SPOT_CONFIG = REPO / "configs" / "llama-1b-spot.yaml"
 
 
 def _ray_schema() -> dict[str, Any]:
@@ -176,7 +176,7 @@ def test_dockerfile_uses_a_cuda_base_and_the_same_pins() -> None:
 def test_infra_refers_to_configs_that_exist() -> None:
     texts = [p.read_text() for p in INFRA.rglob("*") if p.is_file()]
     referenced = {m for t in texts for m in re.findall(r"configs/[\w.-]+\.yaml", t)}
-    assert "configs/gpt-1b-spot.yaml" in referenced
+    assert "configs/llama-1b-spot.yaml" in referenced
     for rel in referenced:
         assert (REPO / rel).is_file(), rel
 

@@ -221,3 +221,34 @@ print("ENTRYPOINT", JobSubmissionClient({ray_head!r}).get_job_info(handle.submis
     for job in client.list_jobs():
         found += [f"job list entrypoint: {n[:6]}..." for n in needles if n in job.entrypoint]
     assert not found, found
+
+
+def test_a_custom_model_from_outside_the_package_trains_through_ray_job_submit(ray_head, tmp_path):
+    """tests/custom_model.py is the user's code: it reaches the driver and every worker
+    through the job's working_dir, and its config is validated by its own model."""
+    sets = [a for s in _tiny_sets(tmp_path, "custom") for a in ("--set", s)]
+    model = [
+        "--set", "model={kind: custom, provider: 'tests.custom_model:PROVIDER', "
+        "config: {width: 24, depth: 2}, seq_len: 32}",
+    ]  # fmt: skip
+    cmd = [
+        shutil.which("ray") or "ray", "job", "submit", "--address", ray_head,
+        "--working-dir", str(REPO), "--",
+        sys.executable, "jobs/train.py", "--config", "configs/quickstart.yaml", *sets, *model,
+    ]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_client_env()
+    )
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs[-3000:]
+    assert "Spotline job custom: finished" in logs
+    m = CheckpointStore(f"file://{tmp_path}/ckpt").load_manifest(6)
+    assert m.extra["spec"]["model.provider"] == "tests.custom_model:PROVIDER"
+    assert m.extra["spec"]["model.config.width"] == 24
+    # Its own config model refuses a bad field, before any worker starts.
+    bad = [*cmd[:-2], "--set", "model.config.width=-1"]
+    out = subprocess.run(
+        bad, capture_output=True, text=True, timeout=300, cwd=REPO, env=_client_env()
+    )
+    assert out.returncode != 0
+    assert "model.config.width" in out.stdout + out.stderr

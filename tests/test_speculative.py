@@ -15,14 +15,25 @@ from spotline.backfill.speculative import (
     run_to_end,
     speculative_generate,
 )
-from spotline.config.schema import ModelSpec
-from spotline.models.gpt import build_sequential, encode
+from spotline.config import GptModelSpec
+from spotline.models import build_sequential
+from spotline.models.gpt import PROVIDER
 
 pytestmark = pytest.mark.unit
 
 SEQ_LEN = 64
-TARGET_SPEC = ModelSpec(n_layers=2, d_model=32, n_heads=2, seq_len=SEQ_LEN)
-DRAFT_SPEC = ModelSpec(n_layers=1, d_model=16, n_heads=2, seq_len=SEQ_LEN)
+TARGET_SPEC = GptModelSpec(n_layers=2, d_model=32, n_heads=2, seq_len=SEQ_LEN)
+DRAFT_SPEC = GptModelSpec(n_layers=1, d_model=16, n_heads=2, seq_len=SEQ_LEN)
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def gpt(spec: GptModelSpec, seed: int):
+    return build_sequential(PROVIDER.build(spec, vocab_size=256, seq_len=spec.seq_len, seed=seed))
+
+
 TARGET_UNITS = TARGET_SPEC.n_layers + 2  # embedding, blocks, head
 
 PROMPTS = [encode("def "), encode("import torch\n"), [7], list(range(40, 60))]
@@ -31,12 +42,12 @@ GAMMAS = [1, 2, 4, 7]
 
 @pytest.fixture(scope="module")
 def target():
-    return build_sequential(TARGET_SPEC, seed=0)
+    return gpt(TARGET_SPEC, seed=0)
 
 
 @pytest.fixture(scope="module")
 def draft():
-    return build_sequential(DRAFT_SPEC, seed=5)
+    return gpt(DRAFT_SPEC, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +176,7 @@ def test_seq_len_guard(target, draft):
 
 
 def test_draft_seq_len_guard(target):
-    short_draft = build_sequential(ModelSpec(n_layers=1, d_model=16, n_heads=2, seq_len=8), 5)
+    short_draft = gpt(GptModelSpec(n_layers=1, d_model=16, n_heads=2, seq_len=8), 5)
     with pytest.raises(ValueError, match="draft"):
         run_to_end(speculative_generate(target, short_draft, [1, 2, 3], 2, 6))
 

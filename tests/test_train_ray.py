@@ -11,14 +11,12 @@ import json
 import math
 import os
 import shutil
-import signal
 import threading
-import time
 
 import pytest
 
 import spotline
-from conftest import tiny_spec
+from conftest import kill_rank_after_commit, tiny_spec
 from spotline.checkpoint import CheckpointStore, hash_file
 
 pytestmark = pytest.mark.ray
@@ -52,28 +50,13 @@ def test_quickstart_shape_trains_and_commits(reference):
     assert all(b < 30 for b in result.checkpoint_blocked_s)
 
 
-def _kill_a_worker_mid_run(
-    run: spotline.JobRun, after_commit: int, rank: int, killed: dict
-) -> None:
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        st = run.status()
-        if after_commit in st["committed_steps"] and st["step"] > after_commit and st["workers"]:
-            pid = next(w["pid"] for w in st["workers"] if w["rank"] == rank)
-            killed["step"] = st["step"]
-            killed["pid"] = pid
-            os.kill(pid, signal.SIGKILL)
-            return
-        time.sleep(0.05)
-
-
 def test_sigkill_mid_step_resumes_with_identical_losses(reference, tmp_path):
     ref_spec, ref, _ = reference
     spec = tiny_spec(tmp_path, "sigkill")
     assert spec.spec_hash() == ref_spec.spec_hash()
     run = spotline.Job(spec).start()
     killed: dict = {}
-    killer = threading.Thread(target=_kill_a_worker_mid_run, args=(run, 10, 3, killed))
+    killer = threading.Thread(target=kill_rank_after_commit, args=(run, 10, 3, killed))
     killer.start()
     result = run.wait(verbose=False)
     killer.join()
@@ -139,7 +122,7 @@ def test_max_failures_exhausted_is_a_clear_failure(ray_session, tmp_path):
     spec = tiny_spec(tmp_path, "nofail", **{"failure.max_failures": 0, "train.steps": 400})
     run = spotline.Job(spec).start()
     killed: dict = {}
-    killer = threading.Thread(target=_kill_a_worker_mid_run, args=(run, 10, 1, killed))
+    killer = threading.Thread(target=kill_rank_after_commit, args=(run, 10, 1, killed))
     killer.start()
     with pytest.raises(spotline.JobFailed) as info:
         run.wait(verbose=False)

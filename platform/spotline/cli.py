@@ -54,6 +54,12 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secrets-module", help=argparse.SUPPRESS)
 
 
+def _add_storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--endpoint-url", default=None, help="S3-compatible endpoint (MinIO, a test server)"
+    )
+
+
 def _job_from_args(args):
     from spotline.config import load_spec
     from spotline.config.loader import validate_dict
@@ -142,6 +148,44 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("--out", default="spotline-trace.json", help="where to write the JSON")
     trace.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
 
+    prep = sub.add_parser(
+        "prepare", help="tokenize text, JSONL or Parquet into a sharded token dataset"
+    )
+    prep.add_argument("input", help="a file, directory, glob or fsspec URI of the raw data")
+    prep.add_argument(
+        "--tokenizer",
+        required=True,
+        help="'byte', or a tokenizer.json (or its directory or URI); never downloaded from a hub",
+    )
+    prep.add_argument("--out", required=True, help="where to write it (a path or fsspec URI)")
+    prep.add_argument("--field", default="text", help="JSONL: the field holding the text")
+    prep.add_argument("--column", default=None, help="Parquet: the column (default: --field)")
+    prep.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
+    _add_storage_args(prep)
+
+    tok = sub.add_parser("tokenizer", help="tokenizer helpers")
+    tok_sub = tok.add_subparsers(dest="tok_cmd", required=True)
+    train_tok = tok_sub.add_parser(
+        "train", help="train a byte-level BPE tokenizer with the `tokenizers` library"
+    )
+    train_tok.add_argument(
+        "input", nargs="+", help="text files or directories ('stdlib': Python's sources)"
+    )
+    train_tok.add_argument("--vocab-size", type=int, default=8192)
+    train_tok.add_argument("--out", required=True, help="directory for tokenizer.json & co")
+
+    export = sub.add_parser(
+        "export", help="write a committed checkpoint as a Hugging Face model directory"
+    )
+    export.add_argument("checkpoint", help="the job's checkpoint URI (checkpoint.uri)")
+    export.add_argument("--format", choices=["hf"], default="hf")
+    export.add_argument("--out", required=True, help="a directory or fsspec URI")
+    export.add_argument("--step", type=int, default=None, help="default: the latest commit")
+    export.add_argument(
+        "--signing-key-env", default=None, help="as checkpoint.signing_key_env of the job"
+    )
+    _add_storage_args(export)
+
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("SPOTLINE_DEBUG", "") not in ("", "0")
     install_log_redaction()
@@ -229,6 +273,46 @@ def _dispatch(args) -> int:
         with open(args.out, "w") as f:
             json.dump(trace, f)
         print(f"wrote {args.out}: open it at https://ui.perfetto.dev or chrome://tracing")
+        return 0
+    if args.cmd == "prepare":
+        from spotline.data import load_tokenizer_at
+        from spotline.data.prepare import prepare
+
+        tokenizer = load_tokenizer_at(args.tokenizer, endpoint_url=args.endpoint_url)
+        index = prepare(
+            args.input,
+            tokenizer,
+            args.out,
+            text_field=args.field,
+            column=args.column,
+            workers=args.workers,
+            endpoint_url=args.endpoint_url,
+        )
+        print(
+            f"wrote {index['total_tokens']:,} tokens of {index['documents']:,} documents in "
+            f"{len(index['shards'])} shard(s) to {args.out}; train on it with data: "
+            f"{{kind: tokens, uri: {args.out}}}"
+        )
+        return 0
+    if args.cmd == "tokenizer":
+        from spotline.data.tokenizer import train_bpe
+
+        inputs = args.input[0] if args.input == ["stdlib"] else args.input
+        path = train_bpe(inputs, args.out, vocab_size=args.vocab_size)
+        print(f"wrote {path}; use it with tokenizer: {{kind: huggingface, path: {args.out}}}")
+        return 0
+    if args.cmd == "export":
+        from spotline.checkpoint import CheckpointStore
+        from spotline.export import export_hf
+
+        store = CheckpointStore(
+            args.checkpoint, endpoint_url=args.endpoint_url, signing_key_env=args.signing_key_env
+        )
+        step, out = export_hf(store, args.out, args.step)
+        print(
+            f"exported step {step} of {store.uri} to {out}; load it with "
+            f"transformers.AutoModelForCausalLM.from_pretrained({out!r})"
+        )
         return 0
     return 2
 

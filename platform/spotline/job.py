@@ -355,19 +355,30 @@ class Job:
         """Run to completion in this driver; returns losses, figures and the checkpoint URI."""
         return self.start(address).wait(verbose)
 
-    def submit(self, address: str, working_dir: str | Path = ".") -> SubmittedJob:
-        """Submit through Ray's job submission API; the entrypoint is jobs/train.py."""
+    def submit(self, address: str, working_dir: str | Path | None = None) -> SubmittedJob:
+        """Submit through Ray's job submission API.
+
+        The job's runtime_env is `runtime_env.working_dir` (else `working_dir`, else the
+        current directory) plus `runtime_env.py_modules`; every actor of the job inherits
+        it. The entrypoint is that directory's jobs/train.py when it has one (a checkout
+        of Spotline), else `python -m spotline.cli run` (Spotline installed on the cluster).
+        """
         from ray.job_submission import JobSubmissionClient
 
         from spotline.preflight import preflight
 
         store = preflight(self.spec, local_cluster=False)
-        # A relative file:// URI would resolve inside Ray's per-job working-dir copy.
+        # A relative file:// URI would resolve inside Ray's per-job working-dir copy. The
+        # runtime_env travels as the job's own; the submitted spec needs none of its own.
         spec = self.with_overrides({"checkpoint.uri": store.uri}).spec
+        runtime_env: dict[str, Any] = spec.runtime_env.ray() or {}
+        runtime_env.setdefault("working_dir", os.path.abspath(working_dir or "."))
+        spec.runtime_env = type(spec.runtime_env)()
         public, secrets = split_secrets(spec.model_dump(mode="json"))
         blob = base64.urlsafe_b64encode(json.dumps(public).encode()).decode()
-        entrypoint = f"python jobs/train.py --spec-b64 {blob}"
-        runtime_env: dict[str, Any] = {"working_dir": str(working_dir)}
+        script = Path(runtime_env["working_dir"]) / "jobs" / "train.py"
+        launcher = "python jobs/train.py" if script.is_file() else "python -m spotline.cli run"
+        entrypoint = f"{launcher} --spec-b64 {blob}"
         client = JobSubmissionClient(address)
         with tempfile.TemporaryDirectory(prefix="spotline-submit-") as tmp:
             if secrets:
@@ -376,7 +387,10 @@ class Job:
                 # one-use package that Ray uploads with the job, which the entrypoint
                 # reads once and deletes.
                 module = write_secrets_package(Path(tmp), secrets)
-                runtime_env["py_modules"] = [str(Path(tmp) / module)]
+                runtime_env["py_modules"] = [
+                    *runtime_env.get("py_modules", []),
+                    str(Path(tmp) / module),
+                ]
                 entrypoint += f" --secrets-module {module}"
             sid = client.submit_job(
                 entrypoint=entrypoint,

@@ -18,33 +18,18 @@ import math
 from dataclasses import dataclass
 
 from spotline.config.schema import JobSpec
-from spotline.models.gpt import VOCAB_SIZE, layer_param_counts
+from spotline.models import ModelDef, layer_param_counts, model_def, stage_bounds
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weights
 
 
-def stage_layers(n_blocks: int, stages: int) -> list[int]:
-    """Transformer blocks per pipeline stage, as DeepSpeed's `type:Block` partition cuts
-    them (earlier stages take the remainder)."""
-    base, extra = divmod(n_blocks, stages)
-    return [base + (1 if s < extra else 0) for s in range(stages)]
-
-
-def stage_params(spec: JobSpec) -> list[int]:
-    """Parameters held by each pipeline stage (embedding on the first, head on the last)."""
-    counts = layer_param_counts(spec.model)
-    embed, blocks, head = counts[0], counts[1:-1], counts[-1]
-    out, i = [], 0
-    for s, n in enumerate(stage_layers(len(blocks), spec.parallel.pipeline_stages)):
-        total = sum(blocks[i : i + n])
-        i += n
-        if s == 0:
-            total += embed
-        if s == spec.parallel.pipeline_stages - 1:
-            total += head
-        out.append(total)
-    return out
+def stage_params(spec: JobSpec, model: ModelDef | None = None) -> list[int]:
+    """Parameters held by each pipeline stage, cut as DeepSpeed cuts the layer list."""
+    model = model or model_def(spec)
+    counts = layer_param_counts(model)
+    bounds = stage_bounds(model, spec.parallel.pipeline_stages)
+    return [sum(counts[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 @dataclass(frozen=True)
@@ -73,17 +58,22 @@ def memory_per_device(spec: JobSpec, replicas: int | None = None) -> list[StageM
         + w / (d if z >= 2 else 1)
         + (master + ADAM_BYTES) / (d if z >= 1 else 1)
     )
+    model = model_def(spec)
     m = spec.model
-    b, s, h = spec.micro_batch_size(), m.seq_len, m.d_model
-    per_layer = s * b * h * (34 + 5 * m.n_heads * s / h) * (w / 2)
-    blocks = stage_layers(m.n_layers, p.pipeline_stages)
+    b, s = spec.micro_batch_size(), m.seq_len
+    # Width and heads of the built-in kinds; a custom model is charged as if d = 1024.
+    h, heads = getattr(m, "d_model", 1024), getattr(m, "n_heads", 16)
+    per_layer = s * b * h * (34 + 5 * heads * s / h) * (w / 2)
+    bounds = stage_bounds(model, p.pipeline_stages)
+    is_block = [ld.cls is model.block_class for ld in model.layers]
     micro = spec.grad_accum(d)
     out = []
-    for stage, params in enumerate(stage_params(spec)):
+    for stage, params in enumerate(stage_params(spec, model)):
         in_flight = min(p.pipeline_stages - stage, micro) if p.pipeline_stages > 1 else 1
-        act = per_layer * blocks[stage] * in_flight
+        blocks = sum(is_block[bounds[stage] : bounds[stage + 1]])
+        act = per_layer * blocks * in_flight
         if stage == p.pipeline_stages - 1:
-            act += 2 * b * s * VOCAB_SIZE * 4  # fp32 logits and their gradient
+            act += 2 * b * s * model.vocab_size * 4  # fp32 logits and their gradient
         out.append(StageMemory(stage, params, math.ceil(params * per_param), math.ceil(act)))
     return out
 

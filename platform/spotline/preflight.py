@@ -9,6 +9,9 @@ probe, which runs last, once the URI is known to be this job's.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
 from pathlib import Path
 
 from spotline.checkpoint import CheckpointMismatchError, CheckpointStore
@@ -16,7 +19,7 @@ from spotline.checkpoint.staging import GB, check_local_dir
 from spotline.config.backfill import SpeculativeTaskSpec
 from spotline.config.loader import SpecError
 from spotline.config.schema import JobSpec
-from spotline.data import load_corpus
+from spotline.data import open_dataset
 from spotline.plan import checkpoint_bytes, memory_per_device
 
 
@@ -107,13 +110,126 @@ def check_memory(spec: JobSpec, local_cluster: bool) -> None:
     )
 
 
+def resolve_tokenizer(spec: JobSpec) -> None:
+    """Read the tokenizer and write what it is into the spec (tokenizer.sha256 and
+    vocab_size); the spec hash covers them, so resuming onto another tokenizer is
+    refused, saying what changed."""
+    from spotline.data import job_tokenizer
+
+    tok = job_tokenizer(spec)
+    t = spec.tokenizer
+    if t.sha256 is not None and t.sha256 != tok.sha256:
+        raise SpecError(
+            f"tokenizer.sha256 is {t.sha256[:12]}... but {t.path} hashes to "
+            f"{tok.sha256[:12]}...: it is another tokenizer; point tokenizer.path at the "
+            "right one, or drop tokenizer.sha256"
+        )
+    if t.kind != "byte":
+        t.sha256 = tok.sha256
+    t.vocab_size = tok.vocab_size
+    given = getattr(spec.model, "vocab_size", None)
+    if given is not None and given < tok.vocab_size:
+        raise SpecError(
+            f"model.vocab_size ({given}) is smaller than the tokenizer's vocabulary "
+            f"({tok.vocab_size}, {t.path or t.kind}); raise model.vocab_size or leave it out"
+        )
+
+
+def resolve_datasets(spec: JobSpec) -> None:
+    """Read each prepared dataset's index (never its shards) and write its identity into
+    the spec (data.sources[i].index_sha256), after checking it fits the tokenizer and
+    the model."""
+    from spotline.data.tokens import read_index
+
+    d, t = spec.data, spec.tokenizer
+    for i, src in enumerate(d.sources):
+        field = f"data.sources[{i}].uri" if len(d.sources) > 1 else "data.uri"
+        index, sha = read_index(
+            src.uri, endpoint_url=d.endpoint_url, storage_options=d.storage_options
+        )
+        if src.index_sha256 is not None and src.index_sha256 != sha:
+            raise SpecError(
+                f"{field}: the index at {src.uri} hashes to {sha[:12]}..., not "
+                f"{src.index_sha256[:12]}...: the dataset changed; drop index_sha256 to "
+                "take it as it is now"
+            )
+        theirs = index.get("tokenizer_sha256")
+        mine = t.sha256 or ("byte" if t.kind == "byte" else None)
+        if theirs is not None and mine is not None and theirs != mine:
+            raise SpecError(
+                f"{field}: {src.uri} was prepared with tokenizer {str(theirs)[:12]}... and "
+                f"this job's tokenizer is {mine[:12]}... ({t.path or t.kind}); prepare it "
+                "again with this tokenizer, or point tokenizer.path at the one it used"
+            )
+        if int(index.get("vocab_size", 0)) > spec.vocab_size():
+            raise SpecError(
+                f"{field}: {src.uri} was prepared with a vocabulary of {index['vocab_size']}, "
+                f"more than model.vocab_size ({spec.vocab_size()})"
+            )
+        src.index_sha256 = sha
+
+
+@contextlib.contextmanager
+def user_code_on_path(spec: JobSpec):
+    """Make runtime_env's working_dir and py_modules importable here, as they will be in
+    the job's actors, while the preflight imports a custom provider."""
+    env = spec.runtime_env.ray() or {}
+    paths = ([env["working_dir"]] if "working_dir" in env else []) + [
+        str(Path(m).parent) for m in env.get("py_modules", [])
+    ]
+    added = [p for p in paths if p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(p)
+
+
+def check_model(spec: JobSpec) -> None:
+    """The provider imports, its config validates, the pipeline can be cut, and an
+    init_from checkpoint has the spec's shape (only its config.json is read)."""
+    from spotline.models import hf_checkpoint_dir, model_def, provider
+
+    with user_code_on_path(spec):
+        md = model_def(spec)
+    if md.n_blocks < spec.parallel.pipeline_stages:
+        raise SpecError(
+            f"parallel.pipeline_stages ({spec.parallel.pipeline_stages}) must be <= the "
+            f"model's {md.n_blocks} block(s) ({md.block_class.__name__}); lower "
+            "pipeline_stages or add layers"
+        )
+    init_from = getattr(spec.model, "init_from", None)
+    if init_from:
+        hf = getattr(provider(spec), "hf", None)
+        if hf is None:
+            raise SpecError(f"model.init_from: model.kind {spec.model.kind!r} has no HF format")
+        where = hf_checkpoint_dir(spec, init_from)
+        cfg = where / "config.json"
+        if not cfg.is_file():
+            raise SpecError(
+                f"model.init_from: {init_from} has no config.json; give a Hugging Face "
+                "checkpoint directory (config.json and *.safetensors)"
+            )
+        try:
+            hf.check_hf_config(
+                json.loads(cfg.read_text()), spec.model, spec.vocab_size(), init_from
+            )
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+
+
 def check_offline(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
-    """Every check that needs no network: prompts, URI and storage options, memory, and
-    the driver node's staging directory. Returns the (unopened) store."""
+    """Every check that needs no storage or data service: prompts, URI and storage
+    options, the model, memory, and the driver node's staging directory. Returns the
+    (unopened) store."""
     for i, task in enumerate(spec.backfill.tasks):
         if isinstance(task, SpeculativeTaskSpec):
             resolve_prompts(task, f"backfill.tasks[{i}]")
     store = open_store(spec)
+    resolve_tokenizer(spec)
+    check_model(spec)
     check_memory(spec, local_cluster)
     check_local_dir(spec.checkpoint.staging_dir, "checkpoint.staging_dir", checkpoint_bytes(spec))
     if spec.checkpoint.signing_key_env is not None:
@@ -122,14 +238,17 @@ def check_offline(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
 
 
 def preflight(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
-    """All checks, in order: offline ones, whose URI it is (read-only), that the storage
-    is writable (a probe object), and the corpus. Returns the store."""
+    """All checks, in order: the tokenizer and dataset indexes (resolved into the spec),
+    the offline ones, whose URI it is (read-only), that the storage is writable (a probe
+    object), and a text corpus. Returns the store."""
     store = check_offline(spec, local_cluster)
+    resolve_datasets(spec)  # before the owner check: the spec hash covers what it resolves
     store.check_credentials()
     try:
         store.check_owner(spec)
     except CheckpointMismatchError as e:
         raise SpecError(str(e)) from None
     store.check_writable()
-    load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
+    if spec.data.kind == "text":  # a small corpus read whole; a token dataset's index was
+        open_dataset(spec)  # read above, and its shards are read by the workers only
     return store

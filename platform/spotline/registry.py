@@ -1,5 +1,5 @@
-"""Named, pluggable parts: notice sources, backfill task kinds (and, as they come,
-model kinds, tokenizers and datasets).
+"""Named, pluggable parts: model kinds, tokenizers, datasets, notice sources and
+backfill task kinds.
 
 A spec names a part by a registered name (`aws`, `eval`) or by `module:attr` for
 user code that reaches the workers through Ray's runtime_env. Built-in parts are
@@ -98,6 +98,33 @@ NOTICE_SOURCES = Registry(
     },
 )
 """Where preemption notices come from (`preemption.sources[].kind`)."""
+
+MODELS = Registry(
+    "model kind",
+    {
+        "gpt": "spotline.models.gpt:PROVIDER",
+        "llama": "spotline.models.llama:PROVIDER",
+    },
+)
+"""Model providers (`model.kind`); `custom` names its provider in `model.provider`."""
+
+TOKENIZERS = Registry(
+    "tokenizer kind",
+    {
+        "byte": "spotline.data.tokenizer:ByteTokenizer",
+        "huggingface": "spotline.data.tokenizer:HuggingFaceTokenizer",
+    },
+)
+"""How text becomes tokens (`tokenizer.kind`)."""
+
+DATASETS = Registry(
+    "data kind",
+    {
+        "text": "spotline.data.corpus:TextDataset",
+        "tokens": "spotline.data.tokens:TokenDataset",
+    },
+)
+"""Where training tokens come from (`data.kind`)."""
 
 BACKFILL_TASKS = Registry(
     "backfill task kind",

@@ -48,6 +48,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("eval loss", _eval(s)),
         ("tokens/s", _num(s.get("tokens_per_s"), "{:,.0f}")),
         ("MFU", _pct(s.get("mfu"))),
+        ("data stall", _pct(s.get("data_stall_fraction"))),
         (
             "bubble",
             "-"

@@ -80,18 +80,16 @@ class BackfillExecutor:
         # Ray gives this actor a fraction of the worker's GPU: the same physical device.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.cache_dir = Path(self.spec.checkpoint.staging_dir) / self.spec.name / "backfill"
-        # Read the corpus now, in the background at idle priority, so the first task's
+        # Open the dataset now, in the background at idle priority, so the first task's
         # setup does not have to.
         threading.Thread(target=self._warm, daemon=True, name="backfill-warm").start()
 
     def _warm(self) -> None:
-        from spotline.data import load_corpus
+        from spotline.data import job_tokenizer, open_dataset
 
-        with contextlib.suppress(Exception):  # a task reads it itself if this fails
-            spec = self.spec
-            self._cache.setdefault(
-                "corpus", load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
-            )
+        with contextlib.suppress(Exception):  # a task opens them itself if this fails
+            tok = self._cache.setdefault("tokenizer", job_tokenizer(self.spec))
+            self._cache.setdefault("dataset", open_dataset(self.spec, tok))
 
     # --- control (its own concurrency group: answers while a task runs) ---------------
 

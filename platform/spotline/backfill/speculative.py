@@ -70,7 +70,7 @@ def fit_prompt(prompt: list[int], max_new_tokens: int, seq_len: int) -> list[int
 
 
 def _seq_len(model: nn.Sequential) -> int:
-    return model[0].pos.num_embeddings
+    return model.seq_len  # set by spotline.models.build_sequential
 
 
 def _check(model: nn.Sequential, prompt: list[int], max_new_tokens: int, name: str) -> None:
@@ -80,7 +80,7 @@ def _check(model: nn.Sequential, prompt: list[int], max_new_tokens: int, name: s
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     seq_len = _seq_len(model)
     if len(prompt) + max_new_tokens > seq_len:
-        # Learned positions stop at seq_len; there is nothing to slide into.
+        # The model was trained on (and, with learned positions, can only place) seq_len.
         raise ValueError(
             f"len(prompt) ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"{name} model's seq_len ({seq_len}); clip the prompt with "

@@ -31,10 +31,11 @@ import torch
 from spotline.backfill import speculative as spec_dec
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.config.backfill import DraftSpec, EvalTaskSpec, SpeculativeTaskSpec
-from spotline.config.schema import JobSpec, ModelSpec
-from spotline.data import Sampler, load_corpus
-from spotline.models import build_sequential, encode, lm_loss
-from spotline.models.gpt import decode
+from spotline.config.model import GptModelSpec
+from spotline.config.schema import JobSpec
+from spotline.data import Sampler, job_tokenizer, open_dataset
+from spotline.models import ModelDef, build_sequential, lm_loss, model_def
+from spotline.models.gpt import PROVIDER as GPT
 from spotline.registry import BACKFILL_TASKS
 from spotline.workers import portable
 
@@ -62,12 +63,17 @@ class TaskContext:
     def step(self) -> int:
         return self.manifest.step
 
-    def corpus(self):
-        """The job's corpus, read once per executor."""
-        if "corpus" not in self.cache:
-            spec = self.spec
-            self.cache["corpus"] = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
-        return self.cache["corpus"]
+    def dataset(self):
+        """The job's dataset (train and held-out token streams), opened once per executor."""
+        if "dataset" not in self.cache:
+            self.cache["dataset"] = open_dataset(self.spec, self.tokenizer())
+        return self.cache["dataset"]
+
+    def tokenizer(self):
+        """The job's tokenizer, loaded once per executor (prompts in, completions out)."""
+        if "tokenizer" not in self.cache:
+            self.cache["tokenizer"] = job_tokenizer(self.spec)
+        return self.cache["tokenizer"]
 
     def target(self) -> torch.nn.Sequential:
         """The whole model at the checkpoint's step (cached per step)."""
@@ -92,7 +98,7 @@ def load_target(
         )
     step_dir = store.download(dataclasses.replace(manifest, files=files), cache_dir)
     state = portable.load_files(sorted(step_dir.rglob(f"stage_*{portable.STAGE_SUFFIX}")))
-    model = build_sequential(spec.model, spec.train.seed)
+    model = build_sequential(model_def(spec))
     weights = {name: v["param"] for name, v in state["params"].items()}
     model.load_state_dict(weights, strict=True)
     return model.eval()
@@ -109,8 +115,9 @@ def run_eval(task: EvalTaskSpec, ctx: TaskContext) -> Units:
     """
     spec = ctx.spec
     model = ctx.target()
+    loss_fn = model_def(spec).loss
     heldout = Sampler(
-        ctx.corpus().heldout, spec.model.seq_len, spec.micro_batch_size(), spec.data.seed + 1
+        ctx.dataset().heldout, spec.model.seq_len, spec.micro_batch_size(), spec.data.seed + 1
     )
     yield SETUP
     replicas = int(ctx.manifest.topology["replicas"])
@@ -123,7 +130,7 @@ def run_eval(task: EvalTaskSpec, ctx: TaskContext) -> Units:
             for r in range(replicas):
                 for x, y in heldout.micro_batches(k, r, replicas, micro):
                     logits = yield from spec_dec.layerwise_forward(model, x.to(ctx.device), "eval")
-                    losses.append(lm_loss(logits, y.to(ctx.device)))
+                    losses.append(loss_fn(logits, y.to(ctx.device)))
             step_means.append(float(torch.stack(losses).mean()))
     loss = sum(step_means) / len(step_means)
     return {
@@ -139,16 +146,12 @@ def run_eval(task: EvalTaskSpec, ctx: TaskContext) -> Units:
 # --- speculative ------------------------------------------------------------------
 
 
-def build_draft(draft: DraftSpec, seq_len: int, seed: int) -> torch.nn.Sequential:
-    return build_sequential(
-        ModelSpec(
-            n_layers=draft.n_layers,
-            d_model=draft.d_model,
-            n_heads=draft.n_heads,
-            seq_len=seq_len,
-        ),
-        seed,
+def build_draft(draft: DraftSpec, seq_len: int, vocab_size: int, seed: int) -> ModelDef:
+    """The draft: a small GPT over the target's vocabulary (it shares its tokenizer)."""
+    shape = GptModelSpec(
+        n_layers=draft.n_layers, d_model=draft.d_model, n_heads=draft.n_heads, seq_len=seq_len
     )
+    return GPT.build(shape, vocab_size=vocab_size, seq_len=seq_len, seed=seed)
 
 
 def draft_key(draft_spec: DraftSpec) -> str:
@@ -166,7 +169,10 @@ def load_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 def build_draft_model(draft_spec: DraftSpec, ctx: TaskContext) -> torch.nn.Sequential:
     """A fresh draft (random, or loaded from draft.path) on the executor's device."""
-    model = build_draft(draft_spec, ctx.spec.model.seq_len, ctx.spec.train.seed + 99991)
+    spec = ctx.spec
+    model = build_sequential(
+        build_draft(draft_spec, spec.model.seq_len, spec.vocab_size(), spec.train.seed + 99991)
+    )
     if draft_spec.path:
         model.load_state_dict(load_state_dict(draft_spec.path))
     return model.to(ctx.device)
@@ -176,7 +182,7 @@ def train_draft(draft, draft_spec: DraftSpec, ctx: TaskContext) -> Generator[str
     """Train the draft on the job's corpus, one small optimizer step per unit."""
     spec = ctx.spec
     # Two sequences per step: a unit small enough to fit a pipeline window.
-    sampler = Sampler(ctx.corpus().train, spec.model.seq_len, 2, spec.data.seed + 7)
+    sampler = Sampler(ctx.dataset().train, spec.model.seq_len, 2, spec.data.seed + 7)
     opt = torch.optim.AdamW(draft.parameters(), lr=draft_spec.lr)
     draft.train()
     for step in range(draft_spec.train_steps):
@@ -203,7 +209,8 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
     trained = draft is not None
     if not trained:
         draft = build_draft_model(task.draft, ctx)
-    ctx.corpus()
+    tok = ctx.tokenizer()
+    ctx.dataset()
     yield SETUP
     if not trained:
         yield from train_draft(draft, task.draft, ctx)
@@ -213,7 +220,7 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
     spec_s = target_s = 0.0
     target_tokens = 0
     for prompt in task.prompts:
-        ids = spec_dec.fit_prompt(encode(prompt), task.max_new_tokens, seq_len)
+        ids = spec_dec.fit_prompt(tok.encode(prompt), task.max_new_tokens, seq_len)
         t0 = ctx.busy_s()
         with torch.no_grad():
             res = yield from spec_dec.speculative_generate(
@@ -227,7 +234,7 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
         row = {
             "step": ctx.step,
             "prompt": prompt,
-            "completion": decode(res.tokens),
+            "completion": tok.decode(res.tokens),
             "tokens": res.tokens,
             "accepted_per_verification": res.accepted_per_verification,
         }

@@ -166,11 +166,12 @@ def validate_dict(raw: dict[str, Any], where: str = "<dict>") -> JobSpec:
 
 
 def _format_error(err: dict[str, Any]) -> str:
-    loc = [p for p in err.get("loc", ())]
+    raw_loc = list(err.get("loc", ()))
+    loc = _without_tags(raw_loc)
     path = _dotted(loc)
     kind = err.get("type", "")
     if kind == "extra_forbidden":
-        parent = _model_at(JobSpec, loc[:-1])
+        parent = _model_at(JobSpec, raw_loc[:-1])
         section = _dotted(loc[:-1]) or "the top level"
         msg = f"unknown field {loc[-1]!r} in {section}"
         if parent is not None:
@@ -198,28 +199,50 @@ def _dotted(loc: list[Any]) -> str:
     return out
 
 
+def _without_tags(loc: list[Any]) -> list[Any]:
+    """The location as the config spells it: pydantic puts a tagged union's tag (the
+    `kind`) into the location (model.gpt.d_model); the YAML has no such level."""
+    out: list[Any] = []
+    ann: Any = JobSpec
+    for part in loc:
+        ann = _unwrap(ann)
+        if typing.get_origin(ann) in (typing.Union, types.UnionType):
+            member = _union_member(typing.get_args(ann), part)
+            if member is not None:
+                ann = member
+                continue  # the tag: not shown
+        out.append(part)
+        ann = _step(ann, part)
+    return out
+
+
+def _step(ann: Any, part: Any) -> Any:
+    """The annotation one level below `ann` at `part` (None when unknown)."""
+    ann = _unwrap(ann)
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        field = ann.model_fields.get(str(part))
+        return None if field is None else field.annotation
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (list, tuple, set) and isinstance(part, int) and args:
+        return args[0]
+    if origin is dict and len(args) == 2:
+        return args[1]
+    return None
+
+
 def _model_at(model: type[BaseModel], loc: list[Any]) -> type[BaseModel] | None:
-    """The section model at `loc`, through nested sections, list items and tagged
-    unions (pydantic puts a discriminated union's tag in the location)."""
+    """The section model at `loc` (pydantic's location, tags included), through nested
+    sections, list items and tagged unions."""
     ann: Any = model
     for part in loc:
         ann = _unwrap(ann)
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            field = ann.model_fields.get(str(part))
-            if field is None:
-                return None
-            ann = field.annotation
-            continue
-        origin, args = typing.get_origin(ann), typing.get_args(ann)
-        if origin in (list, tuple, set) and isinstance(part, int) and args:
-            ann = args[0]
-        elif origin is dict and len(args) == 2:
-            ann = args[1]
-        elif origin in (typing.Union, types.UnionType):
-            ann = _union_member(args, part)
+        if typing.get_origin(ann) in (typing.Union, types.UnionType):
+            ann = _union_member(typing.get_args(ann), part)  # the tag picks the member
             if ann is None:
                 return None
-        else:
+            continue
+        ann = _step(ann, part)
+        if ann is None:
             return None
     ann = _unwrap(ann)
     if typing.get_origin(ann) in (typing.Union, types.UnionType):

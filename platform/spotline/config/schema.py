@@ -17,9 +17,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from spotline.config.backfill import BackfillSpec
+from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
 from spotline.config.redact import register_secrets
 from spotline.config.urls import check_http_url
+from spotline.registry import DATASETS
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _ENDPOINT_EXAMPLE = "http://127.0.0.1:9000 or https://s3.eu-west-1.amazonaws.com"
@@ -29,44 +31,62 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ModelSpec(_Section):
-    """The GPT decoder. Byte-level, so the vocabulary is always 256 tokens."""
+class DataSourceSpec(_Section):
+    """One prepared token dataset of a mixture."""
 
-    n_layers: int = Field(4, gt=0)
-    """Number of transformer blocks. Pipeline stages split these blocks."""
-    d_model: int = Field(128, gt=0)
-    """Width of the residual stream."""
-    n_heads: int = Field(4, gt=0)
-    """Attention heads per block; must divide d_model."""
-    seq_len: int = Field(128, gt=1)
-    """Tokens per training sequence (context length)."""
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout probability inside blocks. 0 keeps runs bit-reproducible across resumes."""
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelSpec:
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"model.d_model ({self.d_model}) must be divisible by model.n_heads "
-                f"({self.n_heads}); pick n_heads from the divisors of d_model"
-            )
-        return self
+    uri: str
+    """Where `spotline prepare` wrote it (a directory or fsspec URI holding index.json)."""
+    weight: float = Field(1.0, gt=0.0)
+    """Share of the sequences drawn from this source (weights are normalised)."""
+    index_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """The dataset's identity: sha256 of its index.json. Filled in by the preflight; if
+    you set it, the index must match."""
 
 
 class DataSpec(_Section):
-    """Where training text comes from and how it is sampled."""
+    """Where training tokens come from and how they are sampled.
 
+    kind 'tokens' trains on datasets `spotline prepare` wrote (sharded uint16/uint32
+    token files and an index), memory-mapped from a node-local cache that fills on
+    demand: no process ever holds a dataset in RAM, and the preflight reads only the
+    index. kind 'text' (the quickstart) reads a small text corpus whole at start-up and
+    tokenizes it with the job's tokenizer.
+    """
+
+    kind: str = "text"
+    """'text' or 'tokens' (or 'package.module:attr')."""
     corpus: str = "stdlib"
-    """'stdlib' (the source of Python's own standard library: no network needed), a local
-    directory or file, or an fsspec URI (file://, s3://) of text files."""
+    """text: 'stdlib' (the source of Python's own standard library: no network needed),
+    a local directory or file, or an fsspec URI (file://, s3://) of text files."""
     max_bytes: int = Field(8_000_000, gt=0)
-    """Read at most this many bytes of the corpus (files in sorted order)."""
+    """text: read at most this many bytes of the corpus (files in sorted order)."""
+    file_suffixes: list[str] = Field(default_factory=lambda: [".py", ".txt", ".md", ".rst"])
+    """text: only files with these suffixes are read from a directory corpus."""
+    uri: str | None = None
+    """tokens: one prepared dataset, shorthand for sources: [{uri: ...}] (it is stored as
+    that)."""
+    sources: list[DataSourceSpec] = Field(default_factory=list)
+    """tokens: a weighted mixture of prepared datasets."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _uri_is_one_source(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and raw.get("uri") is not None:
+            if raw.get("sources"):
+                raise ValueError("data: give data.uri or data.sources, not both")
+            raw = {**raw, "sources": [{"uri": raw["uri"]}], "uri": None}
+        return raw
+
+    cache_dir: str = "/tmp/spotline-data"
+    """tokens: node-local directory the shards are cached in (shared by the ranks of a
+    node; each shard is downloaded once and verified against its sha256)."""
+    prefetch: bool = True
+    """Build the next step's micro-batches on a background thread while a step runs."""
     heldout_fraction: float = Field(0.05, gt=0.0, lt=0.5)
-    """Tail fraction of the corpus kept out of training, for held-out loss."""
+    """Tail fraction of every source (or the corpus) kept out of training, for held-out
+    loss."""
     seed: int = 1234
     """Seed of the sampler. Batch k depends only on (seed, k), so sampling resumes exactly."""
-    file_suffixes: list[str] = Field(default_factory=lambda: [".py", ".txt", ".md", ".rst"])
-    """Only files with these suffixes are read from a directory corpus."""
     endpoint_url: str | None = None
     """s3:// corpora only: endpoint of an S3-compatible service (MinIO, on-prem, a test
     server). Independent of checkpoint.endpoint_url: data and checkpoints may live in
@@ -79,6 +99,26 @@ class DataSpec(_Section):
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
         return None if v is None else check_http_url(v, "data.endpoint_url", _ENDPOINT_EXAMPLE)
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> DataSpec:
+        DATASETS.check(self.kind, "data.kind")
+        if self.kind == "tokens":
+            if not self.sources:
+                raise ValueError(
+                    "data.uri is required for data.kind 'tokens': where `spotline prepare` "
+                    "wrote the dataset (or data.sources for a mixture)"
+                )
+        elif self.sources:
+            raise ValueError(
+                f"data.uri / data.sources are for data.kind 'tokens' (this is {self.kind!r}); "
+                "set data.kind: tokens, or use data.corpus for text"
+            )
+        return self
+
+    def token_sources(self) -> list[DataSourceSpec]:
+        """The prepared datasets of a 'tokens' job (data.uri is stored as one source)."""
+        return list(self.sources)
 
 
 class ParallelSpec(_Section):
@@ -214,6 +254,33 @@ class ResourcesSpec(_Section):
     otherwise unchecked."""
 
 
+class RuntimeEnvSpec(_Section):
+    """User code the job's actors need (a custom model provider, a custom tokenizer or
+    dataset): shipped with Ray's runtime_env to the controller, every worker and every
+    backfill executor, on every path (SDK, CLI and `ray job submit`)."""
+
+    working_dir: str | None = None
+    """A local directory uploaded with the job and put on every actor's sys.path (also
+    on the driver's, for the preflight's import)."""
+    py_modules: list[str] = Field(default_factory=list)
+    """Local package directories (or wheels) uploaded with the job and importable by it."""
+    excludes: list[str] = Field(default_factory=list)
+    """Patterns of files in working_dir not to upload (gitignore syntax)."""
+
+    def ray(self) -> dict[str, Any] | None:
+        """The runtime_env dict Ray takes (absolute paths), or None when empty."""
+        import os
+
+        env: dict[str, Any] = {}
+        if self.working_dir:
+            env["working_dir"] = os.path.abspath(os.path.expanduser(self.working_dir))
+        if self.py_modules:
+            env["py_modules"] = [os.path.abspath(os.path.expanduser(m)) for m in self.py_modules]
+        if self.excludes and env:
+            env["excludes"] = list(self.excludes)
+        return env or None
+
+
 class MetricsSpec(_Section):
     """Cost figures of the goodput ledger, and deviation alerts."""
 
@@ -238,7 +305,8 @@ class JobSpec(_Section):
 
     name: str = "spotline-job"
     """Job name: names the controller actor (spotline:<name>:controller) and the checkpoint path."""
-    model: ModelSpec = Field(default_factory=ModelSpec)
+    model: ModelSpec = Field(default_factory=GptModelSpec)
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     elastic: ElasticSpec = Field(default_factory=ElasticSpec)
@@ -249,6 +317,7 @@ class JobSpec(_Section):
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     backfill: BackfillSpec = Field(default_factory=BackfillSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     """Extra DeepSpeed config keys merged over the derived config (advanced)."""
 
@@ -271,11 +340,24 @@ class JobSpec(_Section):
                 f"elastic.min_replicas ({e.min_replicas}) must be <= elastic.max_replicas "
                 f"({e.max_replicas}); raise max_replicas or lower min_replicas"
             )
-        if p.pipeline_stages > self.model.n_layers:
+        n_layers = getattr(self.model, "n_layers", None)  # a custom provider's: preflight
+        if n_layers is not None and p.pipeline_stages > n_layers:
             raise ValueError(
                 f"parallel.pipeline_stages ({p.pipeline_stages}) must be <= model.n_layers "
-                f"({self.model.n_layers}): each stage needs at least one transformer block; "
+                f"({n_layers}): each stage needs at least one transformer block; "
                 "lower pipeline_stages or add layers"
+            )
+        if getattr(self.model, "tie_embeddings", False) and p.pipeline_stages > 1:
+            raise ValueError(
+                f"model.tie_embeddings needs parallel.pipeline_stages: 1 (got "
+                f"{p.pipeline_stages}): the embedding and the head would sit on different "
+                "stages; set model.tie_embeddings: false (the head gets its own weights)"
+            )
+        given, known = getattr(self.model, "vocab_size", None), self.tokenizer.vocab_size
+        if given is not None and known is not None and given < known:
+            raise ValueError(
+                f"model.vocab_size ({given}) is smaller than the tokenizer's vocabulary "
+                f"({known}); raise model.vocab_size or leave it out to take the tokenizer's"
             )
         if p.pipeline_stages > 1 and p.zero_stage > 1:
             raise ValueError(
@@ -371,6 +453,20 @@ class JobSpec(_Section):
 
     # --- derived -----------------------------------------------------------------
 
+    def vocab_size(self) -> int:
+        """The model's vocabulary: model.vocab_size, else the tokenizer's."""
+        given = getattr(self.model, "vocab_size", None)
+        if given is not None:
+            return given
+        if self.tokenizer.vocab_size is not None:
+            return self.tokenizer.vocab_size
+        if self.tokenizer.kind == "byte":
+            return 256
+        raise ValueError(
+            "the vocabulary size is not known yet: the preflight reads it from the "
+            "tokenizer (or set model.vocab_size)"
+        )
+
     def resolved_checkpoint_uri(self) -> str:
         return self.checkpoint.uri.replace("{job}", self.name)
 
@@ -441,14 +537,22 @@ class JobSpec(_Section):
         """Everything that changes the training math (not where it runs, logs, or which
         credentials read its data), flattened to dotted keys. Manifests record it, so a
         refused resume can say which fields differ."""
+        data_where = {"endpoint_url", "storage_options", "cache_dir", "prefetch", "uri"}
         fields = self.model_dump(
             mode="json",
-            include={"model": True, "data": True, "train": True, "parallel": {"precision"}},
-            exclude={
-                "train": {"log_every", "steps"},
-                "data": {"endpoint_url", "storage_options"},
+            include={
+                "model": True,
+                "tokenizer": {"kind", "sha256"},  # what it is, not where it lies
+                "data": True,
+                "train": True,
+                "parallel": {"precision"},
             },
+            exclude={"train": {"log_every", "steps"}, "data": data_where},
         )
+        # A dataset is its index (contents, tokenizer); where it lies may change.
+        fields["data"]["sources"] = [
+            {"weight": s.weight, "index_sha256": s.index_sha256} for s in self.data.token_sources()
+        ]
         fields["elastic"] = {"batch_policy": self.elastic.batch_policy}
         if self.elastic.batch_policy == "scaled":  # the reference size of batch and lr
             fields["elastic"]["max_replicas"] = self.elastic.max_replicas

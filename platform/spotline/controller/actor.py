@@ -68,6 +68,22 @@ class ControllerActor:
         return self.controller.summary()
 
 
+def uploaded_runtime_env(spec: JobSpec) -> dict | None:
+    """runtime_env with its local directories uploaded to the cluster (as `ray.init`
+    does for a job's own runtime_env), so that it also works for a job started on a
+    cluster this driver attached to earlier: Ray takes local paths only at ray.init."""
+    env = spec.runtime_env.ray()
+    if env is None:
+        return None
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    env = upload_py_modules_if_needed(env, include_gitignore=True)
+    env = upload_working_dir_if_needed(env, include_gitignore=True)
+    env.pop("excludes", None)
+    return env
+
+
 def start_controller(spec: JobSpec, store: CheckpointStore):
     """Create the named controller actor, pinned to the head node (the driver's node)."""
     import ray
@@ -91,4 +107,7 @@ def start_controller(spec: JobSpec, store: CheckpointStore):
         max_concurrency=4,
         max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=head, soft=False),
+        # User code (a custom model) the job imports; the workers and executors the
+        # controller starts inherit it.
+        runtime_env=uploaded_runtime_env(spec),
     ).remote(spec.model_dump_json(), store)

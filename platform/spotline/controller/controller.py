@@ -287,8 +287,23 @@ class Controller:
         # written, because another job may have committed there since.
         self.store.check_owner(self.spec)
         self._owns_store = True
+        self._store_tokenizer()
         self.telemetry.resume(self.store)
         return State.SCHEDULING
+
+    def _store_tokenizer(self) -> None:
+        """Keep the job's tokenizer files beside its checkpoints, so an export carries the
+        tokenizer the model was trained with, wherever the original lives."""
+        from spotline.data.tokenizer import tokenizer_files
+        from spotline.export import TOKENIZER_ARTIFACTS
+
+        try:
+            for name, data in tokenizer_files(self.spec).items():
+                self.store.write_artifact(f"{TOKENIZER_ARTIFACTS}/{name}", data)
+        except (StorageError, ValueError) as e:  # ValueError: DataError reading the files
+            self._event(
+                f"could not store the tokenizer beside the checkpoints: {e}", logging.WARNING
+            )
 
     def _scheduling(self) -> State:
         self.cluster.watch()
@@ -485,6 +500,7 @@ class Controller:
             per_rank=chunk.bubbles,
             lr=chunk.lr,
             backfill_slowdown=self.backfill.governor.slowdown if self.backfill else None,
+            data_stall_s=chunk.data_stall_s,
             warm=warm,
             uploading=bool(self._save_world),  # saved steps whose uploads are still running
         )
@@ -820,6 +836,7 @@ class Controller:
             "evals": list(tel.evals),
             "tokens_per_s": tel.last.get("tokens_per_s"),
             "mfu": tel.last.get("mfu"),
+            "data_stall_fraction": tel.last.get("data_stall_fraction"),
             "hfu": tel.last.get("hfu"),
             "peak_flops_per_device": tel.peak_flops,
             "bubbles": self.bubbles.summary() if self.bubbles else None,
@@ -915,6 +932,7 @@ class Controller:
                 "job": self.spec.name,
                 "batch": self.spec.batch_record(replicas),
                 "spec": self.spec.hashed_fields(),  # so a refused resume can say what differs
+                "vocab_size": self.spec.vocab_size(),
             },
         )
         try:

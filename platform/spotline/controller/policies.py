@@ -82,6 +82,13 @@ def classify(causes: list[BaseException], text: str = "") -> FailureKind:
         return FailureKind("out of memory", False, _OOM_FIX)
     if "SpecError" in names:
         return FailureKind("invalid spec", False, "fix the field named above")
+    if "DataError" in names:  # ShardError included: a missing, truncated or altered shard
+        return FailureKind(
+            "bad data",
+            False,
+            "restore or re-prepare the data named above (`spotline prepare` writes every "
+            "shard with its sha256), or point data.uri elsewhere",
+        )
     if "CheckpointMismatchError" in names:
         return FailureKind(
             "checkpoint mismatch",

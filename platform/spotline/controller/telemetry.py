@@ -24,7 +24,7 @@ from spotline.config.schema import JobSpec
 from spotline.controller.state import State
 from spotline.metrics.deviation import DeviationMonitor, likely_cause
 from spotline.metrics.export import Metrics
-from spotline.metrics.flops import hardware_flops_per_token, mfu, model_flops_per_token
+from spotline.metrics.flops import mfu, model_flops_per_token
 from spotline.metrics.ledger import GoodputLedger
 
 # The ledger part each state's time goes to (RUNNING splits its chunk itself).
@@ -53,8 +53,8 @@ class Telemetry:
             m.deviation_warmup_steps,
             m.deviation_baseline_steps,
         )
-        self.flops_per_token = model_flops_per_token(spec.model)
-        self.hw_flops_per_token = hardware_flops_per_token(spec.model, recompute=False)
+        # No activation recomputation: hardware FLOPs = model FLOPs, so HFU = MFU.
+        self.flops_per_token = model_flops_per_token(spec)
         self.peak_flops: float | None = None  # per device, from the workers
         self.history: list[dict[str, Any]] = []  # one row per chunk
         self.evals: list[dict[str, Any]] = []
@@ -121,6 +121,7 @@ class Telemetry:
         backfill_slowdown: float | None,
         warm: bool,
         uploading: bool = False,
+        data_stall_s: float = 0.0,
     ) -> float:
         """A chunk of training; returns the seconds it charged to the ledger."""
         done = len(steps)
@@ -130,16 +131,20 @@ class Telemetry:
         tokens = done * spec.global_batch(replicas) * spec.model.seq_len
         b = bubbles or {}
         self.ledger.train(
-            seconds, world, done, b.get("bubble_fraction", 0.0), b.get("fill_fraction", 0.0)
+            seconds,
+            world,
+            done,
+            b.get("bubble_fraction", 0.0),
+            b.get("fill_fraction", 0.0),
+            data_stall_s,
         )
         tps = tokens / seconds if seconds else 0.0
         util = mfu(tps, self.flops_per_token, world, self.peak_flops) if self.peak_flops else None
-        hutil = (
-            mfu(tps, self.hw_flops_per_token, world, self.peak_flops) if self.peak_flops else None
-        )
+        hutil = util
         step, loss = steps[-1]
         self.last = {
             "step_s": seconds / done,
+            "data_stall_fraction": data_stall_s / seconds if seconds else 0.0,
             "tokens_per_s": tps,
             "train_loss": loss,
             "lr": lr,
@@ -154,6 +159,7 @@ class Telemetry:
         m.set("spotline_tokens_per_second", tps)
         m.set("spotline_train_loss", loss)
         m.set("spotline_learning_rate", lr)
+        m.set("spotline_data_stall_fraction", self.last["data_stall_fraction"])
         m.set("spotline_mfu", util)
         m.set("spotline_hfu", hutil)
         m.set("spotline_replicas", replicas)

@@ -43,6 +43,11 @@ METRICS: tuple[MetricDef, ...] = (
         "spotline_eval_weights_step", "gauge", "Step of the weights spotline_eval_loss is of."
     ),
     MetricDef("spotline_learning_rate", "gauge", "Learning rate of the latest step."),
+    MetricDef(
+        "spotline_data_stall_fraction",
+        "gauge",
+        "Share of the latest chunk's time its steps waited for their batches.",
+    ),
     MetricDef("spotline_mfu", "gauge", "Model FLOPs utilisation: model FLOP/s / peak FLOP/s."),
     MetricDef("spotline_hfu", "gauge", "Hardware FLOPs utilisation (counts recomputation)."),
     # Pipeline bubbles and backfill.

@@ -1,10 +1,10 @@
-"""FLOP accounting for the byte-level GPT, device peaks, and model FLOPs utilisation (MFU).
+"""FLOP accounting, device peaks, and model FLOPs utilisation (MFU).
 
 Conventions (those of PaLM, Chowdhery et al. 2022, appendix B, and Megatron-LM, Narayanan
-et al. 2021, section 5.1):
+et al. 2021, section 5.1), which every model provider's `flops_per_token` follows:
 
 * Only matrix multiplications count, each as 2*m*n*k FLOPs (one multiply and one add per
-  term). LayerNorm, GELU, softmax, dropout, residual adds, bias adds and the loss are
+  term). Norms, activations, softmax, dropout, residual and bias adds and the loss are
   left out; embedding lookups are gathers and cost 0.
 * Attention is counted over the full sequence: the causal mask is not discounted, i.e.
   every query is charged for all seq_len keys, although half the score matrix is masked.
@@ -13,9 +13,12 @@ et al. 2021, section 5.1):
 * Training = forward + backward, with the backward pass twice the forward (one matmul for
   the gradient of the input, one for the gradient of the weight), so 3x forward.
 
-MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs from `model_flops_per_token`.
-HFU (hardware FLOPs utilisation) also counts the work repeated by activation
-recomputation, `hardware_flops_per_token(spec, recompute=True)`.
+For the built-in models (see `spotline.models.gpt` and `spotline.models.llama`):
+  GPT:   6*N + 12*L*T*d, N = L*12*d^2 + V*d
+  Llama: 6*N + 12*L*T*d, N = L*(2*d^2 + 2*d*kv*hd + 3*d*ffn) + d*V (GQA, SwiGLU)
+
+MFU = achieved model FLOP/s / peak FLOP/s. Spotline does not recompute activations, so
+the hardware FLOPs equal the model FLOPs and HFU = MFU.
 """
 
 from __future__ import annotations
@@ -25,68 +28,14 @@ import time
 
 import torch
 
-from spotline.config.schema import ModelSpec
-from spotline.models.gpt import VOCAB_SIZE
+from spotline.config.schema import JobSpec
 
 
-def _block_matmul_flops_fwd(spec: ModelSpec) -> int:
-    """Forward FLOPs per token of one transformer block."""
-    d, t = spec.d_model, spec.seq_len
-    qkv = 2 * d * (3 * d)  # Linear d -> 3d
-    proj = 2 * d * d  # attention output Linear d -> d
-    mlp = 2 * d * (4 * d) * 2  # Linear d -> 4d, then 4d -> d
-    attn = 2 * 2 * t * d  # Q K^T (t keys x d) and A V (t values x d), full t: no causal discount
-    return qkv + proj + mlp + attn
+def model_flops_per_token(spec: JobSpec) -> float:
+    """Training FLOPs per token of the job's model, from its provider."""
+    from spotline.models import model_def
 
-
-def _head_flops_fwd(spec: ModelSpec) -> int:
-    """Forward FLOPs per token of the LM head (Linear d -> 256)."""
-    return 2 * spec.d_model * VOCAB_SIZE
-
-
-def forward_flops_per_token(spec: ModelSpec) -> float:
-    """Forward FLOPs per token: n_layers * (24*d^2 + 4*seq_len*d) + 2*d*256."""
-    return float(spec.n_layers * _block_matmul_flops_fwd(spec) + _head_flops_fwd(spec))
-
-
-def model_flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), the numerator of MFU.
-
-    Per token, with d = d_model, T = seq_len, L = n_layers, V = 256:
-
-    forward per block: qkv 2*d*3d + proj 2*d*d + MLP 2*d*4d*2 = 24*d^2 weight matmuls,
-    plus attention scores and values 2*2*T*d = 4*T*d (full T, causal mask not discounted);
-    LM head 2*d*V; embeddings 0. So
-
-        forward  = 2*N_matmul + 4*L*T*d
-        training = 3 * forward = 6*N_matmul + 12*L*T*d
-
-    where N_matmul = L*12*d^2 + V*d is the number of matmul weights: the four Linear weight
-    matrices of each block (3d^2 + d^2 + 4d^2 + 4d^2) plus the untied head. It is not
-    `count_params`: biases, LayerNorms and both embedding tables (token and position) are
-    left out. This is PaLM's 6N + 12*L*H*Q*T with H*Q = d.
-    """
-    return 3.0 * forward_flops_per_token(spec)
-
-
-def hardware_flops_per_token(spec: ModelSpec, recompute: bool) -> float:
-    """FLOPs per token the hardware executes, the numerator of HFU.
-
-    With full activation checkpointing (`recompute=True`) each block's forward runs again
-    during the backward pass, so the blocks cost 4x forward instead of 3x; the LM head is
-    not checkpointed and stays at 3x (Megatron-LM's accounting):
-
-        recompute = 6*N_matmul + 12*L*T*d + L*(24*d^2 + 4*T*d)
-
-    Without recomputation this equals `model_flops_per_token`. Spotline currently trains
-    without activation checkpointing (the pipeline is built with
-    activation_checkpoint_interval=0, pp=1 checkpoints nothing), so for Spotline runs
-    HFU == MFU: pass recompute=False.
-    """
-    flops = model_flops_per_token(spec)
-    if recompute:
-        flops += spec.n_layers * _block_matmul_flops_fwd(spec)
-    return float(flops)
+    return float(model_def(spec).flops_per_token)
 
 
 # --- device peaks --------------------------------------------------------------------

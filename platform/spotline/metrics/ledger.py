@@ -6,6 +6,7 @@ below min_replicas, the devices of the group it lost, which the job keeps paying
 for on the nodes that are left):
 
     useful            training steps that count (the compute share of each step)
+    data_stall        steps waiting for their batches (what prefetching did not hide)
     bubble_filled     pipeline bubble time a backfill executor worked in
     bubble_unfilled   pipeline bubble time left idle
     checkpoint_stall  saves that blocked training
@@ -28,6 +29,7 @@ from typing import Any
 
 PARTS = (
     "useful",
+    "data_stall",
     "bubble_filled",
     "bubble_unfilled",
     "checkpoint_stall",
@@ -39,6 +41,7 @@ PARTS = (
 # What the same steps would have used on on-demand capacity: no faults, no waiting.
 ON_DEMAND_PARTS = (
     "useful",
+    "data_stall",
     "bubble_filled",
     "bubble_unfilled",
     "checkpoint_stall",
@@ -66,13 +69,18 @@ class GoodputLedger:
         steps: int,
         bubble_fraction: float = 0.0,
         fill_fraction: float = 0.0,
+        data_stall_s: float = 0.0,
     ) -> None:
-        """A chunk of `steps` training steps that took `seconds` on `devices`."""
+        """A chunk of `steps` training steps that took `seconds` on `devices`, of which
+        `data_stall_s` waiting for batches; the rest splits into compute and bubble."""
+        stall = min(max(data_stall_s, 0.0), max(seconds, 0.0))
+        rest = seconds - stall
         b = min(max(bubble_fraction, 0.0), 1.0)
         f = min(max(fill_fraction, 0.0), 1.0)
-        self.charge("useful", seconds * (1 - b), devices)
-        self.charge("bubble_filled", seconds * b * f, devices)
-        self.charge("bubble_unfilled", seconds * b * (1 - f), devices)
+        self.charge("data_stall", stall, devices)
+        self.charge("useful", rest * (1 - b), devices)
+        self.charge("bubble_filled", rest * b * f, devices)
+        self.charge("bubble_unfilled", rest * b * (1 - f), devices)
         self.steps += steps
 
     def lost(self, steps: int) -> None:

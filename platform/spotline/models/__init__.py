@@ -1,27 +1,131 @@
-"""Models Spotline trains: a byte-level GPT expressed as a layer list."""
+"""Model providers: `gpt` (the quickstart), `llama`, and your own (`kind: custom`).
 
-from spotline.models.gpt import (
-    VOCAB_SIZE,
-    Block,
-    Embedding,
-    Head,
+`model_def(spec)` is the one way to get a job's architecture: it finds the provider
+in the registry, validates its config, and builds the `ModelDef` that pipelines,
+checkpoints, FLOPs and backfill all use (see `spotline.models.provider`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ValidationError
+from torch import nn
+
+from spotline.config.loader import SpecError
+from spotline.config.schema import JobSpec
+from spotline.models.provider import (
+    LayerDef,
+    ModelDef,
+    ModelProvider,
     build_pipeline_module,
     build_sequential,
-    count_params,
-    decode,
-    encode,
+    layer_param_counts,
     lm_loss,
+    stage_bounds,
 )
+from spotline.registry import MODELS
 
 __all__ = [
-    "VOCAB_SIZE",
-    "Block",
-    "Embedding",
-    "Head",
+    "LayerDef",
+    "ModelDef",
+    "ModelProvider",
     "build_pipeline_module",
     "build_sequential",
-    "count_params",
-    "decode",
-    "encode",
+    "hf_checkpoint_dir",
+    "init_from_hf",
+    "layer_param_counts",
     "lm_loss",
+    "model_def",
+    "provider",
+    "stage_bounds",
 ]
+
+
+def provider(spec: JobSpec) -> ModelProvider:
+    """The job's model provider (importing a custom one); SpecError naming the field."""
+    m = spec.model
+    name, field = (m.provider, "model.provider") if m.kind == "custom" else (m.kind, "model.kind")
+    try:
+        found = MODELS.load(name, field)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    if not callable(getattr(found, "build", None)) or not isinstance(
+        getattr(found, "config_model", None), type
+    ):
+        raise SpecError(
+            f"{field}: {name!r} is {found!r}, not a model provider: it needs a `config_model` "
+            "(a pydantic model) and a `build(config, *, vocab_size, seq_len, seed)` method "
+            "(see spotline.models.provider)"
+        )
+    return found
+
+
+def provider_config(spec: JobSpec, prov: ModelProvider) -> Any:
+    """The validated config the provider builds from: the model section itself for the
+    built-in kinds, `model.config` validated by the provider's own model for custom."""
+    m = spec.model
+    if m.kind != "custom":
+        return m
+    cls: type[BaseModel] = prov.config_model
+    try:
+        return cls.model_validate(m.config)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"model.config.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise SpecError(f"model.config is not valid for {m.provider}: {problems}") from None
+
+
+def model_def(spec: JobSpec) -> ModelDef:
+    """The job's architecture, built from its provider."""
+    prov = provider(spec)
+    return prov.build(
+        provider_config(spec, prov),
+        vocab_size=spec.vocab_size(),
+        seq_len=spec.model.seq_len,
+        seed=spec.train.seed,
+    )
+
+
+def hf_checkpoint_dir(spec: JobSpec, uri: str) -> Path:
+    """A local directory holding the Hugging Face checkpoint at `uri` (a local path as
+    is; any other fsspec URI copied into data.cache_dir once, with data's credentials)."""
+    if "://" not in uri or uri.startswith("file://"):
+        return Path(uri.removeprefix("file://")).expanduser()
+    import hashlib
+
+    import fsspec
+
+    from spotline.data.corpus import fsspec_options
+
+    local = Path(spec.data.cache_dir) / "hf" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    if (local / "config.json").is_file():
+        return local
+    fs, root = fsspec.core.url_to_fs(uri, **fsspec_options(uri, spec.data))
+    tmp = local.with_name(local.name + ".part")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name in fs.ls(root, detail=False):
+        base = name.rstrip("/").rsplit("/", 1)[-1]
+        if base == "config.json" or base.endswith((".safetensors", ".safetensors.index.json")):
+            fs.get_file(name, str(tmp / base))
+    tmp.replace(local)
+    return local
+
+
+def init_from_hf(module: nn.Module, spec: JobSpec) -> None:
+    """Load `model.init_from` (a Hugging Face checkpoint) into `module`: the whole model,
+    or one pipeline stage of it (only that stage's parameters are copied)."""
+    m = spec.model
+    hf = getattr(provider(spec), "hf", None)
+    if hf is None:
+        raise SpecError(f"model.init_from: model.kind {m.kind!r} has no Hugging Face format")
+    state = hf.load_hf(hf_checkpoint_dir(spec, m.init_from), m, spec.vocab_size())
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name not in state:
+                raise SpecError(f"model.init_from: {m.init_from} has no weights for {name}")
+            p.copy_(state[name].to(p.dtype))

@@ -1,9 +1,8 @@
-"""A GPT decoder as a flat layer list: embedding, N blocks, head.
+"""The quickstart's GPT decoder as a flat layer list: embedding, N blocks, head.
 
-The same list builds either a DeepSpeed `PipelineModule` (cut into stages at
-block boundaries) or a plain `nn.Sequential` for pp=1. Each layer is seeded
-from (base seed, layer index), so the initial weights do not depend on how
-the model is split.
+Learned positions, pre-norm LayerNorm blocks with causal self-attention and a GELU
+MLP. Each layer is seeded from (base seed, layer index), so the initial weights do
+not depend on how the model is split into pipeline stages.
 """
 
 from __future__ import annotations
@@ -14,24 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spotline.config.schema import ModelSpec
-
-VOCAB_SIZE = 256  # byte-level: every byte is a token, nothing to download
-
-
-def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
-def decode(tokens: list[int]) -> str:
-    return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")
+from spotline.config.model import GptModelSpec
+from spotline.models.provider import LayerDef, ModelDef, lm_loss
 
 
 class Embedding(nn.Module):
-    def __init__(self, d_model: int, seq_len: int, dropout: float, seed: int):
+    def __init__(self, vocab_size: int, d_model: int, seq_len: int, dropout: float, seed: int):
         super().__init__()
         torch.manual_seed(seed)
-        self.tok = nn.Embedding(VOCAB_SIZE, d_model)
+        self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
         nn.init.normal_(self.tok.weight, std=0.02)
@@ -78,57 +68,47 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, d_model: int, seed: int):
+    def __init__(self, d_model: int, vocab_size: int, seed: int):
         super().__init__()
         torch.manual_seed(seed)
         self.ln = nn.LayerNorm(d_model)
-        self.lm = nn.Linear(d_model, VOCAB_SIZE, bias=False)
+        self.lm = nn.Linear(d_model, vocab_size, bias=False)
         nn.init.normal_(self.lm.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm(self.ln(x))
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+def flops_per_token(spec: GptModelSpec, vocab_size: int) -> float:
+    """Training FLOPs per token: 3 x forward, forward = L x (24d^2 + 4Td) + 2dV.
 
-
-def _layer_args(spec: ModelSpec, seed: int) -> list[tuple[type[nn.Module], tuple]]:
-    """(class, args) per layer. Layer i is seeded with seed + i, so its initial weights
-    are the same whichever stage builds it."""
-    block = (spec.d_model, spec.n_heads, spec.n_layers, spec.dropout)
-    return [
-        (Embedding, (spec.d_model, spec.seq_len, spec.dropout, seed)),
-        *[(Block, (*block, seed + 1 + i)) for i in range(spec.n_layers)],
-        (Head, (spec.d_model, seed + 1 + spec.n_layers)),
-    ]
-
-
-def build_sequential(spec: ModelSpec, seed: int) -> nn.Sequential:
-    """The whole model on one device (pp=1)."""
-    return nn.Sequential(*[cls(*args) for cls, args in _layer_args(spec, seed)])
-
-
-def build_pipeline_module(spec: ModelSpec, num_stages: int, seed: int):
-    """A DeepSpeed PipelineModule; only this stage's layers are built."""
-    from deepspeed.pipe import LayerSpec, PipelineModule
-
-    layers = [LayerSpec(cls, *args) for cls, args in _layer_args(spec, seed)]
-    return PipelineModule(
-        layers=layers,
-        num_stages=num_stages,
-        loss_fn=lm_loss,
-        partition_method="type:Block",
-        activation_checkpoint_interval=0,
-    )
-
-
-def layer_param_counts(spec: ModelSpec) -> list[int]:
-    """Parameters of each layer of the flat list: embedding, N blocks, head."""
+    Only matmuls count (2mnk each); attention over the full T (no causal discount);
+    the embeddings are gathers (0). This is PaLM's 6N + 12LTd (see metrics/flops.py).
+    """
     d, t = spec.d_model, spec.seq_len
-    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
-    return [VOCAB_SIZE * d + t * d, *[block] * spec.n_layers, 2 * d + d * VOCAB_SIZE]
+    block = 2 * d * 3 * d + 2 * d * d + 2 * d * 4 * d * 2 + 2 * 2 * t * d
+    return 3.0 * (spec.n_layers * block + 2 * d * vocab_size)
 
 
-def count_params(spec: ModelSpec) -> int:
-    return sum(layer_param_counts(spec))
+class GptProvider:
+    config_model = GptModelSpec
+
+    def build(self, config: GptModelSpec, *, vocab_size: int, seq_len: int, seed: int) -> ModelDef:
+        c = config
+        block = (c.d_model, c.n_heads, c.n_layers, c.dropout)
+        layers = [
+            LayerDef(Embedding, (vocab_size, c.d_model, seq_len, c.dropout, seed)),
+            *[LayerDef(Block, (*block, seed + 1 + i)) for i in range(c.n_layers)],
+            LayerDef(Head, (c.d_model, vocab_size, seed + 1 + c.n_layers)),
+        ]
+        return ModelDef(
+            layers=layers,
+            block_class=Block,
+            loss=lm_loss,
+            flops_per_token=flops_per_token(c, vocab_size),
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+        )
+
+
+PROVIDER = GptProvider()

@@ -143,6 +143,7 @@ class TrainWorker:
         interrupted = False
         self._export_devices()
         t0 = time.perf_counter()
+        stall0 = self.trainer.data_stall_s
         for _ in range(n_steps):
             loss = self.trainer.train_step()
             losses.append((self.trainer.step, loss))
@@ -164,6 +165,7 @@ class TrainWorker:
             "notices": notices,
             "bubbles": self._bubbles(),
             "lr": self.trainer.lr(),
+            "data_stall_s": self.trainer.data_stall_s - stall0,
         }
 
     def _export_devices(self) -> None:

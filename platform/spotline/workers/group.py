@@ -68,6 +68,8 @@ class ChunkResult:
     """Per rank of a pipeline: bubble figures of the chunk and its latest step's timeline."""
     lr: float | None = None
     """Learning rate of the chunk's last step."""
+    data_stall_s: float = 0.0
+    """Seconds the chunk's steps waited for their batches (the slowest rank's)."""
 
 
 class WorkerGroup(Protocol):
@@ -278,6 +280,7 @@ class RayWorkerGroup:
             notices=[n for r in results for n in r["notices"]],
             bubbles=[r["bubbles"] for r in results if r.get("bubbles")],
             lr=results[0].get("lr"),
+            data_stall_s=max(r.get("data_stall_s", 0.0) for r in results),
         )
 
     def _start_executor(self, topo: Topology, where: Any, bundle: dict, spec_json: str) -> Any:

@@ -28,8 +28,8 @@ from spotline.bubbles.channel import WindowChannel
 from spotline.bubbles.recorder import StepRecorder
 from spotline.checkpoint.layout import CheckpointFormatError, load_json, save_json
 from spotline.config.schema import JobSpec
-from spotline.data import Sampler, load_corpus
-from spotline.models import build_pipeline_module, build_sequential, lm_loss
+from spotline.data import Prefetcher, Sampler, open_dataset
+from spotline.models import build_pipeline_module, build_sequential, init_from_hf, model_def
 from spotline.workers import portable
 
 RANK_STATE_DIR = "spotline"  # stage state and per-rank RNG state of a step
@@ -126,16 +126,26 @@ class Trainer:
         if threads:
             torch.set_num_threads(threads)
         _quiet_deepspeed()
-        corpus = load_corpus(spec.data, min_tokens=spec.model.seq_len + 2)
         t = spec.train
-        mbs = spec.micro_batch_size()
-        self.sampler = Sampler(corpus.train, spec.model.seq_len, mbs, spec.data.seed)
-        self.heldout = Sampler(corpus.heldout, spec.model.seq_len, mbs, spec.data.seed + 1)
         self.pipelined = spec.parallel.pipeline_stages > 1
+        # Middle pipeline stages take activations, not tokens: they never read the data.
+        self.reads_data = not self.pipelined or topo.stage in (0, topo.pipeline_stages - 1)
+        mbs = spec.micro_batch_size()
+        self.sampler = self.heldout = None
+        if self.reads_data:
+            data = open_dataset(spec)
+            self.sampler = Sampler(data.train, spec.model.seq_len, mbs, spec.data.seed)
+            self.heldout = Sampler(data.heldout, spec.model.seq_len, mbs, spec.data.seed + 1)
+        # Batch k is a pure function of (seed, k): building it ahead changes nothing.
+        self.prefetch = Prefetcher(lambda k: self._batches(self.sampler, k), spec.data.prefetch)
+        self.data_stall_s = 0.0  # seconds steps waited for their batches
+        self.model_def = model_def(spec)
         if self.pipelined:
-            model = build_pipeline_module(spec.model, spec.parallel.pipeline_stages, t.seed)
+            model = build_pipeline_module(self.model_def, spec.parallel.pipeline_stages)
         else:
-            model = build_sequential(spec.model, t.seed)
+            model = build_sequential(self.model_def)
+        if getattr(spec.model, "init_from", None):
+            init_from_hf(model, spec)  # before DeepSpeed copies the weights into its state
         opt = build_optimizer(model, spec)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec, topo.replicas))
         self.engine, _, _, _ = deepspeed.initialize(
@@ -167,17 +177,22 @@ class Trainer:
 
     # --- training -----------------------------------------------------------------
 
-    def _micro(self, sampler: Sampler, step: int):
-        return [
-            (x.to(self.device), y.to(self.device))
-            for x, y in sampler.micro_batches(
-                step, self.topo.replica, self.topo.replicas, self.micro_batches
-            )
-        ]
+    def _batches(self, sampler: Sampler | None, step: int) -> list:
+        """This rank's micro-batches of `step`, on the host (None where none are read)."""
+        if sampler is None:
+            return [None] * self.micro_batches
+        return sampler.micro_batches(
+            step, self.topo.replica, self.topo.replicas, self.micro_batches
+        )
+
+    def _to_device(self, batches: list) -> list:
+        return [b if b is None else (b[0].to(self.device), b[1].to(self.device)) for b in batches]
 
     def train_step(self) -> float:
         """One optimizer step; returns the global-batch mean loss (same on every rank)."""
-        batches = self._micro(self.sampler, self.step)
+        host, stall = self.prefetch.get(self.step)
+        self.data_stall_s += stall
+        batches = self._to_device(host)
         if self.recorder is not None:
             self.recorder.begin_step(self.step + 1)
         if self.pipelined:
@@ -185,7 +200,7 @@ class Trainer:
         else:
             total = torch.zeros((), device=self.device)
             for x, y in batches:
-                micro_loss = lm_loss(self.engine(x), y)
+                micro_loss = self.model_def.loss(self.engine(x), y)
                 self.engine.backward(micro_loss)
                 self.engine.step()
                 total += micro_loss.detach()
@@ -227,13 +242,14 @@ class Trainer:
         n = n_batches or self.spec.train.eval_batches
         losses = []
         for k in range(n):
-            batches = self._micro(self.heldout, k)
+            batches = self._to_device(self._batches(self.heldout, k))
             if self.pipelined:
                 out = self.engine.eval_batch(data_iter=iter(batches))
                 losses.append(float(out.item()))
             else:
                 self.engine.eval()
-                total = sum(lm_loss(self.engine(x), y) for x, y in batches) / len(batches)
+                loss = self.model_def.loss
+                total = sum(loss(self.engine(x), y) for x, y in batches) / len(batches)
                 self.engine.train()
                 losses.append(self._dp_mean(total))
         return float(np.mean(losses))
@@ -259,7 +275,7 @@ class Trainer:
             {
                 "rng": _rng_state(),
                 "step": self.step,
-                "sampler": self.sampler.state(self.step),
+                "sampler": {"next_step": self.step, "seed": self.spec.data.seed},
                 "topology": {
                     "pipeline_stages": self.topo.pipeline_stages,
                     "replicas": self.topo.replicas,

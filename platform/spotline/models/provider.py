@@ -1,0 +1,153 @@
+"""The model provider protocol: how Spotline learns an architecture.
+
+A provider turns a validated config into a `ModelDef`: a flat list of layers, the
+loss, and the FLOPs per token. Spotline builds everything else from it, for any
+architecture:
+
+- **Pipelines.** DeepSpeed's `PipelineModule` cuts the list into stages, splitting the
+  `block_class` layers evenly (the first stage also takes what comes before the first
+  block, the last what comes after the last one). At pp=1 the list is a plain
+  `nn.Sequential`. Each layer maps one tensor to one tensor: token ids to hidden
+  states, hidden states to hidden states, hidden states to logits.
+- **Stable parameter names.** A parameter is named `<layer index>.<name inside the
+  layer>` (e.g. `3.attn.q.weight`), the same at any number of stages; checkpoints,
+  resharding and exports key on these names.
+- **Weights that do not depend on the cut.** A layer seeds its own initialisation
+  (`torch.manual_seed(seed + index)` in its constructor, for example), so a stage
+  builds exactly the weights the whole model would have.
+- **MFU.** `flops_per_token` counts the training (forward + backward) model FLOPs of
+  one token, the numerator of MFU.
+- **Inference.** The same layers, applied in order, give logits from token ids:
+  backfill evaluation and speculative decoding use that.
+
+Bring your own model with `model: {kind: custom, provider: "my_pkg.my_model:PROVIDER",
+config: {...}}`, where PROVIDER has:
+
+    config_model = MyConfig              # a pydantic model: validates model.config
+    def build(self, config: MyConfig, *, vocab_size: int, seq_len: int, seed: int) -> ModelDef
+
+and is importable on every node (ship it with the job's runtime_env working_dir or
+py_modules, or install it in the image).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerDef:
+    """One layer of the flat list, built only where it is needed (a pipeline stage
+    builds its own layers, nothing else)."""
+
+    cls: type[nn.Module]
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> nn.Module:
+        return self.cls(*self.args, **self.kwargs)
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """Everything Spotline needs to know about an architecture."""
+
+    layers: list[LayerDef]
+    """Embedding, blocks, head: the flat layer list."""
+    block_class: type[nn.Module]
+    """The class of the repeated blocks; pipeline stages split these evenly."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """loss(logits [B, T, V], labels [B, T]) -> scalar mean over tokens."""
+    flops_per_token: float
+    """Training model FLOPs per token (forward + backward), for MFU."""
+    vocab_size: int
+    seq_len: int
+    post_build: Callable[[nn.Module], nn.Module] | None = None
+    """Applied to the whole built model (pp=1 and inference), e.g. to tie the embedding
+    and the head, which are built as separate layers."""
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(1 for ld in self.layers if ld.cls is self.block_class)
+
+
+class ModelProvider(Protocol):
+    config_model: type[BaseModel]
+    """Validates the provider's config (for custom models: `model.config`)."""
+
+    def build(self, config: Any, *, vocab_size: int, seq_len: int, seed: int) -> ModelDef: ...
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def build_sequential(model: ModelDef) -> nn.Sequential:
+    """The whole model on one device (pp=1, and inference); `.seq_len` is its context."""
+    seq = nn.Sequential(*[ld.build() for ld in model.layers])
+    if model.post_build is not None:
+        seq = model.post_build(seq)
+    seq.seq_len = model.seq_len
+    return seq
+
+
+def build_pipeline_module(model: ModelDef, num_stages: int):
+    """A DeepSpeed PipelineModule of `num_stages` stages, blocks split evenly; only this
+    stage's layers are built."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    return PipelineModule(
+        layers=[LayerSpec(ld.cls, *ld.args, **ld.kwargs) for ld in model.layers],
+        num_stages=num_stages,
+        loss_fn=model.loss,
+        partition_method=f"type:{model.block_class.__name__}",
+        activation_checkpoint_interval=0,
+    )
+
+
+def layer_param_counts(model: ModelDef) -> list[int]:
+    """Parameters of each layer, counted on the meta device (nothing is allocated)."""
+    counts = []
+    with torch.device("meta"):
+        for ld in model.layers:
+            counts.append(sum(p.numel() for p in ld.build().parameters()))
+    return counts
+
+
+def stage_bounds(model: ModelDef, num_stages: int) -> list[int]:
+    """Layer index boundaries of each stage as DeepSpeed's `type:` partition cuts them:
+    blocks split as evenly as possible, earlier stages taking the remainder, the layers
+    before the first block on the first stage and those after the last on the last."""
+    block_idx = [i for i, ld in enumerate(model.layers) if ld.cls is model.block_class]
+    n = len(block_idx)
+    base, extra = divmod(n, num_stages)
+    bounds = [0]
+    taken = 0
+    for s in range(num_stages - 1):
+        taken += base + (1 if s < extra else 0)
+        bounds.append(block_idx[taken] if taken < n else len(model.layers))
+    bounds.append(len(model.layers))
+    return bounds
+
+
+def init_normal(module: nn.Module, std: float) -> None:
+    """The usual init of a decoder's matrices: N(0, std) weights, zero biases."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
+def residual_std(n_layers: int, std: float = 0.02) -> float:
+    """GPT-2's scaling of residual projections, which keeps deep stacks stable."""
+    return std / math.sqrt(2 * n_layers)
