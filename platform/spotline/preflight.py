@@ -232,6 +232,8 @@ def check_offline(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
     check_model(spec)
     check_memory(spec, local_cluster)
     check_local_dir(spec.checkpoint.staging_dir, "checkpoint.staging_dir", checkpoint_bytes(spec))
+    if spec.data.kind == "tokens":
+        check_local_dir(spec.data.cache_dir, "data.cache_dir")
     if spec.checkpoint.signing_key_env is not None:
         store.signing_key()  # the key must be here, or the first commit would fail
     return store
