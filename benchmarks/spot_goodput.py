@@ -8,7 +8,7 @@ benchmarks/traces/ (notices = GCS drains with a deadline, then the node goes; lo
 
   nopreempt   Spotline, no trace: the reference rate.
   spotline    Spotline: ray-drain notices -> just-in-time checkpoint, shrink to what
-              is left, grow back at checkpoint boundaries (elastic 1..3).
+              is left, grow back when a node returns and growing pays (elastic 1..3).
   periodic    the same Spotline job with periodic checkpoints only: no notices and no
               elastic shrink (min = max = 3), so it waits for the node to come back.
   raytrain    Ray Train v2 `TorchTrainer`, ScalingConfig(num_workers=(1, 3)), DDP over
@@ -17,11 +17,16 @@ benchmarks/traces/ (notices = GCS drains with a deadline, then the node goes; lo
               when a node is doomed, plus the same periodic checkpoints. Its ratio is
               against its own no-preemption run (raytrain-nopreempt).
 
-Goodput = committed steps per minute of wall time (start to final commit). Also
-printed: notice -> commit latency (trace's drain to the committed JIT checkpoint) and
-node loss -> first step after resume.
+Goodput = committed steps per minute of wall time (the job's start to its result).
+Also printed: notice -> commit latency (trace's drain to the committed JIT checkpoint),
+node loss -> first step after resume, and nopreempt_vs_raytrain: Spotline's
+no-preemption steps per minute over Ray Train's (nopreempt / raytrain-nopreempt), the
+same workload in the same invocation, so the two systems' own rates compare directly.
 
-    python benchmarks/spot_goodput.py [--trace PATH] [--steps N] [--json PATH]
+    python benchmarks/spot_goodput.py [--trace PATH] [--steps N] [--only ARM ...] [--json PATH]
+
+The Ray Train arms need ray[train] (`pip install -e ".[bench]"`); without it, only
+Spotline's arms can run (--only nopreempt spotline periodic).
 """
 
 from __future__ import annotations
@@ -193,7 +198,7 @@ def run_spotline(
     raw["checkpoint"]["uri"] = f"file://{tmp}/{mode}/ckpt"
     raw["checkpoint"]["staging_dir"] = str(tmp / mode / "staging")
     if mode == "spotline":
-        raw["elastic"] = {"min_replicas": 1, "max_replicas": n, "scale_up_interval_s": 0}
+        raw["elastic"] = {"min_replicas": 1, "max_replicas": n}
         raw["preemption"] = {"sources": [{"kind": "ray-drain", "poll_interval_s": 0.5}]}
     else:  # nopreempt and periodic: a fixed-size job that waits for its nodes
         raw["elastic"] = {"min_replicas": n, "max_replicas": n, "wait_for_capacity_s": 3600}
@@ -236,7 +241,7 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
     from spotline.config.schema import JobSpec
     from spotline.data import Sampler, open_dataset
     from spotline.models import build_sequential, model_def
-    from spotline.workers.trainer import build_optimizer, lr_lambda
+    from spotline.train.trainer import build_optimizer, lr_lambda
 
     spec = JobSpec.model_validate_json(config["spec"])
     events = Path(config["events"])
@@ -388,6 +393,55 @@ def _fmt(x: float | None, unit: str = "s") -> str:
     return "n/a" if x is None else f"{x:.1f}{unit}"
 
 
+def ratio(rows: dict[str, dict[str, Any]], arm: str, base: str) -> float | None:
+    """rows[arm]'s committed steps per minute over rows[base]'s; None without both."""
+    if arm in rows and base in rows and rows[base]["steps_per_min"] > 0:
+        return rows[arm]["steps_per_min"] / rows[base]["steps_per_min"]
+    return None
+
+
+def summarize(rows: dict[str, dict[str, Any]], trace: str, steps: int) -> dict[str, Any]:
+    """The figures --json writes: the ratios, the latencies per arm, and every run."""
+    return {
+        "spotline_vs_nopreempt": ratio(rows, "spotline", "nopreempt"),
+        "periodic_vs_nopreempt": ratio(rows, "periodic", "nopreempt"),
+        "raytrain_vs_nopreempt": ratio(rows, "raytrain", "raytrain-nopreempt"),
+        # Without preemption, Spotline against Ray Train: the same workload, same run.
+        "nopreempt_vs_raytrain": ratio(rows, "nopreempt", "raytrain-nopreempt"),
+        "notice_to_commit_s": {k: _mean(r["notice_to_commit_s"]) for k, r in rows.items()},
+        "recovery_s": {k: _mean(r["recovery_s"]) for k, r in rows.items()},
+        "runs": rows,
+        "trace": trace,
+        "steps": steps,
+    }
+
+
+def render(figures: dict[str, Any], trace_name: str) -> str:
+    rows = figures["runs"]
+
+    def r3(x: float | None) -> str:
+        return "" if x is None else f"{x:.3f}"
+
+    lines = [
+        f"trace {trace_name}, {figures['steps']} steps per arm",
+        f"{'system':<20}{'steps/min':>10}{'vs no-preempt':>15}"
+        f"{'notice->commit':>16}{'loss->resume':>14}",
+    ]
+    for name, r in rows.items():
+        base = "raytrain-nopreempt" if name.startswith("raytrain") else "nopreempt"
+        rat = ratio(rows, name, base)
+        lines.append(
+            f"{name:<20}{r['steps_per_min']:>10.0f}{r3(rat):>15}"
+            f"{_fmt(_mean(r['notice_to_commit_s'])):>16}{_fmt(_mean(r['recovery_s'])):>14}"
+        )
+    nvr = figures["nopreempt_vs_raytrain"]
+    lines.append(
+        "no-preemption, spotline / ray train (steps/min): "
+        + ("n/a (needs both nopreempt and raytrain-nopreempt)" if nvr is None else f"{nvr:.3f}")
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -406,11 +460,20 @@ def main(argv: list[str] | None = None) -> int:
         ("raytrain-nopreempt", run_raytrain, False),
         ("raytrain", run_raytrain, True),
     ]
+    arms = [a for a in arms if not args.only or a[0] in args.only]
+    if any(fn is run_raytrain for _, fn, _ in arms):
+        try:
+            import ray.train.torch  # noqa: F401
+        except ImportError as e:
+            print(
+                f"spot_goodput.py: the Ray Train arms need ray[train] ({e}); "
+                'pip install -e ".[bench]", or pick arms with --only',
+                file=sys.stderr,
+            )
+            return 2
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="spotline-goodput-") as tmp:
         for name, fn, preempt in arms:
-            if args.only and name not in args.only:
-                continue
             print(f"[spot_goodput] running {name} ({args.steps} steps) ...", flush=True)
             rows[name] = fn(trace, preempt, args.steps, name, Path(tmp))
             r = rows[name]
@@ -420,33 +483,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
 
-    def ratio(arm: str, base: str) -> float | None:
-        if arm in rows and base in rows:
-            return rows[arm]["steps_per_min"] / rows[base]["steps_per_min"]
-        return None
-
-    figures = {
-        "spotline_vs_nopreempt": ratio("spotline", "nopreempt"),
-        "periodic_vs_nopreempt": ratio("periodic", "nopreempt"),
-        "raytrain_vs_nopreempt": ratio("raytrain", "raytrain-nopreempt"),
-        "notice_to_commit_s": {k: _mean(r["notice_to_commit_s"]) for k, r in rows.items()},
-        "recovery_s": {k: _mean(r["recovery_s"]) for k, r in rows.items()},
-        "runs": rows,
-        "trace": str(args.trace),
-        "steps": args.steps,
-    }
+    figures = summarize(rows, str(args.trace), args.steps)
     print()
-    print(f"trace {args.trace.name}, {args.steps} steps per arm")
-    print(
-        f"{'system':<20}{'steps/min':>10}{'vs no-preempt':>15}{'notice->commit':>16}{'loss->resume':>14}"
-    )
-    for name, r in rows.items():
-        base = "raytrain-nopreempt" if name.startswith("raytrain") else "nopreempt"
-        rat = ratio(name, base)
-        print(
-            f"{name:<20}{r['steps_per_min']:>10.0f}{'' if rat is None else f'{rat:.3f}':>15}"
-            f"{_fmt(_mean(r['notice_to_commit_s'])):>16}{_fmt(_mean(r['recovery_s'])):>14}"
-        )
+    print(render(figures, args.trace.name))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
         print(f"\nwrote {args.json}")

@@ -93,17 +93,17 @@ def test_eval_task_equals_the_jobs_own_heldout_loss(backfilled):
         for t in result.backfill["tasks"]
         if t["name"] == "eval[0]" and t["state"] == "done"
     }
-    # Every 10 steps at most (a task still queued moves to the newest commit), and
-    # always on the final checkpoint.
+    # Every 10 steps at most (a task still queued moves to the newest commit, so the
+    # first may run later than step 5), and always on the final checkpoint.
     steps = sorted(evals)
-    assert steps[0] == 5 and steps[-1] == 30
+    assert steps[0] % 5 == 0 and steps[0] < 30 and steps[-1] == 30
     assert all(b - a >= 10 for a, b in zip(steps[:-2], steps[1:-1], strict=True))
     final = evals[spec.train.steps]
     # Same weights (the final checkpoint), same batches, evaluated by the pipeline
     # engine at the end of training vs. by the executor's whole-model snapshot.
     assert final["loss"] == pytest.approx(result.heldout_loss, rel=1e-5)
     assert final["perplexity"] == pytest.approx(math.exp(final["loss"]))
-    assert evals[5]["loss"] > final["loss"]  # later weights are better
+    assert evals[steps[0]]["loss"] > final["loss"]  # later weights are better
     assert sdk_eval["kind"] == "eval" and sdk_eval["batches"] == 2
 
 
@@ -114,8 +114,10 @@ def test_speculative_task_matches_greedy_and_stores_completions(backfilled):
         for t in result.backfill["tasks"]
         if t["name"] == "speculative[1]" and t["state"] == "done"
     ]
-    assert {r["step"] for r in runs} == {5, 30}  # the first commit, and the final one
-    # (Its every_steps is 30: between those two, nothing was due.)
+    # Due at the first commit (5) and, whatever its every_steps, on the final one (30);
+    # nothing else was due. Still queued at 30, the first moves there: it runs once.
+    steps = sorted(r["step"] for r in runs)
+    assert steps in ([5, 30], [30]), steps
     for r in runs:
         assert r["all_equal_target_greedy"]
         assert r["new_tokens"] == 2 * 8

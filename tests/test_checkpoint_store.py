@@ -14,7 +14,6 @@ import pickle
 import random
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from spotline.checkpoint import (
     ManifestError,
     StorageError,
     hash_file,
-    restore_latest,
 )
 
 pytestmark = pytest.mark.unit
@@ -191,17 +189,15 @@ def test_hash_file_matches_hashlib_across_chunks(tmp_path: Path) -> None:
 # --- commit protocol -------------------------------------------------------------------
 
 
-def test_upload_commit_load_download_round_trip(store: CheckpointStore, tmp_path: Path) -> None:
+def test_upload_commit_load_round_trip(store: CheckpointStore, tmp_path: Path) -> None:
     manifest = save_step(store, 100, tmp_path)
     assert store.committed_steps() == [100]
     assert store.load_manifest(100) == manifest
     assert store.latest_manifest() == manifest
     assert manifest.total_bytes == sum(len(b) for b in tree(tmp_path / "staging_100").values())
-
-    local = store.download(manifest, tmp_path / "restore")
-    assert local == tmp_path / "restore" / "step_00000100"
-    assert tree(local) == tree(tmp_path / "staging_100")
-    assert not [p for p in local.rglob("*") if p.name.startswith(".")]  # no temp files left
+    store.verify_remote(manifest)
+    for path, data in tree(tmp_path / "staging_100").items():
+        assert store.read_range(100, path, 0, len(data)) == data
 
 
 def test_upload_file_entry_describes_the_local_file(store: CheckpointStore, tmp_path: Path) -> None:
@@ -256,22 +252,17 @@ def test_commit_refuses_a_manifest_whose_files_are_not_uploaded(
 # --- verification and fallback ---------------------------------------------------------
 
 
-def test_download_detects_a_flipped_byte_and_removes_what_it_downloaded(
-    store: CheckpointStore, tmp_path: Path
-) -> None:
+def test_verify_remote_detects_a_flipped_byte(store: CheckpointStore, tmp_path: Path) -> None:
     manifest = save_step(store, 100, tmp_path)
     bad = first_shard(100)
     _flip_byte(_root(store) / "step_00000100" / bad)
     with pytest.raises(CorruptCheckpointError) as ei:
-        store.download(manifest, tmp_path / "restore")
+        store.verify_remote(manifest)
     assert (ei.value.step, ei.value.path) == (100, bad)
     assert "sha256" in ei.value.reason
-    assert not [p for p in (tmp_path / "restore").rglob("*") if p.is_file()]
-    with pytest.raises(CorruptCheckpointError):
-        store.verify_remote(manifest)
 
 
-def test_download_detects_truncated_and_missing_files(
+def test_verify_remote_detects_truncated_and_missing_files(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
     manifest = save_step(store, 100, tmp_path)
@@ -279,94 +270,11 @@ def test_download_detects_truncated_and_missing_files(
     victim = step_dir / manifest.files[-1].path
     victim.write_bytes(victim.read_bytes()[:-1])
     with pytest.raises(CorruptCheckpointError, match="size is"):
-        store.download(manifest, tmp_path / "r1")
+        store.verify_remote(manifest)
     victim.unlink()
     with pytest.raises(CorruptCheckpointError, match="missing from storage") as ei:
-        store.download(manifest, tmp_path / "r2")
-    assert ei.value.path == manifest.files[-1].path
-    with pytest.raises(CorruptCheckpointError, match="missing from storage"):
         store.verify_remote(manifest)
-
-
-def test_download_keeps_verified_local_files_and_replaces_bad_ones(
-    store: CheckpointStore, tmp_path: Path
-) -> None:
-    manifest = save_step(store, 100, tmp_path)
-    local = store.download(manifest, tmp_path / "cache")
-    store.verify_remote(manifest)
-    # The remote copy goes bad after this node cached a good one: the cache is used.
-    _flip_byte(_root(store) / "step_00000100" / first_shard(100))
-    assert tree(store.download(manifest, tmp_path / "cache")) == tree(tmp_path / "staging_100")
-    # A damaged local copy is not trusted: it is fetched again (and here, found bad).
-    _flip_byte(local / first_shard(100), offset=5)
-    with pytest.raises(CorruptCheckpointError):
-        store.download(manifest, tmp_path / "cache")
-
-
-def test_concurrent_downloads_into_one_dir(store: CheckpointStore, tmp_path: Path) -> None:
-    manifest = save_step(store, 100, tmp_path)
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        try:
-            store.download(manifest, tmp_path / "node")
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert tree(tmp_path / "node" / "step_00000100") == tree(tmp_path / "staging_100")
-
-
-def test_restore_latest_falls_back_to_the_previous_committed_step(
-    store: CheckpointStore, tmp_path: Path
-) -> None:
-    save_step(store, 100, tmp_path)
-    save_step(store, 200, tmp_path)
-    bad = first_shard(200)
-    _flip_byte(_root(store) / "step_00000200" / bad)
-    lines: list[str] = []
-    result = restore_latest(store, tmp_path / "restore", log=lines.append)
-    assert result is not None
-    manifest, local = result
-    assert manifest.step == 100
-    assert tree(local) == tree(tmp_path / "staging_100")
-    assert len(lines) == 1
-    assert lines[0].startswith(f"checkpoint step 200 at {store.uri} failed verification ({bad}: ")
-    assert lines[0].endswith("; falling back to step 100")
-
-
-def test_restore_latest_skips_an_unreadable_manifest(
-    store: CheckpointStore, tmp_path: Path
-) -> None:
-    save_step(store, 100, tmp_path)
-    save_step(store, 200, tmp_path)
-    (_root(store) / "step_00000200" / "manifest.json").write_text("{not json")
-    lines: list[str] = []
-    manifest, _ = restore_latest(store, tmp_path / "restore", log=lines.append)
-    assert manifest.step == 100
-    assert "(manifest.json: " in lines[0]
-
-
-def test_restore_latest_with_nothing_committed(store: CheckpointStore, tmp_path: Path) -> None:
-    assert restore_latest(store, tmp_path / "restore", log=lambda s: None) is None
-
-
-def test_restore_latest_when_every_step_is_corrupt(store: CheckpointStore, tmp_path: Path) -> None:
-    save_step(store, 100, tmp_path)
-    save_step(store, 200, tmp_path)
-    for step in (100, 200):
-        _flip_byte(_root(store) / store.step_name(step) / first_shard(step))
-    lines: list[str] = []
-    with pytest.raises(CorruptCheckpointError) as ei:
-        restore_latest(store, tmp_path / "restore", log=lines.append)
-    assert [s for s, _, _ in ei.value.failures] == [200, 100]
-    assert "step 200" in str(ei.value) and "step 100" in str(ei.value)
-    assert lines[-1].endswith("no older step to try")
+    assert ei.value.path == manifest.files[-1].path
 
 
 def test_corrupt_checkpoint_error_survives_pickling() -> None:

@@ -1,21 +1,36 @@
 """The controller state machine, stepped one iteration at a time against a fake group.
 
-No Ray and no DeepSpeed: the fake group trains a deterministic "loss" (a pure
-function of the step), stores checkpoint files in a real file:// store through
-the same upload path shape, and can be told to fail.
+No Ray and no DeepSpeed: the fake group's ranks "train" on their own like real ones
+(a deterministic loss per step, a few steps per poll), save at every checkpoint
+interval and at the steps the controller asks for, write their files and receipts
+into a real file:// store under their attempt, and report finished uploads one poll
+later, so commits, fallbacks and restarts run the real commit coordinator.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
+import time
 
 import pytest
 
-from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry
+from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry, StorageError
+from spotline.checkpoint.transfer import UploadResult, attempt_dir
 from spotline.config import load_spec
-from spotline.controller import Controller, State
-from spotline.workers.group import PROCESS_DIED, ChunkResult, WorkerFailure
-from spotline.workers.uploads import UploadResult
+from spotline.controller import Controller
+from spotline.controller.state import (
+    Failed,
+    Finished,
+    Finishing,
+    Leaving,
+    Pending,
+    Running,
+    Scheduling,
+    Stopped,
+    Waiting,
+)
+from spotline.runtime.group import PROCESS_DIED, Progress, WorkerFailure
 
 pytestmark = pytest.mark.unit
 
@@ -25,18 +40,32 @@ def fake_loss(step: int) -> float:
 
 
 class FakeGroup:
-    """Queued events instead of workers. Uploads surface on the next train/flush call."""
+    """Ranks that train on their own: `poll` is where their time passes."""
 
     instances: list[FakeGroup] = []
 
-    def __init__(self, spec, replicas, store, script):
+    def __init__(self, spec, replicas, store, script, cluster, clock):
         self.spec, self.replicas, self.store, self.script = spec, replicas, store, script
+        self.cluster, self.clock = cluster, clock
         self.world_size = spec.parallel.pipeline_stages * replicas
+        self.attempt = f"att{len(FakeGroup.instances)}"
         self.step = 0
-        self.pending: list[UploadResult] = []
+        self.target = None
+        self.running = False
+        self.finished = None
+        self.save_at = self.stop_at = 0
+        self.reason = ""
+        self.saved_through = 0
+        self.saves: list[int] = []
+        self.uploads: list[tuple[int, UploadResult]] = []  # (poll it is reported at, result)
+        self.polls = 0
+        self.wall = time.time()  # the ranks' wall clock: it moves with the steps
         self.restored: list[int] = []
-        self.stop_requests: list[str] = []
+        self.requests: list[tuple[int, int, str]] = []
         self.shut = False
+        # Replica r runs on the r-th node that is not drained (nodes are replica-sized).
+        free = sorted(cluster.nodes - set(cluster.drained))
+        self.nodes = [free[r % len(free)] for r in range(replicas)] if free else ["none"]
         FakeGroup.instances.append(self)
 
     def start(self):
@@ -45,17 +74,33 @@ class FakeGroup:
 
     def restore(self, manifest):
         if manifest.step in self.script.get("corrupt_steps", ()):
-            raise CorruptCheckpointError(manifest.step, "x.pt", "sha256 mismatch")
+            raise CorruptCheckpointError(manifest.step, "x.safetensors", "sha256 mismatch")
         self.restored.append(manifest.step)
         self.resharded = manifest.topology["replicas"] != self.replicas
-        self.step = manifest.step
+        self.step = self.saved_through = manifest.step
         return self.step
 
-    def train(self, n):
-        kill_at = self.script.get("kill_at")
-        losses = []
-        interrupted = False
-        for _ in range(n):
+    def run(self, target):
+        self.target, self.running = target, True
+
+    def request(self, save_at=0, stop_at=0, reason=""):
+        # As the actor: the latest save asked for, the earliest stop.
+        self.requests.append((save_at, stop_at, reason))
+        self.save_at = max(self.save_at, save_at)
+        if stop_at > 0:
+            self.stop_at = min(self.stop_at, stop_at) if self.stop_at else stop_at
+        self.reason = reason
+
+    def poll(self, timeout_s):
+        self.polls += 1
+        out = Progress()
+        due = [u for p, u in self.uploads if p <= self.polls]
+        self.uploads = [(p, u) for p, u in self.uploads if p > self.polls]
+        out.uploads = due
+        for _ in range(self.script.get("steps_per_poll", 5)):
+            if not self.running:
+                break
+            kill_at = self.script.get("kill_at")
             if kill_at is not None and self.step == kill_at:
                 self.script.pop("kill_at")
                 lost = self.script.pop("lose_node", None)
@@ -68,45 +113,62 @@ class FakeGroup:
                         {f"{type(cause).__name__}: {cause}": [0], "gloo: peer closed": [1, 2, 3]},
                         causes=[cause, RuntimeError("gloo: peer closed")],
                     )
-                raise WorkerFailure(
-                    "training",
-                    {PROCESS_DIED: [3]},
-                    {3: "node-1"},
-                )
+                raise WorkerFailure("training", {PROCESS_DIED: [3]}, {3: "node-1"})
             self.step += 1
-            losses.append((self.step, fake_loss(self.step)))
+            slow_from, slow_s = self.script.get("slow_from", (None, 0.0))
+            took = slow_s if slow_from is not None and self.step >= slow_from else 0.05
+            self.clock.now += took  # a step takes 50 ms, unless the script slows it
+            self.wall += took
+            out.steps.append((self.step, fake_loss(self.step), took, self.wall))
             notice = self.script.get("notices", {}).pop(self.step, None)
             if notice is not None:
                 self.controller.notify(notice)
-            if self.stop_requests:
-                self.stop_requests.clear()
-                interrupted = True
-                break
-        up, self.pending = self.pending, []
-        return ChunkResult(losses=losses, seconds=0.01 * n, uploads=up, interrupted=interrupted)
+            if self.script.get("stop_at_step") == self.step:
+                self.controller.request_stop("maintenance")
+            s = self.step
+            ask = self.save_at if self.save_at > self.saved_through else 0
+            stop = 0 < self.stop_at <= s
+            interval = self.spec.checkpoint.interval_steps
+            if stop or s % interval == 0 or s == self.target or 0 < ask <= s:
+                self._save(s, out)
+                self.saved_through = s
+            if stop or s >= self.target:
+                self.running = False
+                self.finished = {"stopped_at": s, "reason": self.reason if stop else "target"}
+        if not self.running and self.finished is not None:
+            out.finished = self.finished
+        return out
 
-    def save(self):
+    def _save(self, step, out):
+        self.saves.append(step)
+        out.saves[step] = 0.001
+        delay = self.script.get("upload_delay", 1)
         for rank in range(self.world_size):
-            rel = f"global_step{self.step}/rank{rank}.pt"
-            data = f"{self.step}:{rank}".encode()
-            import hashlib
-            import tempfile
-
+            rel = f"{attempt_dir(self.attempt)}/rank_{rank:05d}/state.safetensors"
             with tempfile.NamedTemporaryFile() as f:
-                f.write(data)
+                f.write(f"{step}:{rank}".encode())
                 f.flush()
-                entry = self.store.upload_file(f.name, self.step, rel)
-            assert entry.sha256 == hashlib.sha256(data).hexdigest()
-            if self.script.get("upload_error_step") == self.step and rank == 1:
-                self.pending.append(UploadResult(self.step, rank, error="OSError: disk full"))
+                entry = self.store.upload_file(f.name, step, rel)
+            index = [{"file": rel, "param": "0.w", "kind": "fp32", "start": rank}]
+            if self.script.get("upload_error_step") == step and rank == 1:
+                result = UploadResult(
+                    step, rank, self.attempt, self.world_size, error="OSError: disk full"
+                )
             else:
-                self.store.write_receipt(self.step, rank, self.world_size, [entry])
-                self.pending.append(UploadResult(self.step, rank, [entry], 0.01))
-        return 0.001
+                self.store.write_receipt(step, self.attempt, rank, self.world_size, [entry], index)
+                result = UploadResult(
+                    step,
+                    rank,
+                    self.attempt,
+                    self.world_size,
+                    [entry],
+                    index,
+                    self.script.get("upload_s", 0.01),
+                )
+            self.uploads.append((self.polls + delay, result))
 
-    def flush_uploads(self):
-        up, self.pending = self.pending, []
-        return up
+    def wait_uploads(self, timeout_s):
+        return True
 
     def heldout_loss(self):
         return fake_loss(self.step) + 0.5
@@ -117,14 +179,10 @@ class FakeGroup:
         ]
 
     def node_of(self, rank):
-        # One node per replica: node-0 holds replica 0's stages, and so on.
-        return f"node-{rank % self.replicas}"
+        return self.nodes[rank % self.replicas]
 
     def node_ids(self):
-        return {self.node_of(r) for r in range(self.world_size)}
-
-    def request_checkpoint(self, reason):
-        self.stop_requests.append(reason)
+        return set(self.nodes)
 
     def executors(self):
         return []
@@ -134,10 +192,11 @@ class FakeGroup:
 
     def shutdown(self):
         self.shut = True
+        self.running = False
 
 
 class FakeCluster:
-    """Scripted capacity and nodes; records drains."""
+    """Four replica-sized nodes; capacity is what is free and not draining."""
 
     def __init__(self, capacity):
         self._capacity = capacity
@@ -147,7 +206,7 @@ class FakeCluster:
 
     def capacity(self, held_workers=0):
         cap = self._capacity
-        return cap(held_workers) if callable(cap) else cap
+        return cap(held_workers, self) if callable(cap) else cap
 
     def gone(self, node_ids):
         return set(node_ids) - self.nodes
@@ -192,33 +251,44 @@ def make(tmp_path, script=None, capacity=2, **over):
     clock = FakeClock()
 
     def group(replicas):
-        g = FakeGroup(spec, replicas, store, script)
-        g.cluster, g.controller = cluster, ctl
+        g = FakeGroup(spec, replicas, store, script, cluster, clock)
+        g.controller = ctl
         return g
 
     ctl = Controller(spec, store, group, cluster, sleep=clock.sleep, clock=clock)
     ctl.fake_cluster = cluster
+    ctl.fake_clock = clock
     return ctl, store
 
 
-def test_states_advance_one_iteration_at_a_time(tmp_path):
+def run_until(ctl, pred, limit=500):
+    for _ in range(limit):
+        if pred():
+            return
+        ctl.step()
+    raise AssertionError(f"not reached in {limit} iterations; state {ctl.state}")
+
+
+# --- the run ------------------------------------------------------------------------
+
+
+def test_states_advance_and_training_never_waits_for_a_commit(tmp_path):
     ctl, store = make(tmp_path)
-    assert ctl.state is State.PENDING
-    assert ctl.step() is State.SCHEDULING
-    assert ctl.step() is State.RUNNING
-    assert FakeGroup.instances[0].replicas == 2
-    # Steps 1..10 run as one chunk, which ends on the checkpoint boundary.
-    assert ctl.step() is State.CHECKPOINTING
-    assert ctl.step_count == 10
-    assert ctl.step() is State.RUNNING  # saved locally; upload pending, not committed yet
-    assert ctl.committed == []
-    assert ctl.step() is State.CHECKPOINTING  # steps 11..20; step-10 uploads arrive, commit
-    assert ctl.committed == [10]
-    assert ctl.step() is State.RUNNING
-    assert ctl.step() is State.CHECKPOINTING  # steps 21..25: the end is a boundary too
-    assert ctl.step() is State.FINISHING
-    assert ctl.step() is State.FINISHED
-    assert ctl.committed == [20, 25]
+    assert isinstance(ctl.state, Pending)
+    assert isinstance(ctl.step(), Scheduling)
+    assert isinstance(ctl.step(), Running)
+    group = FakeGroup.instances[0]
+    assert group.replicas == 2 and group.running
+    ctl.step()  # steps 1..5
+    ctl.step()  # steps 6..10: step 10 saved by the ranks themselves
+    assert ctl.step_count == 10 and group.saves == [10]
+    assert ctl.coordinator.committed == []  # its uploads are not finished yet
+    ctl.step()  # steps 11..15, and step 10's uploads come in: it commits at once
+    assert ctl.coordinator.committed == [10] and ctl.step_count == 15
+    assert group.requests == []  # the controller never had to ask for a checkpoint
+    run_until(ctl, lambda: ctl.state.terminal)
+    assert isinstance(ctl.state, Finished)
+    assert ctl.coordinator.committed == [20, 25]
 
 
 def test_full_run_commits_every_interval_and_the_end(tmp_path):
@@ -233,9 +303,12 @@ def test_full_run_commits_every_interval_and_the_end(tmp_path):
     assert m.topology["replicas"] == 2 and m.topology["world_size"] == 4
     assert m.data_position["next_step"] == 25
     assert m.spec_hash == ctl.spec.spec_hash()
-    assert len(m.files) == 4
+    assert m.extra["attempt"] == "att0"
+    assert len(m.files) == 4 and len(m.extra["index"]) == 4
     assert res["heldout_loss"] == pytest.approx(fake_loss(25) + 0.5)
     assert FakeGroup.instances[-1].shut
+    # Wall-clock throughput, from the first step's start to the last step's end.
+    assert res["steps_per_s"] > 0
 
 
 def test_worker_failure_restarts_from_latest_commit(tmp_path):
@@ -252,8 +325,7 @@ def test_worker_failure_restarts_from_latest_commit(tmp_path):
 
 
 def test_max_failures_exhausted_fails_with_clear_message(tmp_path):
-    script = {"kill_at": 3}
-    ctl, _ = make(tmp_path, script=script, **{"failure.max_failures": 0})
+    ctl, _ = make(tmp_path, script={"kill_at": 3}, **{"failure.max_failures": 0})
     res = ctl.run()
     assert res["state"] == "failed"
     assert "failure.max_failures=0" in res["error"]
@@ -275,8 +347,19 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path):
         "step 20" in e and "failed verification" in e and "falling back to step 10" in e
         for e in events
     )
-    # Steps 11..30 were retrained from the step-10 weights.
     assert res["attempts"][0]["losses"][0][0] == 11
+
+
+def test_an_unparsable_newest_manifest_falls_back(tmp_path):
+    ctl, store = make(tmp_path, **{"train.steps": 20, "checkpoint.keep_last": 3})
+    ctl.run()
+    path = tmp_path / "ckpt" / "step_00000020" / "manifest.json"
+    path.write_text("{ this is not json")
+    ctl2, _ = make(tmp_path, **{"train.steps": 30, "checkpoint.keep_last": 3})
+    res = ctl2.run()
+    assert res["state"] == "finished"
+    assert FakeGroup.instances[0].restored == [10]
+    assert any("step 20" in e and "not valid JSON" in e for e in ctl2.status()["events"])
 
 
 def test_all_checkpoints_corrupt_refuses_to_start_over(tmp_path):
@@ -314,18 +397,19 @@ def test_spec_change_refuses_foreign_checkpoint(tmp_path):
     assert res["state"] == "failed"
     assert "was written with spec hash" in res["error"]
     assert "model.d_model: 128 there, 64 here" in res["error"]
+    assert not FakeGroup.instances  # refused before any group was started
 
 
 def test_waits_below_min_then_fails(tmp_path):
     ctl, _ = make(tmp_path, capacity=0, **{"elastic.wait_for_capacity_s": 30})
-    assert ctl.step() is State.SCHEDULING
-    assert ctl.step() is State.WAITING  # first Wait: starts the clock
+    assert isinstance(ctl.step(), Scheduling)
+    assert isinstance(ctl.step(), Waiting)
     assert "elastic.min_replicas is 1" in ctl.status()["waiting"]
     res = ctl.run()
     assert res["state"] == "failed"
     assert "elastic.min_replicas" in res["error"]
     assert "elastic.wait_for_capacity_s" in res["error"]
-    assert 30 <= res["waited_s"] <= 32
+    assert 30 <= res["waited_s"] <= 32 + 10  # + the settle after the first reading
     assert not FakeGroup.instances  # no worker was ever started
 
 
@@ -352,10 +436,12 @@ def test_file_entries_are_recorded_in_manifest(tmp_path):
     ctl.run()
     m = store.load_manifest(10)
     assert all(isinstance(f, FileEntry) for f in m.files)
-    assert sorted(f.path for f in m.files) == [f"global_step10/rank{r}.pt" for r in range(4)]
+    assert sorted(f.path for f in m.files) == [
+        f"a-att0/rank_{r:05d}/state.safetensors" for r in range(4)
+    ]
 
 
-def test_replica_change_reshards_instead_of_failing(tmp_path):
+def test_replica_and_stage_changes_reshard_instead_of_failing(tmp_path):
     ctl, _ = make(tmp_path, capacity=2, **{"train.steps": 10})
     assert ctl.run()["committed_steps"] == [10]
     ctl2, _ = make(tmp_path, capacity=1, **{"train.steps": 20})
@@ -363,31 +449,14 @@ def test_replica_change_reshards_instead_of_failing(tmp_path):
     assert res["state"] == "finished"
     group = FakeGroup.instances[0]
     assert group.replicas == 1 and group.restored == [10] and group.resharded is True
-    assert any("resharded from 2 to 1 replica(s)" in e for e in ctl2.status()["events"])
-
-
-def test_zero3_checkpoint_does_not_reshard(tmp_path):
-    over = {"parallel.pipeline_stages": 1, "parallel.zero_stage": 3, "train.steps": 10}
-    ctl, _ = make(tmp_path, capacity=2, **over)
-    ctl.run()
-    ctl2, _ = make(tmp_path, capacity=1, **{**over, "train.steps": 20})
-    res = ctl2.run()
-    assert res["state"] == "failed"
-    assert "ZeRO-3" in res["error"] and "elastic.min_replicas" in res["error"]
-
-
-def test_pipeline_stage_change_is_refused(tmp_path):
-    ctl, _ = make(tmp_path, **{"train.steps": 10})
-    ctl.run()
-    ctl2, _ = make(tmp_path, **{"train.steps": 20, "parallel.pipeline_stages": 1})
-    res = ctl2.run()
-    assert res["state"] == "failed"
-    assert "parallel.pipeline_stages" in res["error"]
+    assert any("resharded from 2 stage(s) x 2 replica(s)" in e for e in ctl2.status()["events"])
+    # The number of pipeline stages may change too (p -> p'): the state is by parameter.
+    ctl3, _ = make(tmp_path, capacity=1, **{"train.steps": 30, "parallel.pipeline_stages": 1})
+    res = ctl3.run()
+    assert res["state"] == "finished" and FakeGroup.instances[0].restored == [20]
 
 
 def test_failed_commit_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
-    from spotline.checkpoint import StorageError
-
     ctl, store = make(tmp_path, **{"checkpoint.keep_last": 5})
     real_commit = store.commit
 
@@ -401,52 +470,204 @@ def test_failed_commit_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
     assert res["state"] == "finished"
     assert store.committed_steps() == [20, 25]
     assert any("step 10 not committed: bucket unreachable" in e for e in ctl.status()["events"])
+    assert len(FakeGroup.instances) == 1  # the group was never torn down for it
+
+
+def test_a_retention_error_does_not_restart_the_group(tmp_path, monkeypatch):
+    ctl, store = make(tmp_path)
+    calls = {"n": 0}
+    real = store.apply_retention
+
+    def flaky(keep_last):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise StorageError("throttled")
+        return real(keep_last)
+
+    monkeypatch.setattr(store, "apply_retention", flaky)
+    res = ctl.run()
+    assert res["state"] == "finished" and res["failures"] == 0
+    assert len(FakeGroup.instances) == 1
+    assert any("retention deferred" in e for e in ctl.status()["events"])
+    assert store.committed_steps() == [20, 25]  # retried at the next commit
+
+
+def test_an_artifact_write_error_does_not_restart_the_group(tmp_path, monkeypatch):
+    ctl, store = make(tmp_path)
+
+    def broken(relpath, data):
+        raise StorageError("disk full")
+
+    monkeypatch.setattr(store, "write_artifact", broken)
+    res = ctl.run()
+    assert res["state"] == "finished" and len(FakeGroup.instances) == 1
+
+
+def test_an_unexpected_controller_error_tears_everything_down(tmp_path, monkeypatch):
+    ctl, _ = make(tmp_path)
+    run_until(ctl, lambda: ctl.step_count >= 5)
+
+    def boom(*a, **k):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(ctl, "_grow_decision", boom)
+    ctl.step()
+    assert isinstance(ctl.state, Failed)
+    assert "internal error in the controller while running: KeyError" in ctl.state.error
+    assert FakeGroup.instances[0].shut and ctl.fake_cluster.closed
+
+
+# --- the commit protocol ------------------------------------------------------------
+
+
+def test_receipts_of_two_groups_never_mix_into_one_manifest(tmp_path):
+    """Stale receipts of ranks 0, 2 and 3 of a world-4 group, and rank 1 of a world-2
+    group that died mid-save, all for step 10: together they cover ranks 0..3, but no
+    single group is complete, so nothing commits."""
+    ctl, store = make(tmp_path)
+
+    def receipt(attempt, rank, world):
+        rel = f"{attempt_dir(attempt)}/rank_{rank:05d}/state.safetensors"
+        with tempfile.NamedTemporaryFile() as f:
+            f.write(b"x")
+            f.flush()
+            entry = store.upload_file(f.name, 10, rel)
+        store.write_receipt(10, attempt, rank, world, [entry], [])
+
+    for rank in (0, 2, 3):
+        receipt("old4", rank, 4)
+    receipt("new2", 1, 2)
+    assert ctl.coordinator.commit_from_storage() == []
+    assert store.committed_steps() == []
+    # The world-2 group's other rank finishes: that group is complete, and only its two
+    # files are in the manifest.
+    receipt("new2", 0, 2)
+    (done,) = ctl.coordinator.commit_from_storage()
+    assert done.step == 10
+    m = store.load_manifest(10)
+    assert sorted(f.path for f in m.files) == [
+        "a-new2/rank_00000/state.safetensors",
+        "a-new2/rank_00001/state.safetensors",
+    ]
+    # The other group's files are swept from the committed step.
+    assert not (tmp_path / "ckpt" / "step_00000010" / "a-old4").exists()
+
+
+def test_a_restarted_controller_commits_what_every_rank_of_a_group_uploaded(tmp_path):
+    ctl, store = make(tmp_path, script={"upload_delay": 100, "kill_at": 12})
+    run_until(ctl, lambda: len(FakeGroup.instances) == 2)  # step 10's reports died with it
+    # The new group restored from step 10, committed from the receipts in storage.
+    assert FakeGroup.instances[1].restored == [10]
+    assert any("every rank of group att0 had uploaded" in e for e in ctl.status()["events"])
 
 
 # --- spot capacity ------------------------------------------------------------------
 
 
-def _notice(node, deadline=4e9, source="ray-drain"):
+def _notice(node, deadline=None, source="ray-drain"):
+    deadline = time.time() + 20 if deadline is None else deadline
     return {"source": source, "node_id": node, "deadline": deadline, "reason": "node draining"}
 
 
+def _devices(total):
+    """Capacity over `total` replica-sized nodes, of which the live fake group holds some."""
+
+    def capacity(held, cluster):
+        live = sum(g.replicas for g in FakeGroup.instances if not g.shut)
+        return max(0, total["nodes"] - len(set(cluster.drained)) - live + held // 2)
+
+    return capacity
+
+
 def test_notice_commits_a_jit_checkpoint_and_restarts_off_the_doomed_node(tmp_path):
-    # The notice arrives during step 13; capacity then drops to one replica.
-    left = {"replicas": 2}
-    script = {"notices": {13: _notice("node-1")}}
-    ctl, store = make(tmp_path, script=script, capacity=lambda held: left["replicas"])
-    orig_notify = ctl.notify
-
-    def notify(n):
-        orig_notify(n)
-        left["replicas"] = 1
-
-    ctl.notify = notify
+    # A short notice: staying would not gain steps, so the group saves at once.
+    total = {"nodes": 2}
+    script = {"notices": {13: _notice("node-1", deadline=time.time() + 5)}}
+    ctl, store = make(tmp_path, script=script, capacity=_devices(total))
     res = ctl.run()
     assert res["state"] == "finished"
     assert res["failures"] == 0 and res["node_losses"] == 0
     first, second = FakeGroup.instances
     assert first.replicas == 2 and second.replicas == 1
-    # Every rank stopped at the boundary after step 13, which committed before the restart.
-    assert second.restored == [13] and second.resharded
-    assert res["attempts"][1]["start_step"] == 13
+    assert "node-1" not in second.node_ids()  # the drained node got no part of it
+    jit = first.saves[-1]
+    # The controller saw the notice at the poll after step 13: the next step saves.
+    assert first.requests[0][:2] == (jit, jit) and jit == res["notices"][0]["step"] + 1
+    assert second.restored == [jit] and second.resharded
     (n,) = res["notices"]
-    assert n["committed_step"] == 13 and n["notice_to_commit_s"] is not None
+    assert n["committed_step"] == jit and n["notice_to_commit_s"] is not None
     assert n["outcome"] == "just-in-time checkpoint committed"
     assert ctl.fake_cluster.drained == ["node-1"]
-    assert res["resizes"] == [
-        {
-            "step": 13,
-            "from_replicas": 2,
-            "why": "preemption",
-            "detail": res["resizes"][0]["detail"],
-            "to_replicas": 1,
-        }
-    ]
+    assert res["resizes"][0]["why"] == "preemption" and res["resizes"][0]["to_replicas"] == 1
     assert [r["why"] for r in res["recoveries"]] == ["preemption"]
-    # No step was trained twice: the losses of both attempts tile 1..25.
     steps = [s for a in res["attempts"] for s, _ in a["losses"]]
-    assert steps == list(range(1, 26))
+    assert steps == list(range(1, 26))  # no step trained twice
+
+
+def test_a_long_notice_keeps_training_on_the_doomed_capacity_until_it_must_save(tmp_path):
+    total = {"nodes": 2}
+    over = {"train.steps": 400, "checkpoint.interval_steps": 100}
+    script = {"notices": {13: _notice("node-1", deadline=time.time() + 30)}}
+    ctl, _ = make(tmp_path, script=script, capacity=_devices(total), **over)
+    res = ctl.run()
+    assert res["state"] == "finished"
+    first = FakeGroup.instances[0]
+    jit = first.requests[0][0]
+    # 30 s left, 10 s margin, 50 ms steps: it stays for hundreds of steps, not one.
+    assert jit > 100 and first.saves[-1] == jit and first.replicas == 2
+    assert FakeGroup.instances[1].restored == [jit]
+    assert any("just-in-time checkpoint after" in e for e in ctl.status()["events"])
+
+
+def test_a_late_jit_checkpoint_moves_up_when_steps_slow_down(tmp_path):
+    total = {"nodes": 2}
+    over = {"train.steps": 2000, "checkpoint.interval_steps": 1000}
+    script = {
+        "notices": {13: _notice("node-1", deadline=time.time() + 30)},
+        "slow_from": (20, 1.0),  # from step 20 on, a step takes 1 s instead of 50 ms
+    }
+    ctl, _ = make(tmp_path, script=script, capacity=_devices(total), **over)
+    run_until(ctl, lambda: len(FakeGroup.instances) == 2)
+    first = FakeGroup.instances[0]
+    planned = first.requests[0][1]
+    assert planned > 300  # picked at 50 ms a step: stay
+    moved = first.requests[-1][1]
+    # At 1 s a step the planned step is out of reach: the next one saves instead.
+    assert 20 < moved < 40 and first.saves[-1] == moved
+    assert FakeGroup.instances[1].restored == [moved]
+    assert any("moves up to step" in e for e in ctl.status()["events"])
+
+
+def test_the_first_status_says_when_a_jit_checkpoint_cannot_meet_the_notice(tmp_path):
+    def warnings(ctl):
+        return [e for e in ctl.status()["events"] if "warning: a just-in-time" in e]
+
+    gcp = {"preemption.sources": [{"kind": "gcp", "endpoint": "http://127.0.0.1:9"}]}
+    # Predicted from the state size before anything ran: 1 KB/s cannot move it in 30 s.
+    ctl, _ = make(tmp_path / "a", **gcp, **{"checkpoint.upload_max_mb_per_s": 0.001})
+    ctl.step()
+    (w,) = warnings(ctl)
+    assert "predicted" in w and "gcp notice gives 30s" in w
+    # Fits by prediction, but the first measured save says otherwise: said once.
+    ctl, _ = make(tmp_path / "b", script={"upload_s": 25.0}, **gcp)
+    ctl.step()
+    assert warnings(ctl) == []
+    run_until(ctl, lambda: len(ctl.coordinator.committed) >= 2)
+    (w,) = warnings(ctl)
+    assert "(measured" in w
+    # Measured and fitting: nothing to say.
+    ctl, _ = make(tmp_path / "c", **gcp)
+    assert ctl.run()["state"] == "finished" and warnings(ctl) == []
+
+
+def test_a_notice_while_scheduling_drains_the_node_before_the_group_starts(tmp_path):
+    ctl, _ = make(tmp_path, capacity=1)
+    ctl.step()  # pending -> scheduling
+    ctl.notify(_notice("node-0"))  # lands before any group exists
+    ctl.step()  # scheduling: the inbox is read first, in any state
+    assert ctl.fake_cluster.drained == ["node-0"]
+    assert "node-0" not in FakeGroup.instances[0].node_ids()
+    assert "the next group avoids it" in ctl.rec.notices[0]["outcome"]
 
 
 def test_notice_for_a_node_without_ranks_only_drains_it(tmp_path):
@@ -456,22 +677,23 @@ def test_notice_for_a_node_without_ranks_only_drains_it(tmp_path):
     assert res["state"] == "finished"
     assert len(FakeGroup.instances) == 1
     assert ctl.fake_cluster.drained == ["node-3"]
-    assert res["notices"][0]["outcome"] == "no ranks of this job on that node"
+    assert res["notices"][0]["outcome"].startswith("no ranks of this job on that node")
 
 
 def test_repeated_notice_is_answered_once(tmp_path):
     ctl, _ = make(tmp_path, capacity=1)
     for _ in range(3):
-        ctl.notify(_notice("node-9", deadline=123.0))
-    assert len(ctl._pending_notices) == 1
+        assert ctl.notify(_notice("node-9", deadline=123.0)) is True  # acknowledged
+    notices, _ = ctl.inbox.take()
+    assert len(notices) == 1
 
 
 def test_node_loss_resumes_from_latest_commit_without_using_a_failure(tmp_path):
     script = {"kill_at": 17, "lose_node": "node-1"}
-    left = {"replicas": 2}
 
-    def capacity(held):
-        return 1 if "node-1" not in ctl.fake_cluster.nodes else left["replicas"]
+    def capacity(held, cluster):
+        live = sum(g.replicas for g in FakeGroup.instances if not g.shut)
+        return len(cluster.nodes & {"node-0", "node-1"}) - live + held // 2
 
     ctl, _ = make(tmp_path, script=script, capacity=capacity)
     res = ctl.run()
@@ -483,53 +705,58 @@ def test_node_loss_resumes_from_latest_commit_without_using_a_failure(tmp_path):
     assert res["recoveries"][0]["why"] == "node loss"
 
 
-def _devices(total):
-    """Capacity over `total` devices, of which the live fake group holds some."""
+def test_after_a_teardown_the_group_is_sized_from_settled_capacity(tmp_path):
+    """Right after the old group goes, Ray still shows its devices as held: sizing from
+    that first reading would start 1 replica; the controller waits until they show."""
+    readings = iter([1, 1, 1])
 
-    def capacity(held):
-        live = sum(g.world_size for g in FakeGroup.instances if not g.shut)
-        return (total["devices"] - live + held) // 2  # pipeline_stages = 2
+    def capacity(held, cluster):
+        if held or len(FakeGroup.instances) < 2 and not any(g.shut for g in FakeGroup.instances):
+            return 2  # the first start, and the estimate made while the group still lives
+        return next(readings, 2)
 
-    return capacity
+    ctl, _ = make(tmp_path, script={"kill_at": 12}, capacity=capacity)
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert [g.replicas for g in FakeGroup.instances] == [2, 2]
 
 
-def test_grows_at_a_checkpoint_boundary_when_capacity_returns(tmp_path):
-    total = {"devices": 2}
-    ctl, store = make(tmp_path, capacity=_devices(total), **{"elastic.scale_up_interval_s": 0})
-    while ctl.step_count < 5:
-        ctl.step()
-    total["devices"] = 4  # a second replica's worth of devices joins
+def test_grows_when_capacity_returns_and_it_pays(tmp_path):
+    total = {"nodes": 1}
+    ctl, store = make(
+        tmp_path, capacity=_devices(total), **{"train.steps": 400, "checkpoint.interval_steps": 50}
+    )
+    run_until(ctl, lambda: ctl.step_count >= 5)
+    assert FakeGroup.instances[0].replicas == 1
+    total["nodes"] = 2  # a second replica's worth joins
+    # No restart happened yet: the measured start of the first group is the cost.
     res = ctl.run()
     assert res["state"] == "finished"
     assert [g.replicas for g in FakeGroup.instances] == [1, 2]
-    assert FakeGroup.instances[1].restored == [10]
-    assert res["resizes"][0]["why"] == "grow" and res["resizes"][0]["to_replicas"] == 2
-    assert store.load_manifest(20).topology["replicas"] == 2
-    batch = store.load_manifest(20).extra["batch"]
-    assert batch["policy"] == "constant" and batch["global_batch_size"] == 8
+    grow = res["resizes"][0]
+    assert grow["why"] == "grow" and grow["to_replicas"] == 2
+    # No fixed interval: it grew at the first check after the capacity came.
+    assert FakeGroup.instances[1].restored[0] <= 50
+    assert store.load_manifest(400).topology["replicas"] == 2
 
 
-def test_does_not_grow_inside_the_cadence(tmp_path):
-    total = {"devices": 2}
-    ctl, _ = make(tmp_path, capacity=_devices(total), **{"elastic.scale_up_interval_s": 1e9})
-    while ctl.step_count < 5:
-        ctl.step()
-    total["devices"] = 4
+def test_does_not_grow_when_the_restart_would_not_pay(tmp_path):
+    total = {"nodes": 1}
+    ctl, _ = make(tmp_path, capacity=_devices(total))
+    run_until(ctl, lambda: ctl.step_count >= 5)
+    total["nodes"] = 2
+    ctl._restart_s = 1e6  # a restart that costs more than the rest of the job
     res = ctl.run()
     assert res["state"] == "finished"
     assert [g.replicas for g in FakeGroup.instances] == [1]
 
 
 def test_stop_commits_at_the_next_boundary_and_ends_stopped(tmp_path):
-    ctl, store = make(tmp_path)
-    while ctl.step_count < 10:
-        ctl.step()
-    ctl.step()  # commit step 10, then back to RUNNING
-    ctl.step()  # train 11..20
-    ctl.request_stop("maintenance")  # the fake's ranks see it after their next step
+    ctl, store = make(tmp_path, script={"stop_at_step": 13})
     res = ctl.run()
     assert res["state"] == "stopped"
-    assert store.committed_steps()[-1] == res["steps"]
+    last = store.committed_steps()[-1]
+    assert last == res["steps"] and 13 < last < 25
     assert FakeGroup.instances[-1].shut
     assert "submitting the job again resumes there" in ctl.status()["events"][-1]
 
@@ -538,41 +765,25 @@ def test_stop_while_waiting_for_capacity_ends_stopped(tmp_path):
     ctl, _ = make(tmp_path, capacity=0)
     ctl.step()
     ctl.step()
-    assert ctl.state is State.WAITING
+    assert isinstance(ctl.state, Waiting)
     ctl.request_stop()
-    assert ctl.step() is State.STOPPED
+    assert isinstance(ctl.step(), Stopped)
 
 
-def test_notice_at_a_checkpoint_boundary_does_not_save_that_step_twice(tmp_path):
-    # The notice lands while step 10, an interval boundary, is being saved: the JIT
-    # path then waits for that save's upload instead of overwriting its staged files.
-    ctl, store = make(
-        tmp_path, capacity=lambda held: 1 if any(g.shut for g in FakeGroup.instances) else 2
-    )
-    saves = []
-    orig = FakeGroup.save
-
-    def save_then_notice(self):
-        saves.append(self.step)
-        blocked = orig(self)
-        if self.step == 10:
-            ctl.notify(_notice("node-1"))
-        return blocked
-
-    FakeGroup.save = save_then_notice
-    try:
-        res = ctl.run()
-    finally:
-        FakeGroup.save = orig
+def test_a_notice_right_at_a_checkpoint_boundary_saves_that_step_once(tmp_path):
+    total = {"nodes": 2}
+    ctl, _ = make(tmp_path, script={"notices": {10: _notice("node-1", deadline=time.time())}},
+                  capacity=_devices(total))  # fmt: skip
+    res = ctl.run()
     assert res["state"] == "finished"
-    assert saves.count(10) == 1
-    assert res["notices"][0]["committed_step"] == 10
+    first = FakeGroup.instances[0]
+    assert first.saves.count(10) == 1
     assert [g.replicas for g in FakeGroup.instances] == [2, 1]
 
 
 def test_ledger_adds_up_and_counts_lost_steps_as_recomputed(tmp_path):
     # Step 20's checkpoint never commits (an upload fails), then a worker dies at 22:
-    # the job resumes from 10, so steps 11..20 (reported) and 21..22 are trained again.
+    # the job resumes from 10, so steps 11..22 are trained again.
     ctl, store = make(tmp_path, {"upload_error_step": 20, "kill_at": 22})
     res = ctl.run()
     assert res["state"] == "finished" and res["attempts"][1]["restored_from"] == 10
@@ -580,7 +791,7 @@ def test_ledger_adds_up_and_counts_lost_steps_as_recomputed(tmp_path):
     parts = led["device_s"]
     assert sum(parts.values()) == pytest.approx(led["total_s"], rel=1e-9)
     assert parts["useful"] > 0 and parts["recomputed"] > 0
-    assert parts["recovery"] > 0  # the restart itself
+    assert parts["recovery"] >= 0
     assert led["steps"] == 25  # steps whose compute counts, each once
     assert 0 < led["goodput"] < 1
 
@@ -597,25 +808,17 @@ def test_summary_and_ledger_are_stored_and_continued_by_a_new_controller(tmp_pat
     again, _ = make(tmp_path, **{"train.steps": 30})  # extend the same job
     again.run()
     assert again.telemetry.ledger.total_s > first  # continued, not started over
-    assert [h["step"] for h in again.telemetry.history][0] == 10
+    assert [h["step"] for h in again.telemetry.history][0] <= 10
 
 
 @pytest.mark.parametrize(
     ("cause", "kind", "fix"),
     [
-        (
-            MemoryError("CUDA out of memory. Tried to allocate 51.0 GiB"),
-            "out of memory",
-            "micro-batch",
-        ),
-        (
-            FileNotFoundError(2, "No such file or directory", "/data/tok.json"),
-            "missing path",
-            "path",
-        ),
+        (MemoryError("CUDA out of memory. Tried to allocate 51.0 GiB"), "out of memory", "micro-batch"),
+        (FileNotFoundError(2, "No such file or directory", "/data/tok.json"), "missing path", "path"),
         (PermissionError(13, "Permission denied", "/stage"), "permission denied", "write access"),
     ],
-)
+)  # fmt: skip
 def test_a_failure_a_restart_cannot_fix_fails_at_once(tmp_path, cause, kind, fix):
     ctl, _ = make(tmp_path, script={"kill_at": 12, "cause": cause}, **{"failure.max_failures": 5})
     res = ctl.run()
@@ -625,3 +828,10 @@ def test_a_failure_a_restart_cannot_fix_fails_at_once(tmp_path, cause, kind, fix
     assert res["error"].startswith(f"{kind}: training failed:")
     assert "Not retried" in res["error"] and fix in res["error"]
     assert "max_failures" not in res["error"] and "\n" not in res["error"]
+
+
+def test_states_are_what_they_carry():
+    s = Leaving(why="grow", step=12, since=3.0, grow_to=2)
+    assert s.name == "checkpointing" and not s.terminal and s.grow_to == 2
+    assert Finished().terminal and Failed(error="x").error == "x" and Stopped().terminal
+    assert Finishing().name == "finishing"

@@ -23,15 +23,14 @@ from spotline.checkpoint import (
     Manifest,
     StorageError,
     hash_file,
-    restore_latest,
 )
-from spotline.checkpoint.layout import CheckpointFormatError
+from spotline.checkpoint.coordinator import CommitCoordinator
+from spotline.checkpoint.layout import CheckpointFormatError, load_tensors, save_tensors
 from spotline.cli import main
 from spotline.config import SpecError, load_spec, redact
 from spotline.config.redact import install_log_redaction, join_secrets, split_secrets
 from spotline.controller.policies import Fail, FailurePolicy, Restart, classify
 from spotline.preflight import check_offline, preflight
-from spotline.workers import portable
 
 pytestmark = pytest.mark.unit
 
@@ -95,7 +94,7 @@ def test_a_pickled_stage_file_is_refused_and_runs_nothing(tmp_path: Path) -> Non
     bomb = tmp_path / "stage_000.safetensors"
     _pickle_bomb(bomb, marker)
     with pytest.raises(CheckpointFormatError, match="not a valid safetensors file"):
-        portable.load_files([bomb])
+        load_tensors(bomb)
     assert not marker.exists()
     # torch's weights-only loader (used for a draft's .pt file) refuses it too.
     as_pt = tmp_path / "draft.pt"
@@ -105,27 +104,16 @@ def test_a_pickled_stage_file_is_refused_and_runs_nothing(tmp_path: Path) -> Non
     assert not marker.exists()
 
 
-def test_stage_files_round_trip_bit_exact_through_safetensors(tmp_path: Path) -> None:
+def test_state_files_round_trip_bit_exact_through_safetensors(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
-    state = {
-        "params": {
-            "0.tok.weight": {k: torch.randn(7, 3, generator=g) for k in portable.TENSOR_KINDS},
-            "1.ln1.bias": {k: torch.randn(3, generator=g) for k in portable.TENSOR_KINDS},
-        },
-        "adam_step": 12.0,
-        "lr_scheduler": {"base_lrs": [0.003], "last_epoch": 12, "lr_lambdas": [None]},
-        "global_steps": 12,
-        "global_samples": 96,
-    }
-    path = tmp_path / "stage_000.safetensors"
-    portable.save(state, path)
-    back = portable.load_files([path])
-    for name, kinds in state["params"].items():
-        for kind, t in kinds.items():
-            assert torch.equal(back["params"][name][kind], t)
-    assert {k: back[k] for k in ("adam_step", "lr_scheduler", "global_steps")} == {
-        k: state[k] for k in ("adam_step", "lr_scheduler", "global_steps")
-    }
+    tensors = {"0.tok.weight/fp32/0": torch.randn(21, generator=g), "1.b/exp_avg/3": torch.randn(3)}
+    meta = {"adam_step": 12.0, "lr_scheduler": {"base_lrs": [0.003], "lr_lambdas": [None]}}
+    path = tmp_path / "state.safetensors"
+    save_tensors(path, tensors, meta)
+    back, back_meta = load_tensors(path)
+    assert back_meta == meta
+    for k, t in tensors.items():
+        assert torch.equal(back[k], t)
 
 
 def test_every_file_spotline_writes_is_safetensors_or_json() -> None:
@@ -141,6 +129,7 @@ def test_every_file_spotline_writes_is_safetensors_or_json() -> None:
 
 
 def _committed_step(store: CheckpointStore, tmp_path: Path, step: int, key: bytes | None) -> Path:
+    spec = _local(tmp_path)
     data = tmp_path / f"f{step}.bin"
     data.write_bytes(os.urandom(64))
     entry = store.upload_file(data, step, "spotline/rank_00000.json")
@@ -149,9 +138,9 @@ def _committed_step(store: CheckpointStore, tmp_path: Path, step: int, key: byte
         files=[entry],
         topology={"pipeline_stages": 1, "replicas": 1},
         data_position={"next_step": step},
-        spec_hash="abc",
+        spec_hash=spec.spec_hash(),
         created_at=1.0,
-        extra={"job": "hard"},
+        extra={"job": "hard", "index": []},
     )
     store.commit(m)
     return Path(store.uri.removeprefix("file://")) / store.step_name(step) / "manifest.json"
@@ -173,9 +162,20 @@ def test_signed_manifests_refuse_a_forged_one_before_reading_files(
     path20.write_text(json.dumps(forged))
     with pytest.raises(CorruptCheckpointError, match="signature does not verify"):
         store.load_manifest(20)
+    # The restore path falls back past it to the last manifest that verifies.
     log: list[str] = []
-    manifest, _ = restore_latest(store, tmp_path / "restore", log.append)
-    assert manifest.step == 10
+    loaded: list[int] = []
+
+    class Group:
+        replicas, attempt = 1, "a"
+
+        def restore(self, manifest: Manifest) -> int:
+            loaded.append(manifest.step)
+            return manifest.step
+
+    coordinator = CommitCoordinator(_local(tmp_path), store, lambda msg, *a: log.append(msg))
+    step, manifest = coordinator.restore(Group(), sleep=lambda s: None)
+    assert (step, loaded) == (10, [10])
     assert "signature does not verify" in log[0] and "falling back to step 10" in log[0]
     # Without the key the store refuses to run at all, rather than trusting anything.
     monkeypatch.delenv("SPOTLINE_TEST_SIGNING_KEY")
@@ -309,7 +309,8 @@ def test_another_jobs_checkpoints_are_refused_before_anything_is_written(
 
 
 def test_the_controller_refuses_too_and_overwrites_no_summary(tmp_path: Path) -> None:
-    from spotline.controller import Controller, State
+    from spotline.controller import Controller
+    from spotline.controller.state import Failed
 
     theirs = _local(tmp_path, name="theirs")
     store = CheckpointStore(theirs.resolved_checkpoint_uri())
@@ -319,7 +320,7 @@ def test_the_controller_refuses_too_and_overwrites_no_summary(tmp_path: Path) ->
     ctl = Controller(ours, store, group_factory=None, cluster=None)  # never gets that far
     ctl.cluster = type("C", (), {"close": lambda self: None})()
     ctl.step()
-    assert ctl.state is State.FAILED and "belongs to job 'theirs'" in ctl.error
+    assert isinstance(ctl.state, Failed) and "belongs to job 'theirs'" in ctl.state.error
     assert _snapshot(tmp_path / "ckpt") == before
     with pytest.raises(CheckpointMismatchError):
         store.check_owner(ours)
@@ -491,6 +492,21 @@ def test_every_subcommand_ends_in_one_line_and_a_non_zero_exit(
         assert len(lines) == 1 and lines[0].startswith("spotline: "), (argv, err)
         assert expected in lines[0], (argv, lines[0])
         assert "Traceback" not in err
+
+
+def test_validate_warns_when_a_jit_checkpoint_cannot_meet_the_notice(
+    no_worker_starts, tmp_path: Path, capsys
+) -> None:
+    cfg = [str(QUICKSTART), "--offline", "--set", f"checkpoint.uri=file://{tmp_path}/c"]
+    gcp = ["--set", 'preemption.sources=[{"kind": "gcp"}]']
+    assert main(["validate", *cfg, *gcp]) == 0
+    out = capsys.readouterr()
+    assert ": OK" in out.out and out.err == ""  # a small state fits a 30 s notice
+    slow = ["--set", "checkpoint.upload_max_mb_per_s=0.001"]
+    assert main(["validate", *cfg, *gcp, *slow]) == 0  # a warning, not a refusal
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("spotline: warning: a just-in-time checkpoint")
+    assert "gcp notice gives 30s" in err[0] and "checkpoint.upload_max_mb_per_s" in err[0]
 
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:

@@ -127,7 +127,7 @@ def test_export_loads_in_transformers_and_init_from_it_gives_the_same_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from spotline.cli import main
-    from spotline.workers import portable
+    from spotline.train import state
 
     spec, result, ref_tmp = reference
     out = tmp_path / "hf"
@@ -137,9 +137,9 @@ def test_export_loads_in_transformers_and_init_from_it_gives_the_same_model(
     hf_tok = AutoTokenizer.from_pretrained(out)
     ids = torch.tensor([hf_tok.encode("From: someone@example.com\nSubject: hello")[:32]])
     # Spotline's own forward on the committed weights of step 30.
-    step_dir = ref_tmp / "ckpt" / "step_00000030" / "global_step30" / "spotline"
-    state = portable.load_files(sorted(step_dir.glob("stage_*.safetensors")))
-    weights = {n: k["param"] for n, k in state["params"].items()}
+    store = CheckpointStore(result.checkpoint_uri)
+    manifest = store.load_manifest(30)
+    weights = state.full_params(manifest.extra["index"], state.store_reader(store, 30))
     ours = _spotline_logits(spec, weights, ids)
     with torch.no_grad():
         theirs = hf_model(ids).logits

@@ -65,7 +65,16 @@ def observed(ray_session, tmp_path_factory):
         if st["state"] in ("finished", "failed"):
             break
         series = scrape()
-        if all(exported_name(n) in series for n in want) and _value(series, "spotline_step"):
+        every_rank = all(
+            _value(series, "spotline_bubble_fraction", stage=s, replica=r) is not None
+            for s in (0, 1)
+            for r in (0, 1)
+        )  # each rank publishes its own, on its own clock
+        if (
+            all(exported_name(n) in series for n in want)
+            and _value(series, "spotline_step")
+            and every_rank
+        ):
             seen = series
             from spotline.cli import _summary_source
 

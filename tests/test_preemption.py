@@ -512,10 +512,37 @@ def test_watcher_reports_each_notice_once() -> None:
     b = Notice("scripted", NODE, 1010.0, "x")  # the deadline moved: a new notice
     src = ScriptedSource([None, a, a_again, a, b, b])
     got: list[Notice] = []
-    w = NoticeWatcher([src], got.append)
+
+    def accept(n: Notice) -> bool:
+        got.append(n)
+        return True
+
+    w = NoticeWatcher([src], accept)
     for _ in range(6):
         w.poll_once()
     assert got == [a, b] and w.notices == [a, b]
+
+
+@pytest.mark.unit
+def test_a_notice_that_was_not_acknowledged_is_sent_again() -> None:
+    """A dropped notify (the controller busy, the call lost) is re-sent at every poll
+    until the receiver says it has it, even once the source stops reporting it."""
+    a = Notice("scripted", NODE, 1000.0, "x")
+    src = ScriptedSource([a, None, None, None])
+    answers = iter([False, RuntimeError("controller unreachable"), True])
+    got: list[Notice] = []
+
+    def flaky(n: Notice) -> bool:
+        got.append(n)
+        answer = next(answers, True)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    w = NoticeWatcher([src], flaky)
+    for _ in range(4):
+        w.poll_once()
+    assert got == [a, a, a]  # dropped, failed, accepted; then never again
 
 
 @pytest.mark.unit
@@ -525,9 +552,11 @@ def test_watcher_thread_polls_dedupes_and_survives_errors() -> None:
     steady = ScriptedSource([None], poll_interval_s=0.05)
     got: list[Notice] = []
 
-    def on_notice(n: Notice) -> None:
+    def on_notice(n: Notice) -> bool:
         got.append(n)
-        raise RuntimeError("a callback error must not stop the watcher")
+        if len(got) == 1:
+            raise RuntimeError("a callback error must not stop the watcher")
+        return True
 
     w = NoticeWatcher([flaky, steady], on_notice)
     w.start()
@@ -537,7 +566,7 @@ def test_watcher_thread_polls_dedupes_and_survives_errors() -> None:
     finally:
         w.stop()
     assert not w.running and flaky.closed and steady.closed
-    assert got == [notice]
+    assert got == [notice, notice]  # the failed delivery was tried again, once
     assert 2 <= steady.polls < flaky.polls  # each source on its own interval
 
 
@@ -549,7 +578,7 @@ def test_watcher_over_real_sources(
     gcp = make_source(spec("gcp", serve(md), poll_interval_s=0.02), node_id=NODE)
     sig = make_source(spec("sigterm", poll_interval_s=0.02), node_id=NODE)
     got: list[Notice] = []
-    with NoticeWatcher([gcp, sig], got.append):
+    with NoticeWatcher([gcp, sig], lambda n: got.append(n) or True):
         assert sig.installed  # type: ignore[attr-defined]
         time.sleep(0.1)
         assert got == []
@@ -596,7 +625,7 @@ def _drain_scenario(drain_seconds: int) -> dict[str, Any]:
         )
         every = make_source(spec("ray-drain", poll_interval_s=0.1))  # via ray.init's client
         watched: list[Notice] = []
-        watcher = NoticeWatcher([every], watched.append)
+        watcher = NoticeWatcher([every], lambda n: watched.append(n) or True)
         watcher.start()
         before = {"one": one.poll(), "every": every.poll_all()}
 

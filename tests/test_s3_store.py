@@ -19,7 +19,6 @@ from spotline.checkpoint import (
     CorruptCheckpointError,
     Manifest,
     StorageError,
-    restore_latest,
 )
 from test_checkpoint_store import first_shard, make_staging, save_step, tree
 
@@ -64,8 +63,8 @@ def test_round_trip_and_uncommitted_steps_are_ignored(s3_bucket: S3Bucket, tmp_p
     assert store.load_manifest(100) == manifest
     assert store.latest_manifest() == manifest
     store.verify_remote(manifest)
-    local = store.download(manifest, tmp_path / "restore")
-    assert tree(local) == tree(tmp_path / "staging_100")
+    for path, data in tree(tmp_path / "staging_100").items():
+        assert store.read_range(100, path, 0, len(data)) == data
 
 
 def test_store_at_bucket_root(s3_bucket: S3Bucket, tmp_path: Path) -> None:
@@ -75,31 +74,18 @@ def test_store_at_bucket_root(s3_bucket: S3Bucket, tmp_path: Path) -> None:
     assert any(k == "step_00000001/manifest.json" for k in _keys(s3_bucket))
 
 
-def test_download_detects_a_flipped_byte_on_the_remote(s3_bucket: S3Bucket, tmp_path: Path) -> None:
+def test_verify_remote_detects_a_flipped_and_a_missing_object(
+    s3_bucket: S3Bucket, tmp_path: Path
+) -> None:
     store = _store(s3_bucket)
     manifest = save_step(store, 100, tmp_path)
     _flip_remote_byte(s3_bucket, _key(store, 100, first_shard(100)))
     with pytest.raises(CorruptCheckpointError) as ei:
-        store.download(manifest, tmp_path / "restore")
-    assert (ei.value.step, ei.value.path) == (100, first_shard(100))
-    assert not [p for p in (tmp_path / "restore").rglob("*") if p.is_file()]
-    with pytest.raises(CorruptCheckpointError):
         store.verify_remote(manifest)
-
-
-def test_restore_latest_falls_back_on_s3(s3_bucket: S3Bucket, tmp_path: Path) -> None:
-    store = _store(s3_bucket)
-    save_step(store, 100, tmp_path)
-    save_step(store, 200, tmp_path)
-    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key=_key(store, 200, first_shard(200)))
-    lines: list[str] = []
-    manifest, local = restore_latest(store, tmp_path / "restore", log=lines.append)
-    assert manifest.step == 100
-    assert tree(local) == tree(tmp_path / "staging_100")
-    assert lines == [
-        f"checkpoint step 200 at {store.uri} failed verification "
-        f"({first_shard(200)}: missing from storage); falling back to step 100"
-    ]
+    assert (ei.value.step, ei.value.path) == (100, first_shard(100))
+    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key=_key(store, 100, first_shard(100)))
+    with pytest.raises(CorruptCheckpointError, match="missing from storage"):
+        store.verify_remote(manifest)
 
 
 def test_retention_on_s3(s3_bucket: S3Bucket, tmp_path: Path) -> None:
@@ -125,8 +111,14 @@ def test_large_file_goes_multipart_and_round_trips(s3_bucket: S3Bucket, tmp_path
     assert head["ETag"].strip('"').endswith("-3")  # 5 + 5 + 2 MiB parts: a multipart upload
     manifest = Manifest(7, files, {}, {"next_step": 7}, "h", 0.0)
     store.commit(manifest)
-    local = store.download(store.load_manifest(7), tmp_path / "restore")
-    assert (local / "rank_0" / "model_states.pt").read_bytes() == big.read_bytes()
+    store.verify_remote(store.load_manifest(7))
+    data = big.read_bytes()
+    assert store.read_range(7, "rank_0/model_states.pt", 0, len(data)) == data
+    # A ranged read across a part boundary, as a restoring rank reads its fragments.
+    assert (
+        store.read_range(7, "rank_0/model_states.pt", 5 * 2**20 - 7, 20)
+        == data[5 * 2**20 - 7 : 5 * 2**20 + 13]
+    )
 
 
 def test_check_writable_passes_and_leaves_nothing(s3_bucket: S3Bucket) -> None:

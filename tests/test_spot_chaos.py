@@ -32,7 +32,9 @@ class SpotCluster:
 
         self.cluster = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
+            # The dashboard serves Ray's state API (what is alive after a failure);
+            # it listens on 127.0.0.1.
+            head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": True},
         )
         self.spot: list[Any] = []
 
@@ -166,8 +168,7 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
 ) -> None:
     spot_cluster.reset(1)  # one replica's worth of devices to start with
     over = {
-        "train.steps": 3000,  # long enough that growing pays for its restart
-        "elastic.scale_up_interval_s": 0,
+        "train.steps": 20_000,  # long enough that growing pays for its restart; stopped early
         "preemption.sources": [{"kind": "ray-drain", "poll_interval_s": 0.2}],
     }
     spec = _spot_spec(tmp_path / "elastic", "elastic", **over)
@@ -254,22 +255,22 @@ def test_node_lost_mid_upload_resumes_from_the_latest_commit(
     store = CheckpointStore(spec.resolved_checkpoint_uri())
     run = spotline.Job(spec).start()
 
-    def complete_steps() -> list[int]:
-        return [c for c in store.uncommitted_steps() if len(store.read_receipts(c)) == 4]
+    def ranks_in(step: int) -> set[int]:
+        return {r["rank"] for rs in store.read_receipts(step).values() for r in rs}
 
-    # Rank 2 is stage 1's replica 0: it writes the stage's state file, the big upload
-    # (the other replica's ranks upload only their RNG state).
+    def complete_steps() -> list[int]:
+        return [
+            c for c in store.uncommitted_steps() + store.committed_steps() if len(ranks_in(c)) == 4
+        ]
+
+    # Every rank uploads its own share of the state; rank 2 is on the second node.
     uploader = 2
 
     def mid_upload(s: dict[str, Any]) -> bool:
-        # Some step >= 10 fully uploaded, and a later one under way without the uploader's part.
+        # Some step >= 10 safely stored, and a later one under way without the uploader's part.
         if not s["workers"] or not any(c >= 10 for c in complete_steps()):
             return False
-        return any(
-            uploader not in {r["rank"] for r in store.read_receipts(c)}
-            for c in store.uncommitted_steps()
-            if c > 10
-        )
+        return any(uploader not in ranks_in(c) for c in store.uncommitted_steps() if c > 10)
 
     st = _wait(run, mid_upload, f"rank {uploader} to be uploading a checkpoint")
     victim = next(w["node_id"] for w in st["workers"] if w["rank"] == uploader)
@@ -350,3 +351,256 @@ def test_below_min_waits_then_fails_with_a_clear_message(
     assert "Gave up after waiting 4s (elastic.wait_for_capacity_s)" in msg
     assert "lower elastic.min_replicas" in msg
     assert ei.value.result.attempts == []  # no worker ever started
+
+
+def _phases_now(root: Path, staging: Path, attempt: str, world: int) -> set[str]:
+    """Where the checkpoints of group `attempt` stand right now (file:// storage):
+    "save" (a rank writing a step in its staging dir, none of it in storage yet),
+    "upload" (a rank's files going up, or some ranks' receipts but not all), "commit"
+    (every receipt, no manifest yet)."""
+    from spotline.checkpoint.store import MANIFEST_NAME, RECEIPTS_DIR
+    from spotline.checkpoint.transfer import attempt_dir
+
+    found: set[str] = set()
+    for local in staging.glob(f"{attempt}/rank_*/step_*"):
+        if not (root / local.name / attempt_dir(attempt) / local.parent.name).exists():
+            found.add("save")
+    for step_dir in root.glob("step_*"):
+        if (step_dir / MANIFEST_NAME).exists():
+            continue
+        got = len(list((step_dir / RECEIPTS_DIR / attempt).glob("rank_*.json")))
+        if got == world:
+            found.add("commit")
+        elif got or (step_dir / attempt_dir(attempt)).exists():
+            found.add("upload")
+    return found
+
+
+def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
+    cluster: SpotCluster, tmp_path: Path
+) -> None:
+    """A 4-rank job (2 stages x 2 replicas) SIGKILLed at random ranks and at random
+    points of its checkpoint path, over and over; then it finishes. Every restore must
+    start from the newest commit there was at the kill (or a newer one), only ever from
+    a complete checkpoint of one group, and train exactly as an uninterrupted run."""
+    import random
+
+    from spotline.checkpoint.transfer import attempt_dir
+
+    rng = random.Random(13)
+    kills_wanted, deadline = 22, time.monotonic() + 480
+    over = {
+        "train.steps": 160,
+        "checkpoint.interval_steps": 2,
+        "checkpoint.upload_max_mb_per_s": 1.0,  # uploads that take long enough to hit
+        "failure.max_failures": -1,
+    }
+    spec = _spot_spec(tmp_path / "chaos", "chaos", **over)
+    root = Path(spec.resolved_checkpoint_uri().removeprefix("file://"))
+    staging = Path(spec.checkpoint.staging_dir) / spec.name
+    store = CheckpointStore(spec.resolved_checkpoint_uri())
+    run = spotline.Job(spec).start()
+
+    kills: list[dict[str, Any]] = []
+    while len(kills) < kills_wanted and time.monotonic() < deadline:
+        want = rng.choice(["save", "upload", "commit"])
+        # The group that is up now, trained at least one step past its restore.
+        st = _wait(
+            run,
+            lambda s: s["state"] == "running" and len(s["workers"]) == 4,
+            f"a running group before kill {len(kills) + 1}",
+        )
+        attempt = _result(run)["attempts"][-1]
+        started = attempt["start_step"]
+        _wait(run, lambda s, a=started: s["step"] > a, "a step past the restore")
+        hit, until = None, time.monotonic() + 20
+        while hit is None and time.monotonic() < until:
+            if want in _phases_now(root, staging, attempt["attempt"], 4):
+                hit = want
+            if hit is None:
+                time.sleep(0.01)
+        st = run.status()
+        if st["state"] != "running" or len(st["workers"]) != 4:
+            continue  # the group changed under us: pick again
+        victim = rng.choice(st["workers"])
+        committed = set(store.committed_steps())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["pid"], signal.SIGKILL)
+        kills.append(
+            {
+                "phase": hit or "training",
+                "rank": victim["rank"],
+                "attempt": attempt["attempt"],
+                "committed": committed,
+            }
+        )
+        _wait(
+            run,
+            lambda s, a=attempt["attempt"]: _result(run)["attempts"][-1]["attempt"] != a,
+            f"a new group after kill {len(kills)}",
+        )
+
+    result = run.wait(verbose=False)
+    phases = [k["phase"] for k in kills]
+    assert len(kills) >= 20, phases
+    assert {"save", "upload", "commit"} <= set(phases), phases
+    assert result.state == "finished", result.error
+    assert result.failures == len(kills)
+
+    final = set(CheckpointStore(result.checkpoint_uri).committed_steps())
+    by_attempt = {a["attempt"]: a for a in result.attempts}
+    for i, kill in enumerate(kills):
+        # 0 committed steps lost: each was still there at the end, and the next group
+        # started from the newest of them (or from one committed as it went down).
+        assert kill["committed"] <= final, (i, kill["committed"] - final)
+        nxt = result.attempts[list(by_attempt).index(kill["attempt"]) + 1]
+        assert (nxt["restored_from"] or 0) >= max(kill["committed"], default=0), (i, kill, nxt)
+
+    for a in result.attempts[1:]:
+        # 0 partial or mixed loads: what each group loaded was a complete checkpoint of
+        # one earlier group, every byte as its manifest says.
+        step = a["restored_from"]
+        if step is None:  # the group before it was killed before its first commit
+            assert a["start_step"] == 0, a
+            continue
+        assert step in final
+        m = store.load_manifest(step)
+        group = m.extra["attempt"]
+        assert group in by_attempt and group != a["attempt"]
+        assert {f.path.split("/")[0] for f in m.files} == {attempt_dir(group)}, m.files
+        ranks = {f.path.split("/")[1] for f in m.files}
+        assert ranks == {f"rank_{r:05d}" for r in range(4)}, ranks
+        store.verify_remote(m)
+
+    # Training went on as if nothing had happened: every step's loss (from the group
+    # that trained it last) is that of one uninterrupted run.
+    ref = spotline.Job(
+        _spot_spec(tmp_path / "ref", "chaos-ref", **{**over, "failure.max_failures": 3})
+    ).run(verbose=False)
+    assert sorted(result.losses) == list(range(1, 161))
+    steps = sorted(result.losses)
+    assert [result.losses[s] for s in steps] == pytest.approx(
+        [ref.losses[s] for s in steps], rel=1e-5
+    )
+    print(f"chaos loop: {len(kills)} kills by phase {sorted(set(phases))}: {phases}")
+
+
+def test_an_unexpected_controller_error_fails_the_job_and_leaves_no_actor_behind(
+    cluster: SpotCluster, tmp_path: Path
+) -> None:
+    """A bug in the controller's loop, while training with backfill executors and node
+    watchers up: the job ends `failed` with the error, and Ray's state API shows no
+    worker, executor, watcher or placement group of the job left alive."""
+    import ray
+    from ray.util.state import list_actors, list_placement_groups
+
+    from spotline.controller.actor import ControllerActor, controller_name
+    from spotline.job import JobRun
+
+    spec = _spot_spec(
+        tmp_path,
+        "fault",
+        **{
+            "train.steps": 400,
+            "preemption.sources": [{"kind": "ray-drain", "poll_interval_s": 0.2}],
+            "backfill": {"enabled": True},
+        },
+    )
+
+    class Buggy(ControllerActor):
+        """The real controller actor, with a bug in its running state from step 40 on."""
+
+        def __init__(self, spec_json: str, store: CheckpointStore) -> None:
+            super().__init__(spec_json, store)
+            c = self.controller
+            running = c._running
+
+            def buggy(state):
+                if c.snapshot()["step"] >= 40:
+                    raise KeyError("a bug")
+                return running(state)
+
+            c._running = buggy
+
+    def alive() -> list[str]:
+        mine = f"spotline:{spec.name}:"
+        return sorted(
+            a.name
+            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if (a.name or "").startswith(mine) and a.name != controller_name(spec.name)
+        )
+
+    controller = (
+        ray.remote(Buggy)
+        .options(name=controller_name(spec.name), num_cpus=0, max_concurrency=4)
+        .remote(spec.model_dump_json(), CheckpointStore(spec.resolved_checkpoint_uri()))
+    )
+    run = JobRun(spec, controller)
+    _wait(run, lambda s: s["step"] >= 3 and s["state"] == "running", "training")
+    up = alive()
+    assert any(":backfill:" in n for n in up) and any(":watcher:" in n for n in up), up
+    assert len([n for n in up if ":backfill:" not in n and ":watcher:" not in n]) >= 4, up
+    with pytest.raises(spotline.JobFailed) as ei:
+        run.wait(verbose=False)
+    msg = str(ei.value)
+    assert "internal error in the controller while running: KeyError: 'a bug'" in msg, msg
+    assert ei.value.result.state == "failed"
+
+    # Killed actors take a moment to show as DEAD in the state API.
+    deadline = time.monotonic() + 30
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive() == []
+    groups = list_placement_groups(filters=[("state", "!=", "REMOVED")], limit=1000)
+    assert [g.name for g in groups if (g.name or "").startswith(f"spotline:{spec.name}:")] == []
+
+
+def test_a_notice_on_one_of_three_nodes_always_restarts_at_2_replicas(
+    spot_cluster: SpotCluster, tmp_path: Path
+) -> None:
+    """Sized from the capacity that is really there once the old group's devices are
+    back: never from a first reading taken while they were still held."""
+    spot_cluster.reset(3)
+    spec = _spot_spec(
+        tmp_path,
+        "three",
+        **{
+            "elastic.max_replicas": 3,
+            "parallel.micro_batches": 2,
+            "train.global_batch_size": 12,
+            "train.steps": 3000,
+            "preemption.sources": [{"kind": "ray-drain", "poll_interval_s": 0.2}],
+        },
+    )
+    run = spotline.Job(spec).start()
+    victims = []
+    for rank in (0, 3):  # rank 0's node, then (after growing back) another one
+        st = _wait(
+            run,
+            lambda s: s["replicas"] == 3 and s["state"] == "running" and s["step"] > 0,
+            "3 replicas training",
+        )
+        victim = next(w["node_id"] for w in st["workers"] if w["rank"] == rank)
+        victims.append(victim)
+        _drain(victim, seconds=120)
+        st = _wait(
+            run,
+            lambda s, v=victim: (
+                s["state"] == "running"
+                and s["workers"]
+                and v not in {w["node_id"] for w in s["workers"]}
+            ),
+            "the job to go on without the doomed node",
+        )
+        assert st["replicas"] == 2, _brief(st)
+        spot_cluster.remove(spot_cluster.node(victim))
+        spot_cluster.spot.append(spot_cluster.cluster.add_node(**SPOT_NODE))
+    res = _result(run)
+    _stop(run)
+    after_notice = [
+        b
+        for a, b in zip(res["attempts"], res["attempts"][1:], strict=False)
+        if a["ended_by"] == "preemption notice"
+    ]
+    assert [a["replicas"] for a in after_notice] == [2, 2], res["attempts"]
+    assert [n["node_id"] for n in res["notices"]] == victims

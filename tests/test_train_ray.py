@@ -41,12 +41,22 @@ def test_quickstart_shape_trains_and_commits(reference):
     m = store.load_manifest(30)
     assert m.topology["pipeline_stages"] == 2 and m.topology["replicas"] == 2
     assert m.data_position == {"next_step": 30, "seed": spec.data.seed}
-    # One state file per stage (safetensors), one RNG file per rank (JSON), and nothing
-    # else: no pickled DeepSpeed files.
+    # Each rank wrote its own share (safetensors) and meta (JSON), under its group's
+    # attempt, and nothing else: no pickled DeepSpeed files.
     names = [f.path for f in m.files]
-    assert sum(n.endswith(".safetensors") for n in names) == 2
-    assert sum("/spotline/rank_" in n and n.endswith(".json") for n in names) == 4
-    assert all(n.endswith((".safetensors", ".json")) for n in names), names
+    attempt = m.extra["attempt"]
+    assert sorted(names) == sorted(
+        f"a-{attempt}/rank_{r:05d}/{f}"
+        for r in range(4)
+        for f in ("meta.json", "state.safetensors")
+    )
+    # About 1x the state: fp32 master + 2 moments of every parameter once (the module
+    # weights are fp32 here, the master itself, and not written twice); the metas hold
+    # RNG state and the index.
+    from spotline.plan import checkpoint_bytes
+
+    tensors = sum(f.size for f in m.files if f.path.endswith(".safetensors"))
+    assert 1.0 <= tensors / checkpoint_bytes(spec) < 1.1
     assert all(b < 30 for b in result.checkpoint_blocked_s)
 
 
@@ -82,6 +92,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(reference, tmp_path, c
     shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
     store = CheckpointStore(uri)
     victim = next(f for f in store.load_manifest(30).files if f.path.endswith(".safetensors"))
+    assert "rank_00000" in victim.path  # a rank every new rank reads from
     path = tmp_path / "ckpt" / "step_00000030" / victim.path
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -108,7 +119,7 @@ def test_resume_on_fewer_replicas_reshards(reference, tmp_path, capsys):
     over = {"elastic.min_replicas": 1, "elastic.max_replicas": 1, "train.steps": 36}
     spec = tiny_spec(tmp_path, "reference", **over)  # the job that owns these checkpoints
     result = spotline.Job(spec).run(verbose=True)
-    assert "resharded from 2 to 1 replica(s)" in capsys.readouterr().out
+    assert "resharded from 2 stage(s) x 2 replica(s) to 2 x 1" in capsys.readouterr().out
     (attempt,) = result.attempts
     assert attempt["restored_from"] == 30 and attempt["replicas"] == 1
     assert sorted(result.losses) == list(range(31, 37))
@@ -212,7 +223,7 @@ def test_a_pickle_in_the_checkpoint_runs_no_code_and_falls_back(reference, tmp_p
     step_dir = tmp_path / "ckpt" / "step_00000030"
     manifest_path = step_dir / "manifest.json"
     raw = json.loads(manifest_path.read_text())
-    victim = next(f for f in raw["files"] if f["path"].endswith("stage_000.safetensors"))
+    victim = next(f for f in raw["files"] if f["path"].endswith("rank_00000/state.safetensors"))
     bomb = step_dir / victim["path"]
     bomb.write_bytes(pickle.dumps({"params": Payload()}))
     victim["size"] = bomb.stat().st_size
@@ -223,7 +234,9 @@ def test_a_pickle_in_the_checkpoint_runs_no_code_and_falls_back(reference, tmp_p
     result = spotline.Job(spec).run(verbose=True)
     out = capsys.readouterr().out
     assert not marker.exists(), "the checkpoint ran code"
-    assert "checkpoint step 30" in out and "not a valid safetensors file" in out
+    # The bytes do not match the tensors the index records: refused before any is used
+    # (and nothing in a checkpoint is ever unpickled, whatever its hashes say).
+    assert "checkpoint step 30" in out and "failed verification" in out
     assert "falling back to step 20" in out
     (attempt,) = result.attempts
     assert attempt["restored_from"] == 20

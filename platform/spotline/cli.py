@@ -242,6 +242,11 @@ def _dispatch(args) -> int:
 
         (check_offline if args.offline else preflight)(job.spec)
         print(f"{job.spec.name}: OK (spec hash {job.spec.spec_hash()})")
+        from spotline.plan import jit_fit_problem
+
+        problem = jit_fit_problem(job.spec, job.spec.replica_counts()[0])
+        if problem:
+            print(f"spotline: warning: {problem}", file=sys.stderr)
         return 0
     if args.cmd == "submit":
         handle = _job_from_args(args).submit(args.address, args.working_dir)

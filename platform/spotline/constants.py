@@ -25,17 +25,17 @@ SPOTLINE_WORKER_START_TIMEOUT_S = _env_float("SPOTLINE_WORKER_START_TIMEOUT_S", 
 # torch.distributed collective timeout. A dead peer is normally detected by Ray
 # long before this; it only bounds a hang nobody noticed.
 SPOTLINE_DIST_TIMEOUT_S = _env_float("SPOTLINE_DIST_TIMEOUT_S", 600.0)
-# How often the controller wakes while a chunk of steps runs. A dead or failing
-# rank is seen at once whatever this is (its result arrives as an error); the
-# wake-up only checks deadlines, so a long interval costs nothing but CPU saved.
-SPOTLINE_POLL_INTERVAL_S = _env_float("SPOTLINE_POLL_INTERVAL_S", 0.5)
-# At most this many steps run between two controller decisions (progress
-# report, failure check, preemption check).
-SPOTLINE_MAX_STEPS_PER_CHUNK = int(_env_float("SPOTLINE_MAX_STEPS_PER_CHUNK", 10))
+# How often the controller collects the ranks' progress (losses, finished uploads,
+# failures). Training never waits for it; a step commits at most this long after its
+# last upload finished.
+SPOTLINE_POLL_INTERVAL_S = _env_float("SPOTLINE_POLL_INTERVAL_S", 0.25)
 # How long the final flush of background uploads may take at the end of a job.
 SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S = _env_float("SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S", 1800.0)
 # How long a storage URI check may take before it counts as unreachable.
 SPOTLINE_STORAGE_CHECK_TIMEOUT_S = _env_float("SPOTLINE_STORAGE_CHECK_TIMEOUT_S", 20.0)
+# Attempts of one storage call (upload, receipt, ranged read) before its error is
+# reported; the waits between them grow exponentially, with jitter.
+SPOTLINE_STORAGE_RETRIES = int(_env_float("SPOTLINE_STORAGE_RETRIES", 5))
 # How long the driver waits between two status polls of the controller.
 SPOTLINE_DRIVER_POLL_S = _env_float("SPOTLINE_DRIVER_POLL_S", 1.0)
 
@@ -47,16 +47,24 @@ SPOTLINE_NOTICE_HTTP_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_HTTP_TIMEOUT_S", 0.
 SPOTLINE_AWS_IMDS_TOKEN_TTL_S = _env_float("SPOTLINE_AWS_IMDS_TOKEN_TTL_S", 21600.0)
 # Timeout of one GetDrainingNodes RPC to the GCS.
 SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S = _env_float("SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S", 2.0)
+# How long a node watcher waits for the controller to acknowledge a notice before it
+# sends it again.
+SPOTLINE_NOTICE_ACK_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_ACK_TIMEOUT_S", 2.0)
 # How long stop() waits for the polling thread to finish its current poll.
 SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S", 5.0)
 # After a worker process dies, how many times (1 s apart) the controller checks whether
 # the worker's node is gone: a lost node is a spot preemption and does not use up
 # failure.max_failures.
 SPOTLINE_NODE_LOSS_CHECKS = int(_env_float("SPOTLINE_NODE_LOSS_CHECKS", 3))
-# Before starting fewer replicas than wanted (below min, or short of a grow's target), how
-# many times (1 s apart) the controller reads capacity again: a group just torn down
-# frees its devices a moment later.
-SPOTLINE_CAPACITY_SETTLE_CHECKS = int(_env_float("SPOTLINE_CAPACITY_SETTLE_CHECKS", 5))
+# After a group is torn down, how long the controller waits for its devices to show as
+# free again before sizing the next group from what it sees (Ray frees them a moment
+# after the actors die).
+SPOTLINE_CAPACITY_SETTLE_S = _env_float("SPOTLINE_CAPACITY_SETTLE_S", 10.0)
+# Margin a just-in-time checkpoint keeps before a notice's deadline.
+SPOTLINE_JIT_MARGIN_S = _env_float("SPOTLINE_JIT_MARGIN_S", 10.0)
+# Save throughput assumed for a just-in-time checkpoint before the job has measured its
+# own (host copy + serialization + upload), in MB/s per rank.
+SPOTLINE_ASSUMED_SAVE_MB_PER_S = _env_float("SPOTLINE_ASSUMED_SAVE_MB_PER_S", 50.0)
 
 # A pipeline wait shorter than this (predicted) does not wake the stage's backfill
 # executor: waking it costs more than the work it could do.

@@ -1,14 +1,13 @@
 """`spotline export`: a committed checkpoint as a Hugging Face model directory.
 
-Takes a committed step (the latest by default), downloads and verifies (sha256) only
-its stage state files, and writes config.json, safetensors (sharded for big models)
+Takes a committed step (the latest by default), reads its full fp32 weights from every
+rank's shards (sha256-verified, never the optimizer state), and writes config.json, safetensors (sharded for big models)
 and the job's tokenizer files to a local directory or any fsspec URI, so that
 `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer` load it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import tempfile
@@ -50,7 +49,7 @@ def job_spec_of(manifest: Manifest) -> JobSpec:
 def export_hf(store: CheckpointStore, out: str, step: int | None = None) -> tuple[int, str]:
     """Export committed `step` (default: the latest) of `store` to `out`; (step, out)."""
     from spotline.models import provider
-    from spotline.workers import portable
+    from spotline.train import state
 
     steps = store.committed_steps()
     if not steps:
@@ -66,11 +65,8 @@ def export_hf(store: CheckpointStore, out: str, step: int | None = None) -> tupl
         raise SpecError(
             f"model.kind {spec.model.kind!r} has no Hugging Face format; export supports llama"
         )
-    stage_files = [f for f in manifest.files if "spotline/stage_" in f.path]
+    weights = state.full_params(manifest.extra["index"], state.store_reader(store, step))
     with tempfile.TemporaryDirectory(prefix="spotline-export-") as tmp:
-        step_dir = store.download(dataclasses.replace(manifest, files=stage_files), tmp)
-        state = portable.load_files(sorted(step_dir.rglob(f"stage_*{portable.STAGE_SUFFIX}")))
-        weights = {name: kinds["param"] for name, kinds in state["params"].items()}
         local = Path(tmp) / "hf"
         tok = _tokenizer_files(store)
         hf.save_hf(local, spec.model, spec.vocab_size(), weights, **_special_ids(tok))

@@ -28,12 +28,13 @@ from typing import Any
 import ray
 import torch
 
+from spotline import constants
 from spotline.backfill.tasks import SETUP, TaskContext, units_of
 from spotline.bubbles.channel import WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.config.redact import install_log_redaction
 from spotline.config.schema import JobSpec
-from spotline.workers.cpu import idle_priority, pin_process
+from spotline.runtime.cpu import idle_priority, pin_process
 
 log = logging.getLogger("spotline.backfill")
 
@@ -79,7 +80,6 @@ class BackfillExecutor:
             idle_priority()
         # Ray gives this actor a fraction of the worker's GPU: the same physical device.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.cache_dir = Path(self.spec.checkpoint.staging_dir) / self.spec.name / "backfill"
         # Open the dataset now, in the background at idle priority, so the first task's
         # setup does not have to.
         threading.Thread(target=self._warm, daemon=True, name="backfill-warm").start()
@@ -117,7 +117,6 @@ class BackfillExecutor:
             store=self.store,
             manifest=manifest,
             device=self.device,
-            cache_dir=self.cache_dir,
             cache=self._cache,
             busy_s=lambda: busy[0],
         )
@@ -219,3 +218,35 @@ class BackfillExecutor:
                 return st
             after = st.seq  # not enough room left in this window: wait for the next
             passed += 1
+
+
+def sidecar_factory(spec: JobSpec, store: CheckpointStore):
+    """What the worker group calls per rank to start its executor beside it, in the
+    rank's own placement-group bundle (the runtime knows nothing about backfill)."""
+    import ray
+
+    from spotline.runtime.actor import channel_path
+    from spotline.runtime.group import worker_name
+
+    spec_json = spec.model_dump_json()
+    threads = max(1, int(spec.resources.cpus_per_worker))
+    cls = ray.remote(concurrency_groups={"control": 1})(BackfillExecutor)
+
+    def start(topo, where, bundle: dict[str, float], attempt: str):
+        return cls.options(
+            num_cpus=0,  # shares the worker's CPUs: it only runs while the worker waits
+            num_gpus=bundle.get("GPU", 0) * spec.backfill.gpu_fraction,
+            name=f"spotline:{spec.name}:backfill:{worker_name(topo)}:{attempt}",
+            scheduling_strategy=where,
+            max_restarts=-1,  # a crashed task's executor comes back for the next task
+        ).remote(
+            spec_json,
+            topo.rank,
+            topo.stage,
+            channel_path(spec, attempt, topo.rank),
+            store,
+            threads,
+            topo.rank if constants.SPOTLINE_PIN_CORES else None,
+        )
+
+    return start

@@ -87,6 +87,11 @@ class BackfillPool:
 
     # --- wiring -------------------------------------------------------------------
 
+    def bind(self, event, on_result) -> None:
+        """Report to the job's controller: its events, and each result as it comes."""
+        self._event = event
+        self._on_result = on_result
+
     def attach(self, executors: list[Any]) -> None:
         """A new worker group started with these executors (one per worker)."""
         with self._lock:

@@ -12,9 +12,9 @@ Everything before a task's first `yield` is its setup: host-side loading
 at once, outside the windows, at the idle priority it always has on CPU; it is
 not device work and is reported apart (`setup_s`).
 
-Tasks read the model from a committed checkpoint (the portable per-stage files,
-full fp32 weights by global parameter name), never from a live worker: the
-snapshot is exact, tagged with its step, and costs training nothing.
+Tasks read the model from a committed checkpoint (the full fp32 weights, assembled
+from every rank's shards), never from a live worker: the snapshot is exact, tagged
+with its step, and costs training nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Generator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,12 +36,10 @@ from spotline.data import Sampler, job_tokenizer, open_dataset
 from spotline.models import ModelDef, build_sequential, lm_loss, model_def
 from spotline.models.gpt import PROVIDER as GPT
 from spotline.registry import BACKFILL_TASKS
-from spotline.workers import portable
+from spotline.train import state
 
 Units = Generator[str, None, dict[str, Any]]
 SETUP = "setup"  # the label of a task's first yield, after its host-side loading
-
-STAGE_FILES = "spotline/stage_"  # the per-stage state files (workers/portable.py)
 
 
 @dataclasses.dataclass
@@ -53,7 +50,6 @@ class TaskContext:
     store: CheckpointStore
     manifest: Manifest
     device: torch.device
-    cache_dir: Path
     cache: dict[str, Any]
     """Survives across tasks on one executor (a trained draft, a loaded target)."""
     busy_s: Callable[[], float]
@@ -81,25 +77,16 @@ class TaskContext:
         if key not in self.cache:
             for k in [k for k in self.cache if k.startswith("target@")]:
                 del self.cache[k]  # one snapshot at a time
-            self.cache[key] = load_target(self.spec, self.store, self.manifest, self.cache_dir)
+            self.cache[key] = load_target(self.spec, self.store, self.manifest)
             self.cache[key].to(self.device)
         return self.cache[key]
 
 
-def load_target(
-    spec: JobSpec, store: CheckpointStore, manifest: Manifest, cache_dir: Path
-) -> torch.nn.Sequential:
-    """Download and verify only the stage files of a committed step; build the model."""
-    files = [f for f in manifest.files if STAGE_FILES in f.path]
-    if not files:
-        raise RuntimeError(
-            f"checkpoint step {manifest.step} has no stage state files "
-            f"({STAGE_FILES}*{portable.STAGE_SUFFIX}); backfill reads weights from them"
-        )
-    step_dir = store.download(dataclasses.replace(manifest, files=files), cache_dir)
-    state = portable.load_files(sorted(step_dir.rglob(f"stage_*{portable.STAGE_SUFFIX}")))
+def load_target(spec: JobSpec, store: CheckpointStore, manifest: Manifest) -> torch.nn.Sequential:
+    """The whole model at a committed step: its full fp32 weights, assembled from every
+    rank's fragments with ranged, sha256-verified reads."""
+    weights = state.full_params(manifest.extra["index"], state.store_reader(store, manifest.step))
     model = build_sequential(model_def(spec))
-    weights = {name: v["param"] for name, v in state["params"].items()}
     model.load_state_dict(weights, strict=True)
     return model.eval()
 

@@ -14,6 +14,7 @@ instructions outside a step and is ignored.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from types import MethodType
@@ -47,6 +48,8 @@ class StepRecorder:
         self._t0 = 0.0
         self._instrs: list[Instr] = []
         self._program: list[tuple[int, str]] | None = None
+        # The training thread closes steps; the worker's control thread reads the totals.
+        self._lock = threading.Lock()
 
     # --- wiring -----------------------------------------------------------------
 
@@ -103,14 +106,15 @@ class StepRecorder:
             return
         timeline = self._with_slots(self._instrs)
         self.forecast.update(timeline)
-        t = self._totals
-        t["steps"] += 1
-        t["step_s"] += timeline[-1].end if timeline else 0.0
-        t["wait_s"] += sum(i.seconds for i in timeline if i.name in WAITS)
         usable = windows(timeline, self.min_window_s)
-        t["windows"] += len(usable)
-        t["window_s"] += sum(w.seconds for w in usable)
-        self.recent.append((self._step, self._t0, timeline))
+        with self._lock:
+            t = self._totals
+            t["steps"] += 1
+            t["step_s"] += timeline[-1].end if timeline else 0.0
+            t["wait_s"] += sum(i.seconds for i in timeline if i.name in WAITS)
+            t["windows"] += len(usable)
+            t["window_s"] += sum(w.seconds for w in usable)
+            self.recent.append((self._step, self._t0, timeline))
         self._step = None
 
     def _with_slots(self, instrs: list[Instr]) -> list[Instr]:
@@ -124,8 +128,14 @@ class StepRecorder:
             for k, i in enumerate(instrs)
         ]
 
+    def recent_steps(self) -> list[tuple[int, float, list[Instr]]]:
+        """A copy of the last steps' (step, start, timeline), safe from any thread."""
+        with self._lock:
+            return list(self.recent)
+
     def take_totals(self) -> dict[str, float]:
         """Sums since the last call: steps, step_s, wait_s, windows, window_s."""
-        out, self._totals = self._totals, dict.fromkeys(self._totals, 0)
+        with self._lock:
+            out, self._totals = self._totals, dict.fromkeys(self._totals, 0)
         out["bubble_fraction"] = out["wait_s"] / out["step_s"] if out["step_s"] else 0.0
         return out

@@ -13,7 +13,6 @@ from spotline.checkpoint.store import (
     CorruptCheckpointError,
     StorageError,
     hash_file,
-    restore_latest,
 )
 
 __all__ = [
@@ -28,5 +27,4 @@ __all__ = [
     "ManifestError",
     "StorageError",
     "hash_file",
-    "restore_latest",
 ]

@@ -213,6 +213,10 @@ class _Backend:
     def storage_errors(self) -> tuple[type[BaseException], ...]:
         return (OSError,)
 
+    def transient_errors(self) -> tuple[type[BaseException], ...]:
+        """Errors worth retrying: the storage may answer the same call next time."""
+        return (TimeoutError, ConnectionError, InterruptedError)
+
     def explain(self, exc: BaseException) -> str:
         raise NotImplementedError
 
@@ -481,6 +485,20 @@ class _S3Backend(_Backend):
             return (OSError,)
         return (OSError, botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
 
+    def transient_errors(self) -> tuple[type[BaseException], ...]:
+        # Connections that dropped or timed out; s3fs already retries throttling
+        # and 5xx answers itself, and turns the rest into OSError subclasses.
+        try:
+            from botocore import exceptions as bx
+        except ImportError:
+            return super().transient_errors()
+        return (
+            *super().transient_errors(),
+            bx.ConnectionError,
+            bx.HTTPClientError,
+            bx.ReadTimeoutError,
+        )
+
     def explain(self, exc: BaseException) -> str:
         try:
             from botocore import exceptions as bx
@@ -684,7 +702,9 @@ class CheckpointStore:
         digest = hash_file(local)
         remote = f"{self._step_path(step)}/{relpath}"
         with self._io(f"uploading {local} as {relpath} of step {step}"):
-            self.fs.put_file(str(local), remote, **self._backend.put_kwargs())
+            self._retrying(
+                lambda: self.fs.put_file(str(local), remote, **self._backend.put_kwargs())
+            )
         return FileEntry(path=relpath, size=size, sha256=digest)
 
     def upload_dir(
@@ -751,22 +771,33 @@ class CheckpointStore:
                 self.fs, self._manifest_path(step), manifest.to_json(self.signing_key()).encode()
             )
 
-    def write_receipt(self, step: int, rank: int, world_size: int, files: list[FileEntry]) -> None:
-        """Record that `rank` finished uploading its files of `step`.
+    def write_receipt(
+        self,
+        step: int,
+        attempt: str,
+        rank: int,
+        world_size: int,
+        files: list[FileEntry],
+        index: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Record that `rank` of the group `attempt` finished uploading its files of `step`.
 
         Receipts let a restarted controller commit a step whose uploads all finished
-        but whose completion reports were lost with the workers that sent them.
+        but whose completion reports were lost with the workers that sent them. They
+        live under the attempt that wrote them, so two groups' receipts never mix.
         """
         body = json.dumps(
             {
+                "attempt": attempt,
                 "rank": rank,
                 "world_size": world_size,
                 "files": [dataclasses.asdict(f) for f in files],
+                "index": index or [],
             }
         ).encode()
-        path = f"{self._step_path(step)}/{RECEIPTS_DIR}/rank_{rank:05d}.json"
+        path = f"{self._step_path(step)}/{RECEIPTS_DIR}/{attempt}/rank_{rank:05d}.json"
         with self._io(f"writing the upload receipt of rank {rank}, step {step}"):
-            self._backend.write_atomic(self.fs, path, body)
+            self._retrying(lambda: self._backend.write_atomic(self.fs, path, body))
 
     def write_artifact(self, relpath: str, data: bytes) -> str:
         """Write a job artifact (trace, backfill output, ledger) beside the steps; its URI.
@@ -788,19 +819,61 @@ class CheckpointStore:
             except FileNotFoundError:
                 return None
 
-    def read_receipts(self, step: int) -> list[dict[str, Any]]:
-        """Every rank's upload receipt for an uncommitted step (empty if none)."""
+    def read_receipts(self, step: int) -> dict[str, list[dict[str, Any]]]:
+        """Upload receipts of an uncommitted step, by the attempt (group) that wrote them.
+        An unreadable receipt is skipped: it cannot complete a commit."""
         base = f"{self._step_path(step)}/{RECEIPTS_DIR}"
+        out: dict[str, list[dict[str, Any]]] = {}
         with self._io(f"reading upload receipts of step {step}"):
             try:
-                names = sorted(self.fs.ls(base, detail=False))
+                found = sorted(self.fs.find(base))
             except FileNotFoundError:
-                return []
-            out = []
-            for name in names:
-                if str(name).endswith(".json"):
-                    out.append(json.loads(self.fs.cat_file(name)))
+                return {}
+            for name in found:
+                if not str(name).endswith(".json"):
+                    continue
+                try:
+                    receipt = json.loads(self.fs.cat_file(name))
+                except (ValueError, FileNotFoundError):
+                    continue
+                if isinstance(receipt, dict) and isinstance(receipt.get("attempt"), str):
+                    out.setdefault(receipt["attempt"], []).append(receipt)
         return out
+
+    def read_range(self, step: int, relpath: str, start: int, length: int) -> bytes:
+        """`length` bytes at `start` of a file of `step` (a ranged GET on S3)."""
+        remote = f"{self._step_path(step)}/{check_relpath(relpath)}"
+        with self._io(f"reading {relpath} of step {step}", passthrough=(FileNotFoundError,)):
+            try:
+                return self._retrying(
+                    lambda: self.fs.cat_file(remote, start=start, end=start + length)
+                )
+            except FileNotFoundError as e:
+                raise CorruptCheckpointError(
+                    step, relpath, "missing from storage", uri=self.uri
+                ) from e
+
+    def remove(self, step: int, relprefix: str) -> None:
+        """Delete everything under `relprefix` of a step (an abandoned attempt's files)."""
+        path = f"{self._step_path(step)}/{check_relpath(relprefix)}"
+        with (
+            self._io(f"deleting {relprefix} of step {step}"),
+            contextlib.suppress(FileNotFoundError),
+        ):
+            self.fs.rm(path, recursive=True)
+
+    def _retrying(self, fn: Callable[[], Any]) -> Any:
+        """Run a storage call, retrying what may be transient (a dropped connection, a
+        throttle, a 5xx) with exponential backoff and jitter (tenacity)."""
+        import tenacity
+
+        transient = self._backend.transient_errors()
+        return tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(constants.SPOTLINE_STORAGE_RETRIES),
+            wait=tenacity.wait_random_exponential(multiplier=0.2, max=5.0),
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, transient)),
+            reraise=True,
+        )(fn)
 
     def uncommitted_steps(self) -> list[int]:
         """Step directories without a manifest, ascending (uploads in flight or abandoned)."""
@@ -911,57 +984,6 @@ class CheckpointStore:
         """Manifest of the newest committed step, or None if nothing is committed."""
         steps = self.committed_steps()
         return self.load_manifest(steps[-1]) if steps else None
-
-    def download(self, manifest: Manifest, local_dir: str | os.PathLike[str]) -> Path:
-        """Download and verify every file of ``manifest`` into ``local_dir/step_xxx/``.
-
-        A file already there with the right size and sha256 is kept (node-local
-        cache). Each download lands under a unique temporary name and is renamed
-        into place only after it verified, so several workers may share
-        ``local_dir``. On a bad file, everything this call placed is removed and
-        CorruptCheckpointError is raised.
-        """
-        step = manifest.step
-        step_dir = Path(local_dir) / self.step_name(step)
-        placed: list[Path] = []
-        placed_lock = threading.Lock()
-
-        def fetch(entry: FileEntry) -> None:
-            target = step_dir.joinpath(*entry.path.split("/"))
-            if _local_matches(target, entry):
-                return
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.part"
-            try:
-                with self._io(
-                    f"downloading {entry.path} of step {step}", passthrough=(FileNotFoundError,)
-                ):
-                    try:
-                        self.fs.get_file(f"{self._step_path(step)}/{entry.path}", str(tmp))
-                    except FileNotFoundError as e:
-                        raise CorruptCheckpointError(
-                            step, entry.path, "missing from storage", uri=self.uri
-                        ) from e
-                reason = _mismatch(tmp, entry)
-                if reason:
-                    raise CorruptCheckpointError(step, entry.path, reason, uri=self.uri)
-                os.replace(tmp, target)
-                with placed_lock:
-                    placed.append(target)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
-
-        try:
-            self._parallel([lambda e=e: fetch(e) for e in manifest.files])
-        except BaseException:
-            for p in placed:
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-            _remove_empty_dirs(step_dir)
-            raise
-        step_dir.mkdir(parents=True, exist_ok=True)
-        return step_dir
 
     def verify_remote(self, manifest: Manifest) -> None:
         """Hash every file of ``manifest`` in storage (streamed); raise CorruptCheckpointError."""
@@ -1085,69 +1107,3 @@ def _describe_mismatch(size: int, digest: str | None, entry: FileEntry) -> str |
     if digest is not None and digest != entry.sha256:
         return f"sha256 is {digest[:16]}..., manifest says {entry.sha256[:16]}..."
     return None
-
-
-def _mismatch(local: Path, entry: FileEntry) -> str | None:
-    size = local.stat().st_size
-    if size != entry.size:
-        return _describe_mismatch(size, None, entry)
-    return _describe_mismatch(size, hash_file(local), entry)
-
-
-def _local_matches(target: Path, entry: FileEntry) -> bool:
-    try:
-        return target.is_file() and _mismatch(target, entry) is None
-    except FileNotFoundError:  # replaced or removed by a concurrent download
-        return False
-
-
-def _remove_empty_dirs(top: Path) -> None:
-    if not top.is_dir():
-        return
-    for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda t: -len(t[0])):
-        with contextlib.suppress(OSError):
-            os.rmdir(dirpath)
-
-
-def restore_latest(
-    store: CheckpointStore,
-    local_dir: str | os.PathLike[str],
-    log: Callable[[str], Any] = print,
-) -> tuple[Manifest, Path] | None:
-    """Download the newest committed step that verifies; fall back to older ones.
-
-    Returns ``(manifest, local step dir)``, or None if nothing is committed. Raises
-    CorruptCheckpointError listing every step if none verifies.
-    """
-    steps = store.committed_steps()
-    if not steps:
-        return None
-    failures: list[tuple[int, str, str]] = []
-    newest_first = list(reversed(steps))
-    for i, step in enumerate(newest_first):
-        try:
-            manifest = store.load_manifest(step)
-            return manifest, store.download(manifest, local_dir)
-        except CorruptCheckpointError as e:
-            path, reason = e.path, e.reason
-        except FileNotFoundError:  # deleted by retention between listing and reading
-            path, reason = MANIFEST_NAME, "deleted while restoring"
-        failures.append((step, path, reason))
-        older = newest_first[i + 1] if i + 1 < len(newest_first) else None
-        then = f"falling back to step {older}" if older is not None else "no older step to try"
-        log(f"checkpoint step {step} at {store.uri} failed verification ({path}: {reason}); {then}")
-    listing = "; ".join(f"step {s} ({p}: {r})" for s, p, r in failures)
-    step, path, reason = failures[0]
-    raise CorruptCheckpointError(
-        step,
-        path,
-        reason,
-        uri=store.uri,
-        failures=failures,
-        message=(
-            f"no committed checkpoint at {store.uri} passed verification: {listing}. The "
-            "stored files were changed or damaged after they were committed. Restore them "
-            "from a backup, or, to start this job from scratch, delete these step_* "
-            "directories or point checkpoint.uri somewhere else."
-        ),
-    )

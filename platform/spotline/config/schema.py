@@ -156,10 +156,6 @@ class ElasticSpec(_Section):
     lr x sqrt(D / max_replicas)."""
     wait_for_capacity_s: float = Field(600.0, gt=0.0)
     """Below min_replicas, wait this long for capacity to come back, then fail."""
-    scale_up_interval_s: float = Field(120.0, ge=0.0)
-    """Grow toward max_replicas at most once per this many seconds, and only at a
-    checkpoint boundary when the time the bigger group saves over the remaining steps
-    exceeds twice the measured restart cost."""
 
 
 class TrainSpec(_Section):

@@ -1,18 +1,26 @@
-"""The per-job controller: a state machine, its policies, and its Ray actor."""
+"""The per-job controller: a state machine, its policies, its inbox, and its Ray actor."""
 
-from spotline.controller.controller import Attempt, CheckpointMismatchError, Controller
-from spotline.controller.policies import Fail, FailurePolicy, Resize, Restart, ScalingPolicy, Wait
-from spotline.controller.state import State
+from spotline.controller.controller import Attempt, Controller
+from spotline.controller.policies import (
+    Fail,
+    FailurePolicy,
+    GrowPolicy,
+    JitPolicy,
+    Resize,
+    Restart,
+    ScalingPolicy,
+    Wait,
+)
 
 __all__ = [
     "Attempt",
-    "CheckpointMismatchError",
     "Controller",
     "Fail",
     "FailurePolicy",
+    "GrowPolicy",
+    "JitPolicy",
     "Resize",
     "Restart",
     "ScalingPolicy",
-    "State",
     "Wait",
 ]

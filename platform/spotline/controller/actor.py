@@ -24,27 +24,44 @@ class ControllerActor:
         import ray
 
         from spotline.config.redact import install_log_redaction
-        from spotline.controller.cluster import RayClusterView
-        from spotline.workers.group import RayWorkerGroup, resolve_device
+        from spotline.runtime.cluster import RayClusterView
+        from spotline.runtime.group import RayWorkerGroup, resolve_device
 
         # Events also go to this actor's log, which the Ray dashboard shows: redacted.
         install_log_redaction()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         spec = JobSpec.model_validate_json(spec_json)
         device = resolve_device(spec)
+        pool = sidecar = None
+        if spec.backfill.enabled:
+            # The executors ride along each worker as a sidecar; the runtime never
+            # imports backfill.
+            from spotline.backfill.executor import sidecar_factory
+            from spotline.backfill.pool import BackfillPool
+
+            pool = BackfillPool(spec)
+            sidecar = sidecar_factory(spec, store)
         self.controller = Controller(
             spec,
             store,
-            group_factory=lambda replicas: RayWorkerGroup(spec, replicas, store, device),
+            group_factory=lambda replicas: RayWorkerGroup(
+                spec,
+                replicas,
+                store,
+                device,
+                sidecar=sidecar,
+                sidecar_gpu_fraction=spec.backfill.gpu_fraction,
+            ),
             cluster=RayClusterView(spec, device, ray.get_runtime_context().current_actor),
+            backfill=pool,
         )
 
     def run(self) -> dict[str, Any]:
         return self.controller.run()
 
-    def notify(self, notice: dict[str, Any]) -> None:
-        """A preemption notice from a node watcher."""
-        self.controller.notify(notice)
+    def notify(self, notice: dict[str, Any]) -> bool:
+        """A preemption notice from a node watcher; True once accepted."""
+        return self.controller.notify(notice)
 
     def stop(self, reason: str = "stop requested") -> None:
         self.controller.request_stop(reason)

@@ -1,20 +1,27 @@
-"""The job controller: an explicit state machine over a worker group.
+"""The job controller: an explicit state machine over a worker group that trains on its own.
 
-`Controller.step()` runs one iteration: it looks at the current state, does one
-thing, and moves to the next state. Policies decide (restart or fail, how many
-replicas); the controller carries the decision out. The worker group is
-injected, so tests drive the machine with a fake group one step at a time.
+`Controller.step()` runs one iteration: it takes what the inbox holds (preemption
+notices, a stop request), in whatever state it is, then runs the current state's
+handler, which returns the next state. States carry their payload (`state.py`);
+policies decide (restart or fail, how many replicas, when to grow, at which step to
+take a just-in-time checkpoint) and the controller carries the decision out. The
+worker group is injected, so tests drive the machine with a fake group.
 
-The controller is the only writer of manifests: a checkpoint is committed when
-every rank of the group that saved it has reported its upload.
+The ranks never wait for the controller: they train from their restored step to the
+last one, saving at every checkpoint.interval_steps by themselves. The controller
+polls what they publish (losses, saves, finished uploads) and steers with messages:
+save at step k, stop at step k. Every commit, retention, artifact and status query
+happens here, off the training path, through the commit coordinator (the only
+owner of storage).
 
-Spot capacity: a preemption notice (from a node watcher, a Ray drain, or a SIGTERM a
-worker saw) makes every rank stop at the next step boundary and commit a
-just-in-time checkpoint. The doomed node is drained so Ray places nothing new on
-it, and the job restarts at once on the capacity that is left, resharded. A node
-lost without notice resumes from the latest commit. Below elastic.min_replicas the
-controller waits (WAITING) up to elastic.wait_for_capacity_s. When capacity comes
-back it grows toward max_replicas at a checkpoint boundary, by `GrowPolicy`'s rule.
+Spot capacity: a notice drains the doomed node at once (nothing new lands there).
+When the node runs ranks of the live group, the JIT policy picks the step to save at
+(at once, or the latest one whose save still fits the deadline, moved up should
+steps slow down); the group saves and stops there, the step commits, and the job restarts on the capacity that is really
+left once the freed devices show. A node lost without notice resumes from the latest
+commit. Below elastic.min_replicas the controller waits up to
+elastic.wait_for_capacity_s. When capacity comes back it grows toward max_replicas
+when `GrowPolicy`'s cost rule says it pays.
 """
 
 from __future__ import annotations
@@ -23,39 +30,56 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from spotline import constants
-from spotline.backfill.pool import BackfillPool
 from spotline.bubbles.book import BubbleBook
 from spotline.checkpoint import (
     TRACE_ARTIFACT,
     CheckpointMismatchError,
     CheckpointStore,
     CorruptCheckpointError,
-    FileEntry,
-    Manifest,
     StorageError,
 )
+from spotline.checkpoint.coordinator import CommitCoordinator, Committed
 from spotline.config.redact import redact
 from spotline.config.schema import JobSpec
-from spotline.controller.cluster import ClusterView
+from spotline.controller.inbox import Inbox
 from spotline.controller.policies import (
     Fail,
     FailurePolicy,
     GrowPolicy,
+    JitPolicy,
     Resize,
     ScalingPolicy,
     Wait,
     classify,
 )
-from spotline.controller.state import State
+from spotline.controller.state import (
+    Failed,
+    Finished,
+    Finishing,
+    Leaving,
+    Pending,
+    Running,
+    Scheduling,
+    State,
+    Stopped,
+    Waiting,
+)
 from spotline.controller.telemetry import Telemetry
-from spotline.workers.group import WorkerFailure, WorkerGroup
+from spotline.runtime.cluster import ClusterView
+from spotline.runtime.group import Progress, WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
+
+# How often a running job reads the cluster's capacity to see whether growing pays.
+_GROW_CHECK_S = 2.0
+# Steps over which the wall-clock step time is measured (the JIT plan's, and its check).
+_RECENT_STEPS = 32
 
 
 @dataclass
@@ -63,11 +87,36 @@ class Attempt:
     """One life of a worker group: where it started and the losses it produced."""
 
     replicas: int
+    attempt: str = ""
     start_step: int = 0
     restored_from: int | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
     error: str | None = None
-    ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow"
+    ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow", "stop"
+
+
+@dataclass
+class Record:
+    """What the job did, as status, result and summary show it (one typed source)."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    failures: int = 0
+    node_losses: int = 0
+    notices: list[dict[str, Any]] = field(default_factory=list)
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    waited_s: float = 0.0
+    blocked_s: list[float] = field(default_factory=list)
+    upload_s: list[float] = field(default_factory=list)
+    upload_bytes: list[int] = field(default_factory=list)
+    heldout_loss: float | None = None
+    error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    steps_trained: int = 0
+    first_step_start: float | None = None  # wall clock, this controller's first step
+    last_step_end: float | None = None
 
 
 class Controller:
@@ -79,9 +128,9 @@ class Controller:
         cluster: ClusterView,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        backfill: Any = None,
     ):
         self.spec = spec
-        self.store = store
         self.group_factory = group_factory
         self.cluster = cluster
         self.sleep = sleep
@@ -89,59 +138,43 @@ class Controller:
         e = spec.elastic
         self.failure_policy = FailurePolicy(spec.failure.max_failures)
         self.scaling_policy = ScalingPolicy(e.min_replicas, e.max_replicas, spec.replica_counts())
-        self.grow_policy = GrowPolicy(self.scaling_policy, e.scale_up_interval_s)
-
-        self.state = State.PENDING
-        self.group: WorkerGroup | None = None
-        self.step_count = 0  # optimizer steps reached by the live group
-        self.failures = 0
-        self.attempts: list[Attempt] = []
-        self.losses: dict[int, float] = {}
-        self.committed: list[int] = []
-        self.blocked_s: list[float] = []
-        self.upload_s: list[float] = []
-        self.upload_bytes: list[int] = []
-        self.heldout_loss: float | None = None
-        self.error: str | None = None
-        self.train_seconds = 0.0
-        self.steps_trained = 0
-        self.started_at = time.time()
-        self.finished_at: float | None = None
-        self._grow_to = 0
-        self._waiting_since: float | None = None
-        self._waiting_reason: str | None = None
-        self.waited_s = 0.0
-        self._uploads: dict[int, list[Any]] = {}
-        self._save_world: dict[int, int] = {}
+        self.grow_policy = GrowPolicy(self.scaling_policy)
+        self.jit_policy = JitPolicy(constants.SPOTLINE_JIT_MARGIN_S)
+        self._lock = threading.Lock()  # everything status() reads from another thread
         self._events: list[str] = []
-        self._lock = threading.Lock()
-        # Spot capacity.
-        self._notice_keys: set[tuple] = set()
-        self._pending_notices: list[dict[str, Any]] = []
-        self._jit: list[dict[str, Any]] = []  # notices the next checkpoint answers
-        self.notices: list[dict[str, Any]] = []  # every notice, with what came of it
-        self.doomed: dict[str, float] = {}  # node id -> deadline
-        self.node_losses = 0
-        self.resizes: list[dict[str, Any]] = []
-        self.recoveries: list[dict[str, Any]] = []
-        self._interrupted_at: tuple[float, str] | None = None  # (clock, why) until resumed
-        self._last_resize = self.clock()
-        self._restart_s: float | None = None  # measured cost of the last (re)start
-        self._sps_by_replicas: dict[int, float] = {}  # latest measured rate at each size
-        self._stop_reason: str | None = None
-        # Pipeline bubbles and the backfill that fills them.
+        self.inbox = Inbox()
+        self.coordinator = CommitCoordinator(spec, store, self._event)
+        self.telemetry = Telemetry(spec, self._event)
         pp = spec.parallel.pipeline_stages
         self.bubbles = BubbleBook(pp) if pp > 1 else None
-        self.telemetry = Telemetry(spec, self._event)
-        self.backfill = (
-            BackfillPool(spec, self._event, on_result=self._backfill_result)
-            if spec.backfill.enabled
-            else None
-        )
-        self._chunks_in_group = 0
-        self._last_world = 0  # devices of the latest group (charged while waiting)
+        self.backfill = backfill
+        if backfill is not None:
+            backfill.bind(self._event, self._backfill_result)
+        self.state: State = Pending()
+        self.group: WorkerGroup | None = None
+        self.step_count = 0  # the latest step the live group reported
+        self.rec = Record()
+        self.doomed: dict[str, float] = {}  # node id -> deadline (under self._lock)
         self._owns_store = False  # the URI holds no other job's checkpoints (see _pending)
-        self._chunk_charged_s = 0.0
+        self._restart_from: tuple[float, str] | None = None  # (clock, why) until training again
+        self._restart_s: float | None = None  # measured: teardown to the first step after it
+        # Measured: a group's start to its first step. It stands in for the restart cost
+        # until a restart has been measured (a restart costs that plus the teardown).
+        self._start_s: float | None = None
+        self._starting_since: float | None = None  # clock, while a new group has no step
+        self._group_started = 0.0  # clock: when the live group's first step came
+        self._sps_by_replicas: dict[int, float] = {}
+        # (step, wall clock at its end) of the live group's latest steps.
+        self._recent_steps: deque[tuple[int, float]] = deque(maxlen=_RECENT_STEPS)
+        self._last_grow_check = 0.0
+        self._last_world = 0
+        self._accounted = 0.0  # seconds of this iteration charged from the ranks' measurements
+        self._pending_jit: list[dict[str, Any]] = []  # notices the next leave answers
+        self._jit_fit_checked = False  # the check from the first measured save is done
+
+    @property
+    def store(self) -> CheckpointStore:
+        return self.coordinator.store
 
     # --- reporting ----------------------------------------------------------------
 
@@ -151,73 +184,122 @@ class Controller:
         with self._lock:
             self._events.append(text)
 
-    def status(self, since_event: int = 0) -> dict[str, Any]:
-        # Called from another thread of the actor while run() may swap the group out.
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the job knows about itself, once: status, result and summary are
+        projections of it. Safe to call from any thread."""
         group = self.group
         with self._lock:
-            events = self._events[since_event:]
-            n_events = len(self._events)
-        return {
-            **self._headline(group),
-            "failures": self.failures,
-            "node_losses": self.node_losses,
-            "preemption_notices": len(self.notices),
-            "waiting": self._waiting_reason,
-            "doomed_nodes": sorted(self.doomed),
-            "committed_steps": list(self.committed),
-            "workers": group.worker_info() if group else [],
-            "events": events,
-            "next_event": n_events,
-            "error": self.error,
-        }
-
-    def _headline(self, group: WorkerGroup | None) -> dict[str, Any]:
+            doomed = sorted(self.doomed)
+        r = self.rec
+        tel = self.telemetry
+        last = self.coordinator.committed[-1] if self.coordinator.committed else None
+        span = (
+            (r.last_step_end - r.first_step_start)
+            if r.first_step_start is not None and r.last_step_end is not None
+            else 0.0
+        )
+        tokens = r.steps_trained * self.spec.train.global_batch_size * self.spec.model.seq_len
+        waiting = self.state.reason if isinstance(self.state, Waiting) else None
         return {
             "name": self.spec.name,
-            "state": self.state.value,
+            "state": self.state.name,
             "step": self.step_count,
             "total_steps": self.spec.train.steps,
             "replicas": group.replicas if group else 0,
             "max_replicas": self.spec.elastic.max_replicas,
-        }
-
-    def result(self) -> dict[str, Any]:
-        t = self.spec.train
-        tokens = self.steps_trained * t.global_batch_size * self.spec.model.seq_len
-        last = max(self.losses) if self.losses else None
-        return {
-            "name": self.spec.name,
-            "state": self.state.value,
-            "steps": self.step_count,
-            "losses": dict(sorted(self.losses.items())),
-            "attempts": [a.__dict__ for a in self.attempts],
-            "final_train_loss": self.losses[last] if last is not None else None,
-            "heldout_loss": self.heldout_loss,
-            "steps_per_s": self.steps_trained / self.train_seconds if self.train_seconds else 0.0,
-            "tokens_per_s": tokens / self.train_seconds if self.train_seconds else 0.0,
-            "checkpoint_uri": self.store.uri,
-            "committed_steps": list(self.committed),
-            "failures": self.failures,
-            "checkpoint_blocked_s": list(self.blocked_s),
-            "checkpoint_upload_s": list(self.upload_s),
-            "checkpoint_bytes": list(self.upload_bytes),
-            "wall_s": (self.finished_at or time.time()) - self.started_at,
-            "error": self.error,
-            "notices": [dict(n) for n in self.notices],
-            "node_losses": self.node_losses,
-            "resizes": list(self.resizes),
-            "recoveries": list(self.recoveries),
-            "waited_s": self.waited_s,
-            "ledger": self.telemetry.ledger_summary(),
-            "cost": self.telemetry.cost(),
-            "alerts": [a.message() for a in self.telemetry.deviation.alerts],
+            "waiting": waiting,
+            "doomed_nodes": doomed,
+            "workers": group.worker_info() if group else [],
+            "failures": r.failures,
+            "node_losses": r.node_losses,
+            "committed_steps": list(self.coordinator.committed),
+            "last_checkpoint": (
+                {"step": last, "uri": self.store.step_uri(last)} if last is not None else None
+            ),
+            # Wall clock from the first step to the last: commits, restarts and gaps count.
+            "steps_per_s": r.steps_trained / span if span > 0 else 0.0,
+            "tokens_per_s": tokens / span if span > 0 else 0.0,
+            "heldout_loss": r.heldout_loss,
+            "error": r.error,
+            "restarts": max(0, len(r.attempts) - 1),
+            "train_loss": tel.last.get("train_loss"),
+            "mfu": tel.last.get("mfu"),
+            "hfu": tel.last.get("hfu"),
+            "data_stall_fraction": tel.last.get("data_stall_fraction"),
+            "peak_flops_per_device": tel.peak_flops,
+            "eval": tel.evals[-1] if tel.evals else None,
+            "evals": list(tel.evals),
             "bubbles": self.bubbles.summary() if self.bubbles else None,
+            "ledger": tel.ledger_summary(),
+            "cost": tel.cost(),
+            "alerts": [a.message() for a in tel.deviation.alerts],
+            "history": list(tel.history),
+            "losses": dict(sorted(r.losses.items())),
+            "attempts": [asdict(a) for a in r.attempts],
+            "notices": [dict(n) for n in r.notices],
+            "resizes": list(r.resizes),
+            "recoveries": list(r.recoveries),
+            "waited_s": r.waited_s,
+            "checkpoint_blocked_s": list(r.blocked_s),
+            "checkpoint_upload_s": list(r.upload_s),
+            "checkpoint_bytes": list(r.upload_bytes),
             "backfill": (
                 {"tasks": self.backfill.results(), **self.backfill.summary()}
                 if self.backfill
                 else None
             ),
+            "checkpoint_uri": self.store.uri,
+            "wall_s": (r.finished_at or time.time()) - r.started_at,
+            "updated_at": time.time(),
         }
+
+    _STATUS_KEYS = (
+        "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
+        "node_losses", "waiting", "doomed_nodes", "committed_steps", "workers", "error",
+    )  # fmt: skip
+    _RESULT_KEYS = (
+        "name", "state", "losses", "attempts", "heldout_loss", "steps_per_s", "tokens_per_s",
+        "checkpoint_uri", "committed_steps", "failures", "checkpoint_blocked_s",
+        "checkpoint_upload_s", "checkpoint_bytes", "wall_s", "error", "notices", "node_losses",
+        "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
+    )  # fmt: skip
+
+    def status(self, since_event: int = 0) -> dict[str, Any]:
+        snap = self.snapshot()
+        with self._lock:
+            events = self._events[since_event:]
+            n = len(self._events)
+        return {
+            **{k: snap[k] for k in self._STATUS_KEYS},
+            "preemption_notices": len(snap["notices"]),
+            "events": events,
+            "next_event": n,
+        }
+
+    def result(self) -> dict[str, Any]:
+        snap = self.snapshot()
+        losses = snap["losses"]
+        last = max(losses) if losses else None
+        return {
+            **{k: snap[k] for k in self._RESULT_KEYS},
+            "steps": snap["step"],
+            "final_train_loss": losses[last] if last is not None else None,
+            "bubbles": snap["bubbles"],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """What `spotline status` and `spotline report` show (stored with the checkpoints)."""
+        snap = self.snapshot()
+        snap["losses"] = {str(k): v for k, v in snap["losses"].items()}
+        snap["notices"] = [
+            {k: n.get(k) for k in ("source", "node_id", "committed_step", "notice_to_commit_s")}
+            for n in snap["notices"]
+        ]
+        snap["preemption_notices"] = len(snap["notices"])
+        for k in ("workers", "attempts", "recoveries", "checkpoint_blocked_s",
+                  "checkpoint_upload_s", "checkpoint_bytes", "backfill"):  # fmt: skip
+            snap.pop(k, None)
+        return snap
 
     # --- the machine --------------------------------------------------------------
 
@@ -227,29 +309,14 @@ class Controller:
         return self.result()
 
     def step(self) -> State:
-        handler = {
-            State.PENDING: self._pending,
-            State.SCHEDULING: self._scheduling,
-            State.WAITING: self._scheduling,
-            State.RUNNING: self._running,
-            State.CHECKPOINTING: self._checkpointing,
-            State.RESIZING: self._resizing,
-            State.RECOVERING: self._recovering,
-            State.FINISHING: self._finishing,
-        }[self.state]
-        state, t0 = self.state, time.monotonic()
-        first_start = not self.attempts
-        chunk_failed = False
+        state = self.state
+        t0 = self.clock()
+        self._accounted = 0.0
         try:
-            if self._stop_reason is not None and self.state not in (
-                State.RUNNING,
-                State.CHECKPOINTING,
-            ):
-                self.state = self._stopped()
-                return self.state
-            self.state = handler()
+            self._take_inbox()
+            if not self.state.terminal:
+                self.state = self._handle(self.state)
         except WorkerFailure as e:
-            chunk_failed = state is State.RUNNING
             self.state = self._on_failure(str(e), e.process_died, e.causes)
         except (CheckpointMismatchError, CorruptCheckpointError) as e:
             self.state = self._fail(str(e))
@@ -259,37 +326,62 @@ class Controller:
         except Exception as e:  # noqa: BLE001 - nothing may leave workers behind
             log.exception("unexpected error in the controller")
             self.state = self._fail(
-                f"internal error in the controller while {state.value}: "
+                f"internal error in the controller while {state.name}: "
                 f"{type(e).__name__}: {e}. This is a Spotline bug; the job resumes from its "
                 "latest committed checkpoint when resubmitted"
             )
         if self.group is not None:
             self._last_world = self.group.world_size
-        elapsed = time.monotonic() - t0 - self._chunk_charged_s
-        self._chunk_charged_s = 0.0
-        self.telemetry.charge(state, elapsed, self._last_world, first_start, chunk_failed)
+        self._charge(state, self.clock() - t0)
         if self.state.terminal:
-            self.finished_at = time.time()
+            self.rec.finished_at = time.time()
             self._write_artifacts(with_trace=False)  # the group is gone; the last trace stands
             self.cluster.close()
         return self.state
 
+    def _handle(self, state: State) -> State:
+        if isinstance(state, Pending):
+            return self._pending()
+        if isinstance(state, Scheduling):
+            return self._scheduling(state)
+        if isinstance(state, Waiting):
+            return self._waiting(state)
+        if isinstance(state, Running):
+            return self._running(state)
+        if isinstance(state, Leaving):
+            return self._leaving(state)
+        if isinstance(state, Finishing):
+            return self._finishing()
+        raise AssertionError(f"no handler for {state!r}")
+
+    def _charge(self, state: State, seconds: float) -> None:
+        """Every iteration's device-seconds go to the ledger: what the ranks measured
+        (see `_account`), and the rest to the part of the state it was spent in."""
+        part = {Pending: "startup_other", Waiting: "waiting"}.get(type(state), "recovery")
+        if isinstance(state, (Running, Leaving, Finishing)):
+            part = "startup_other"  # the final evaluation, a gap between two polls
+        elif isinstance(state, Scheduling) and state.reason == "start":
+            part = "startup_other"
+        rest = max(0.0, seconds - self._accounted)
+        self.telemetry.ledger.charge(part, rest, self._last_world)
+
     def _fail(self, reason: str) -> State:
         reason = redact(" ".join(reason.split()))  # one line, and never a secret
-        self.error = reason
+        self.rec.error = reason
         self._event(f"FAILED: {reason}", logging.ERROR)
         self._teardown()
-        return State.FAILED
+        return Failed(error=reason)
 
     def _pending(self) -> State:
         self._event(f"job {self.spec.name}: checkpoints at {self.store.uri}")
         # The preflight checked this already; checked again here, before anything is
         # written, because another job may have committed there since.
-        self.store.check_owner(self.spec)
+        self.coordinator.check_owner()
         self._owns_store = True
         self._store_tokenizer()
-        self.telemetry.resume(self.store)
-        return State.SCHEDULING
+        self.telemetry.resume(self.coordinator)
+        self._check_jit_fit(measured=False)
+        return Scheduling(reason="start", since=self.clock())
 
     def _store_tokenizer(self) -> None:
         """Keep the job's tokenizer files beside its checkpoints, so an export carries the
@@ -298,306 +390,451 @@ class Controller:
         from spotline.export import TOKENIZER_ARTIFACTS
 
         try:
-            for name, data in tokenizer_files(self.spec).items():
-                self.store.write_artifact(f"{TOKENIZER_ARTIFACTS}/{name}", data)
-        except (StorageError, ValueError) as e:  # ValueError: DataError reading the files
-            self._event(
-                f"could not store the tokenizer beside the checkpoints: {e}", logging.WARNING
-            )
+            files = tokenizer_files(self.spec)
+        except ValueError as e:  # DataError: reading the files
+            self._event(f"could not read the tokenizer files: {e}", logging.WARNING)
+            return
+        for name, data in files.items():
+            self.coordinator.write_artifact(f"{TOKENIZER_ARTIFACTS}/{name}", data)
 
-    def _scheduling(self) -> State:
+    # --- scheduling ----------------------------------------------------------------
+
+    def _scheduling(self, state: Scheduling) -> State:
         self.cluster.watch()
-        decision = self.scaling_policy.decide(self.cluster.capacity())
-        want = max(self._grow_to, self.spec.elastic.min_replicas)
-        if self._waiting_since is None:
-            # Right after a teardown Ray takes a moment to free the old group's devices:
-            # read again before settling for fewer replicas than wanted.
-            for _ in range(constants.SPOTLINE_CAPACITY_SETTLE_CHECKS):
-                if isinstance(decision, Resize) and decision.replicas >= want:
-                    break
-                self.sleep(1.0)
-                decision = self.scaling_policy.decide(self.cluster.capacity())
-        self._grow_to = 0
+        capacity = self._settled_capacity(state.want)
+        decision = self.scaling_policy.decide(capacity)
         if isinstance(decision, Wait):
-            return self._wait_for_capacity(decision.reason)
-        assert isinstance(decision, Resize)
-        if self._waiting_since is not None:
-            self.waited_s += self.clock() - self._waiting_since
-            self._event(f"capacity is back: {decision.replicas} replica(s) fit")
-        self._waiting_since = self._waiting_reason = None
-        t0 = self.clock()
-        attempt = Attempt(replicas=decision.replicas)
-        self.attempts.append(attempt)
-        pp = self.spec.parallel.pipeline_stages
-        self._event(
-            f"starting {decision.replicas} replica(s) x {pp} stage(s) = {decision.replicas * pp} "
-            f"workers (elastic {self.spec.elastic.min_replicas}..{self.spec.elastic.max_replicas})"
-        )
-        if self.resizes and "to_replicas" not in self.resizes[-1]:
-            self.resizes[-1]["to_replicas"] = decision.replicas
-        self.group = self.group_factory(decision.replicas)
-        self.group.start()
-        self.telemetry.peak_flops = self.group.peak_flops()
-        self._chunks_in_group = 0
-        if self.bubbles is not None:
-            self.bubbles.reset_ranks()
-        if self.backfill is not None:
-            self.backfill.attach(self.group.executors())
-        reached = self.step_count
-        self.step_count = self._restore_latest(attempt)
-        attempt.start_step = self.step_count
-        self.telemetry.ledger.lost(reached - self.step_count)  # trained again from here
-        self._restart_s = self.clock() - t0
-        self._last_resize = self.clock()
-        if self.step_count >= self.spec.train.steps:
-            return State.FINISHING
-        return State.RUNNING
-
-    def _wait_for_capacity(self, reason: str) -> State:
-        now = self.clock()
-        limit = self.spec.elastic.wait_for_capacity_s
-        if self._waiting_since is None:
-            self._waiting_since = now
-            self._waiting_reason = reason
             self._event(
-                f"{reason} Waiting up to {limit:.0f}s (elastic.wait_for_capacity_s).",
+                f"{decision.reason} Waiting up to {self.spec.elastic.wait_for_capacity_s:.0f}s "
+                "(elastic.wait_for_capacity_s).",
                 logging.WARNING,
             )
-        if now - self._waiting_since > limit:
-            self.waited_s += now - self._waiting_since
-            last = max(self.store.committed_steps(), default=None)
+            return Waiting(reason=decision.reason, since=self.clock())
+        return self._start_group(decision.replicas)
+
+    def _settled_capacity(self, want: int) -> int:
+        """Whole replicas the live, non-draining capacity holds, read again (for up to
+        SPOTLINE_CAPACITY_SETTLE_S) while it is short of `want`: a group just torn down
+        gives its devices back a moment later, and sizing from the first reading would
+        start too small."""
+        deadline = self.clock() + constants.SPOTLINE_CAPACITY_SETTLE_S
+        capacity = self.cluster.capacity()
+        while capacity < want and self.clock() < deadline:
+            self.sleep(0.5)
+            capacity = self.cluster.capacity()
+        return capacity
+
+    def _waiting(self, state: Waiting) -> State:
+        capacity = self.cluster.capacity()
+        decision = self.scaling_policy.decide(capacity)
+        now = self.clock()
+        if isinstance(decision, Resize):
+            self.rec.waited_s += now - state.since
+            self._event(f"capacity is back: {decision.replicas} replica(s) fit")
+            return self._start_group(decision.replicas)
+        limit = self.spec.elastic.wait_for_capacity_s
+        if now - state.since > limit:
+            self.rec.waited_s += now - state.since
+            last = max(self.coordinator.committed, default=None)
             resume = (
                 f"the job resumes from committed step {last} at {self.store.uri}"
                 if last is not None
                 else "no step was committed yet"
             )
             return self._fail(
-                f"{reason} Gave up after waiting {limit:.0f}s (elastic.wait_for_capacity_s). "
+                f"{state.reason} Gave up after waiting {limit:.0f}s (elastic.wait_for_capacity_s). "
                 f"Add nodes or lower elastic.min_replicas, then resubmit: {resume}."
             )
         self.sleep(1.0)
-        return State.WAITING
+        return state
 
-    def _restore_latest(self, attempt: Attempt) -> int:
-        assert self.group is not None
-        self._commit_from_receipts()
-        steps = sorted(self.store.committed_steps(), reverse=True)
-        self.committed = sorted(steps)
-        for i, step in enumerate(steps):
-            manifest = self.store.load_manifest(step)
-            reshard = self._check_compatible(manifest)
-            try:
-                restored = self.group.restore(manifest)
-            except CorruptCheckpointError as e:
-                older = steps[i + 1] if i + 1 < len(steps) else None
-                nxt = (
-                    f"falling back to step {older}" if older is not None else "no older step to try"
-                )
-                self._event(
-                    f"checkpoint step {step} at {self.store.uri} failed verification "
-                    f"({getattr(e, 'path', '?')}: {getattr(e, 'reason', e)}); {nxt}",
-                    logging.WARNING,
-                )
-                continue
-            attempt.restored_from = step
+    def _start_group(self, replicas: int) -> State:
+        pp = self.spec.parallel.pipeline_stages
+        self._event(
+            f"starting {replicas} replica(s) x {pp} stage(s) = {replicas * pp} workers "
+            f"(elastic {self.spec.elastic.min_replicas}..{self.spec.elastic.max_replicas})"
+        )
+        if self.rec.resizes and "to_replicas" not in self.rec.resizes[-1]:
+            self.rec.resizes[-1]["to_replicas"] = replicas
+        self._starting_since = self.clock()
+        self._recent_steps.clear()
+        group = self.group_factory(replicas)
+        self.group = group
+        attempt = Attempt(replicas=replicas, attempt=group.attempt)
+        self.rec.attempts.append(attempt)
+        group.start()
+        self.telemetry.peak_flops = group.peak_flops()
+        if self.bubbles is not None:
+            self.bubbles.reset_ranks()
+        if self.backfill is not None:
+            self.backfill.attach(group.executors())
+        reached = self.step_count
+        restored, manifest = self.coordinator.restore(group, self.sleep)
+        if manifest is not None:
+            attempt.restored_from = manifest.step
+            resharded = (
+                manifest.topology.get("pipeline_stages"),
+                manifest.topology.get("replicas"),
+            )
             how = (
-                f", resharded from {manifest.topology['replicas']} to {self.group.replicas} replica(s)"
-                if reshard
+                f", resharded from {resharded[0]} stage(s) x {resharded[1]} replica(s) to "
+                f"{pp} x {replicas}"
+                if resharded != (pp, replicas)
                 else ""
             )
-            self._event(f"restored committed checkpoint step {step} (sha256 verified{how})")
-            return restored
-        if steps:
-            raise CorruptCheckpointError(
-                steps[-1],
-                "*",
-                "every committed step failed verification",
-                uri=self.store.uri,
-                message=f"every committed checkpoint at {self.store.uri} failed verification "
-                f"(steps {sorted(steps)}); refusing to start from scratch over them. Inspect or "
-                "move them, or point checkpoint.uri at an empty location.",
-            )
-        return 0
-
-    def _check_compatible(self, m: Manifest) -> bool:
-        """Raise if this job cannot resume `m`; return True if it must reshard to do so."""
-        if m.spec_hash != self.spec.spec_hash() or m.extra.get("job") != self.spec.name:
-            raise CheckpointMismatchError(
-                self.store.describe_mismatch(
-                    self.spec, m.extra.get("job"), m.spec_hash, m.extra.get("spec"), m.step
-                )
-            )
-        assert self.group is not None
-        saved_pp, saved_d = m.topology.get("pipeline_stages"), m.topology.get("replicas")
-        pp = self.spec.parallel.pipeline_stages
-        if saved_pp != pp:
-            raise CheckpointMismatchError(
-                f"checkpoint step {m.step} was saved with {saved_pp} pipeline stage(s), this job has "
-                f"{pp}; changing parallel.pipeline_stages on resume is not supported: keep {saved_pp}."
-            )
-        if saved_d == self.group.replicas:
-            return False
-        if self.spec.parallel.zero_stage > 2:
-            raise CheckpointMismatchError(
-                f"checkpoint step {m.step} was saved with {saved_d} replica(s) and this group has "
-                f"{self.group.replicas}; ZeRO-3 checkpoints reload only at the size that wrote them. "
-                f"Give the job {saved_d} replica(s) (elastic.min_replicas), or use ZeRO 1-2."
-            )
-        return True
-
-    def _next_boundary(self) -> int:
-        interval = self.spec.checkpoint.interval_steps
-        nxt = (self.step_count // interval + 1) * interval
-        return min(nxt, self.spec.train.steps)
-
-    def _running(self) -> State:
-        assert self.group is not None
-        if self._take_notices() or self._stop_reason is not None:
-            return State.CHECKPOINTING
-        n = min(self._next_boundary() - self.step_count, constants.SPOTLINE_MAX_STEPS_PER_CHUNK)
-        if self._interrupted_at is not None:
-            n = 1  # time the first step after a restart on its own
-        t0 = time.perf_counter()
-        chunk = self.group.train(n)
-        seconds = time.perf_counter() - t0
-        self.train_seconds += seconds
-        done = len(chunk.losses)
-        self.steps_trained += done
-        if done and n > 1:  # single steps after a restart include warm-up
-            self._sps_by_replicas[self.group.replicas] = done / seconds
-        self.attempts[-1].losses.extend(chunk.losses)
-        for step, loss in chunk.losses:
-            self.losses[step] = loss
-        if chunk.losses:
-            self.step_count = chunk.losses[-1][0]
-        if self._interrupted_at is not None and done:
-            since, why = self._interrupted_at
-            self._interrupted_at = None
-            self.recoveries.append(
-                {
-                    "why": why,
-                    "seconds": self.clock() - since,
-                    "resumed_at_step": self.step_count,
-                    "resumed_at": time.time(),
-                }
-            )
-            self._event(f"training again {self.clock() - since:.1f}s after the {why}")
-        self._chunks_in_group += 1
-        if self.bubbles is not None:
-            on = self.backfill is not None and not self.backfill.governor.decision().paused
-            self.bubbles.add(chunk.bubbles, self.spec.grad_accum(self.group.replicas), on)
-        # The first chunk of a group includes its warm-up: not a fair step time.
-        warm = self._chunks_in_group > 1 and n > 1
-        if self.backfill is not None:
-            self.backfill.on_chunk(done, seconds, warm=warm)
-            self.backfill.poll()
-        self._chunk_charged_s = self.telemetry.chunk(
-            steps=chunk.losses,
-            seconds=seconds,
-            replicas=self.group.replicas,
-            world=self.group.world_size,
-            bubbles=self.bubbles.last_chunk if self.bubbles else None,
-            per_rank=chunk.bubbles,
-            lr=chunk.lr,
-            backfill_slowdown=self.backfill.governor.slowdown if self.backfill else None,
-            data_stall_s=chunk.data_stall_s,
-            warm=warm,
-            uploading=bool(self._save_world),  # saved steps whose uploads are still running
-        )
-        self._export_counts()
-        self._report_progress(chunk)
-        self._collect_uploads(chunk.uploads)
-        for notice in chunk.notices:
-            self.notify(notice)
-        if self._take_notices() or self._stop_reason is not None:
-            return State.CHECKPOINTING
-        if (
-            self.step_count % self.spec.checkpoint.interval_steps == 0
-            or self.step_count >= self.spec.train.steps
-        ):
-            return State.CHECKPOINTING
-        return State.RUNNING
-
-    def _report_progress(self, chunk) -> None:
-        every = self.spec.train.log_every
-        steps = [s for s, _ in chunk.losses]
-        if steps and any(s % every == 0 for s in steps) or self.step_count >= self.spec.train.steps:
-            t = self.spec.train
-            sps = len(steps) / chunk.seconds if chunk.seconds else 0.0
-            tok = sps * t.global_batch_size * self.spec.model.seq_len
             self._event(
-                f"step {self.step_count}/{t.steps}  loss {chunk.losses[-1][1]:.4f}  "
-                f"{sps:.2f} steps/s  {tok:,.0f} tokens/s"
+                f"restored committed checkpoint step {manifest.step} (sha256 verified{how})"
             )
+        self.step_count = restored
+        attempt.start_step = restored
+        self.telemetry.ledger.lost(reached - restored)  # trained again from here
+        if restored >= self.spec.train.steps:
+            return Finishing()
+        group.run(self.spec.train.steps)
+        self._group_started = self.clock()
+        return Running(target=self.spec.train.steps)
 
-    def _checkpointing(self) -> State:
+    # --- training -------------------------------------------------------------------
+
+    def _running(self, state: Running) -> State:
+        progress = self._poll()
+        if progress.finished is not None:
+            return Finishing()
+        if self.inbox.stop_reason is not None:
+            return self._leave("stop", self.step_count + 1, self.inbox.stop_reason)
+        grow = self._grow_decision()
+        if grow is not None:
+            return self._leave("grow", self.step_count + 1, f"capacity for {grow} replica(s)", grow)
+        return state
+
+    def _poll(self) -> Progress:
+        """One collection of the ranks' progress: losses, saves, commits, figures."""
         assert self.group is not None
-        # A step the live group already saved (a notice right at a checkpoint boundary)
-        # is not saved again: its upload may still be reading the staged files.
-        if self.step_count not in self.committed and self.step_count not in self._save_world:
-            blocked = self.group.save()
-            self.blocked_s.append(blocked)
-            self._save_world[self.step_count] = self.group.world_size
-        if self._jit:
-            return self._answer_notices()
-        if self._stop_reason is not None:
-            self._collect_uploads(self.group.flush_uploads())
-            return self._stopped()
-        if self.step_count >= self.spec.train.steps:
-            return State.FINISHING
-        if self._should_grow():
-            return State.RESIZING
-        return State.RUNNING
+        t0 = self.clock()
+        progress = self.group.poll(constants.SPOTLINE_POLL_INTERVAL_S)
+        self._ingest(progress, self.clock() - t0)
+        return progress
+
+    def _ingest(self, p: Progress, elapsed: float) -> None:
+        group = self.group
+        assert group is not None
+        r = self.rec
+        attempt = r.attempts[-1]
+        for step, loss, step_s, wall in p.steps:
+            r.losses[step] = loss
+            attempt.losses.append((step, loss))
+            self._recent_steps.append((step, wall))
+            if r.first_step_start is None:
+                r.first_step_start = wall - step_s
+            r.last_step_end = wall
+        if p.steps:
+            r.steps_trained += len(p.steps)
+            self.step_count = p.steps[-1][0]
+            if self._starting_since is not None:
+                self._start_s = self.clock() - self._starting_since
+                self._starting_since = None
+            self._after_restart()
+        for step, blocked in sorted(p.saves.items()):
+            self.coordinator.expect(step, group.attempt, group.world_size)
+            r.blocked_s.append(blocked)
+        for done in self.coordinator.receive(p.uploads):
+            self._committed(done)
+        for notice in p.notices:
+            self.notify(notice)
+        self._account(p, elapsed)
+
+    def _after_restart(self) -> None:
+        if self._restart_from is None:
+            return
+        since, why = self._restart_from
+        self._restart_from = None
+        self._restart_s = self.clock() - since
+        self.rec.recoveries.append(
+            {
+                "why": why,
+                "seconds": self._restart_s,
+                "resumed_at_step": self.step_count,
+                "resumed_at": time.time(),
+            }
+        )
+        self._event(f"training again {self._restart_s:.1f}s after the {why}")
+
+    def _account(self, p: Progress, elapsed: float) -> None:
+        """Figures of a batch of steps; the ledger gets the devices' wall time of the
+        iteration, split into what the steps measured and the rest."""
+        group = self.group
+        assert group is not None
+        world = group.world_size
+        steps = [(s, loss) for s, loss, _, _ in p.steps]
+        step_time = sum(st for _, _, st, _ in p.steps)
+        blocked = sum(p.saves.values())
+        warm = self.clock() - self._group_started > 1.0 and len(p.steps) > 0
+        if self.bubbles is not None and p.bubbles:
+            on = self.backfill is not None and not self.backfill.governor.decision().paused
+            self.bubbles.add(p.bubbles, self.spec.grad_accum(group.replicas), on)
+        if self.backfill is not None:
+            if p.steps:
+                self.backfill.on_chunk(len(p.steps), step_time, warm=warm)
+            self.backfill.poll()
+        if p.steps:
+            self._sps_by_replicas[group.replicas] = len(p.steps) / max(step_time, 1e-9)
+        self.telemetry.steps(
+            steps=steps,
+            seconds=step_time,
+            replicas=group.replicas,
+            world=world,
+            bubbles=self.bubbles.last_chunk if self.bubbles else None,
+            per_rank=p.bubbles,
+            lr=p.lr,
+            backfill_slowdown=self.backfill.governor.slowdown if self.backfill else None,
+            data_stall_s=p.data_stall_s,
+            warm=warm,
+            uploading=p.uploading,
+        )
+        # The devices ran the whole time: what the steps and saves did not cover is
+        # waiting for the slowest rank, the step agreement, and publishing progress.
+        wall = max(elapsed, step_time + blocked)
+        self.telemetry.ledger.charge("checkpoint_stall", blocked, world)
+        self.telemetry.ledger.charge("startup_other", wall - step_time - blocked, world)
+        self._accounted += elapsed
+        self._report_progress(p)
+        self._export_counts()
+
+    def _report_progress(self, p: Progress) -> None:
+        every = self.spec.train.log_every
+        t = self.spec.train
+        for step, loss, step_s, _ in p.steps:
+            if step % every == 0 or step >= t.steps:
+                sps = 1.0 / step_s if step_s else 0.0
+                tok = sps * t.global_batch_size * self.spec.model.seq_len
+                self._event(
+                    f"step {step}/{t.steps}  loss {loss:.4f}  {sps:.2f} steps/s  {tok:,.0f} tokens/s"
+                )
+
+    def _committed(self, done: Committed) -> None:
+        self.rec.upload_bytes.append(done.nbytes)
+        if done.upload_s is not None:
+            self.rec.upload_s.append(done.upload_s)
+            self._check_jit_fit(measured=True)
+        self.telemetry.commit(
+            done.step, done.nbytes, self.rec.blocked_s[-1] if self.rec.blocked_s else None,
+            done.upload_s,
+        )  # fmt: skip
+        if self.backfill is not None:
+            self.backfill.on_commit(done.manifest, final=done.step >= self.spec.train.steps)
+            self.backfill.poll()  # start what is due now
+        self._write_artifacts()
+
+    # --- leaving a group: preemption, grow, stop -------------------------------------
+
+    def _leave(
+        self, why: str, step: int, detail: str, grow_to: int = 0, deadline: float | None = None
+    ) -> State:
+        assert self.group is not None
+        step = min(step, self.spec.train.steps)
+        self.group.request(save_at=step, stop_at=step, reason=detail)
+        self._event(f"checkpoint at step {step}, then {why} ({detail})")
+        late = deadline if step > self.step_count + 1 else None
+        return Leaving(why=why, step=step, since=self.clock(), grow_to=grow_to, deadline=late)
+
+    def _leaving(self, state: Leaving) -> State:
+        progress = self._poll()
+        if progress.finished is None:
+            if state.deadline is not None:
+                return self._keep_jit_in_time(state)
+            if self.clock() - state.since > constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S:
+                raise WorkerFailure(
+                    "stopping",
+                    {f"no stop within {constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S:.0f}s": [0]},
+                )
+            return state
+        stopped = int(progress.finished["stopped_at"])
+        if stopped >= self.spec.train.steps and state.why != "stop":
+            # The group reached the last step first: the end's own commit answers.
+            return Finishing()
+        committed = stopped in self.coordinator.committed
+        pending = stopped in self.coordinator.pending_steps()
+        if pending and self.clock() - state.since < constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S:
+            return state  # its uploads are still running: they come through the polls
+        self._answer_notices(stopped, committed)
+        if not committed:
+            self._event(
+                f"checkpoint step {stopped} did not commit; the latest committed step is "
+                f"{max(self.coordinator.committed, default=None)}",
+                logging.WARNING,
+            )
+        if state.why == "stop":
+            self.rec.attempts[-1].ended_by = "stop"
+            self._teardown()
+            latest = max(self.coordinator.committed, default=None)
+            self._event(
+                f"stopped at step {stopped} ({self.inbox.stop_reason}); latest committed "
+                f"step {latest} at {self.store.uri}: submitting the job again resumes there"
+            )
+            return Stopped(reason=self.inbox.stop_reason or "stop requested")
+        ended = {"grow": "grow", "preemption": "preemption notice"}[state.why]
+        want = state.grow_to or self._replicas_left()
+        detail = (
+            f"capacity for {state.grow_to} replica(s) (restart cost {self._restart_cost_s() or 0:.1f}s)"
+            if state.why == "grow"
+            else f"leaving node(s) {', '.join(n[:12] for n in self._doomed_here())}"
+        )
+        self.rec.attempts[-1].ended_by = ended
+        self._restart(state.why, detail)
+        return Scheduling(reason=state.why, since=self.clock(), want=want)
+
+    def _keep_jit_in_time(self, state: Leaving) -> State:
+        """A late JIT step was picked from the step time measured then. Should steps slow
+        down (a busy node, a slow link), reaching it and saving could miss the deadline:
+        then the save moves up to the next step."""
+        assert self.group is not None
+        step_s = self._wall_step_s()
+        if step_s is None or state.step <= self.step_count + 1:
+            return state
+        window = state.deadline - time.time() - self.jit_policy.margin_s
+        need = (state.step - self.step_count) * step_s + self._predicted_save_s()
+        if need <= window:
+            return state
+        at = self.step_count + 1
+        self.group.request(save_at=at, stop_at=at, reason="preemption notice")
+        self._event(
+            f"steps slowed to {step_s * 1e3:.0f} ms: saving step {state.step} would need "
+            f"{need:.0f}s of the {window:.0f}s left before the notice's deadline (less the "
+            f"margin); the just-in-time checkpoint moves up to step {at}",
+            logging.WARNING,
+        )
+        return replace(state, step=at, deadline=None)
+
+    def _wall_step_s(self) -> float | None:
+        """Wall-clock seconds per step over the latest steps (everything between steps
+        included), or None before two steps of the live group."""
+        recent = self._recent_steps
+        if len(recent) < 2 or recent[-1][0] == recent[0][0]:
+            return None
+        return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+
+    def _replicas_left(self, exclude: set[str] = frozenset()) -> int:
+        """Replicas the group's healthy devices plus the free ones hold: what the next
+        group can expect once Ray shows the devices of the old one free again (nodes
+        doomed by a notice, or in `exclude`, do not count)."""
+        group = self.group
+        if group is None:
+            return 0
+        gone = set(self._doomed_here()) | set(exclude)
+        held = sum(1 for w in group.worker_info() if w["node_id"] not in gone)
+        return self.cluster.capacity(held_workers=held)
+
+    def _doomed_here(self) -> list[str]:
+        group = self.group
+        with self._lock:
+            doomed = set(self.doomed)
+        return sorted((group.node_ids() if group else set()) & doomed)
+
+    def _restart_cost_s(self) -> float | None:
+        return self._restart_s if self._restart_s is not None else self._start_s
+
+    def _grow_decision(self) -> int | None:
+        group = self.group
+        assert group is not None
+        e = self.spec.elastic
+        now = self.clock()
+        if group.replicas >= e.max_replicas or now - self._last_grow_check < _GROW_CHECK_S:
+            return None
+        self._last_grow_check = now
+        restart_s = self._restart_cost_s()
+        if restart_s is None:
+            return None  # no start is measured yet
+        decision = self.grow_policy.decide(
+            replicas=group.replicas,
+            capacity=self.cluster.capacity(held_workers=group.world_size),
+            steps_left=self.spec.train.steps - self.step_count,
+            steps_per_s=self._sps_by_replicas.get(group.replicas, 0.0),
+            restart_s=restart_s,
+            running_s=now - self._group_started,
+            measured=self._sps_by_replicas,
+        )
+        return decision.replicas if decision is not None else None
+
+    def _restart(self, why: str, detail: str) -> None:
+        assert self.group is not None
+        before = self.group.replicas
+        self.rec.resizes.append(
+            {"step": self.step_count, "from_replicas": before, "why": why, "detail": detail}
+        )
+        self._event(f"restarting at step {self.step_count} from {before} replica(s): {detail}")
+        self._teardown()
+        self._restart_from = (self.clock(), why)
+
+    def _teardown(self) -> None:
+        if self.backfill is not None:
+            self.backfill.detach()
+        if self.group is not None:
+            self.coordinator.abandon(self.group.attempt)
+            self.group.shutdown()
+            self.group = None
 
     def _finishing(self) -> State:
-        assert self.group is not None
-        self.heldout_loss = self.group.heldout_loss()
-        self._collect_uploads(self.group.flush_uploads())
+        group = self.group
+        assert group is not None
+        last = self.spec.train.steps
+        deadline = self.clock() + constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S
+        while last not in self.coordinator.committed and last in self.coordinator.pending_steps():
+            if self.clock() > deadline:
+                break
+            self._poll()
+        if self._pending_jit:
+            self._answer_notices(last, last in self.coordinator.committed)
+        self.rec.heldout_loss = group.heldout_loss()
         if self.backfill is not None:
             self.backfill.finish(self.spec.backfill.finish_timeout_s, self.sleep)
             self._export_counts()
         self._write_artifacts()
         self._teardown()
-        if self.spec.train.steps not in self.committed:
-            return self._fail(f"the final checkpoint (step {self.spec.train.steps}) did not commit")
+        if last not in self.coordinator.committed:
+            return self._fail(f"the final checkpoint (step {last}) did not commit")
         self._event(
-            f"finished {self.step_count} steps; held-out loss {self.heldout_loss:.4f}; "
-            f"checkpoints: {self.store.step_uri(self.committed[-1])}"
+            f"finished {last} steps; held-out loss {self.rec.heldout_loss:.4f}; "
+            f"checkpoints: {self.store.step_uri(last)}"
         )
-        return State.FINISHED
+        return Finished()
+
+    # --- failures -------------------------------------------------------------------
 
     def _on_failure(
         self, error: str, process_died: bool = False, causes: list[BaseException] | None = None
     ) -> State:
         lost = self._lost_nodes(patient=process_died)
-        if self.attempts:
-            self.attempts[-1].error = error
-            self.attempts[-1].ended_by = "node lost" if lost else "failure"
+        want = self._replicas_left(exclude=lost)
+        r = self.rec
+        if r.attempts:
+            r.attempts[-1].error = error
+            r.attempts[-1].ended_by = "node lost" if lost else "failure"
         self._teardown()
-        self._interrupted_at = (self.clock(), "node loss" if lost else "failure")
-        latest = max(self.committed, default=None)
+        self._restart_from = (self.clock(), "node loss" if lost else "failure")
+        latest = max(self.coordinator.committed, default=None)
         if lost:
             # Losing spot nodes is the normal weather, not a fault of the job: it does not
             # use up failure.max_failures.
-            self.node_losses += len(lost)
-            for node in lost:
-                self.doomed.pop(node, None)
+            r.node_losses += len(lost)
+            with self._lock:
+                for node in lost:
+                    self.doomed.pop(node, None)
             self._event(
                 f"lost node(s) {', '.join(n[:12] for n in sorted(lost))} at step "
                 f"{self.step_count}; resuming from the latest committed step ({latest}) on "
                 f"what is left",
                 logging.WARNING,
             )
-            return State.RECOVERING
+            return Scheduling(reason="node loss", since=self.clock(), want=want)
         kind = classify(causes or [], error)
         if kind.retryable:  # only transient faults use up failure.max_failures
-            self.failures += 1
+            r.failures += 1
         self._event(f"worker failure at step {self.step_count}: {error}", logging.WARNING)
-        decision = self.failure_policy.decide(self.failures, error, kind)
+        decision = self.failure_policy.decide(r.failures, error, kind)
         if isinstance(decision, Fail):
             return self._fail(decision.reason)
         self._event(decision.reason)
-        return State.RECOVERING
+        return Scheduling(reason="failure", since=self.clock(), want=want)
 
     def _lost_nodes(self, patient: bool) -> set[str]:
         """Nodes of the live group that are gone. A failure may surface first as a peer's
@@ -614,37 +851,33 @@ class Controller:
                 self.sleep(1.0)
         return set()
 
-    def _recovering(self) -> State:
-        return State.SCHEDULING
-
     # --- spot capacity --------------------------------------------------------------
 
-    def notify(self, notice: dict[str, Any]) -> None:
-        """A preemption notice (Notice fields). Thread-safe: node watchers call it any time.
-
-        When the doomed node runs ranks of the live group, every rank is asked to stop at
-        the next step boundary, so the just-in-time checkpoint starts within one step.
-        """
-        key = (notice["source"], notice.get("node_id"), notice["deadline"])
-        with self._lock:
-            if key in self._notice_keys:
-                return
-            self._notice_keys.add(key)
-            record = dict(notice, received_at=time.time(), received_clock=self.clock())
-            self._pending_notices.append(record)
+    def notify(self, notice: dict[str, Any]) -> bool:
+        """A preemption notice (Notice fields); True once accepted. Thread-safe: node
+        watchers call it at any time, and re-send until it returns True."""
+        accepted = self.inbox.notify(notice, self.clock())
         node = notice.get("node_id")
         if node is not None:
-            self.doomed[node] = notice["deadline"]
-        group = self.group
-        if group is not None and (node is None or node in group.node_ids()):
-            group.request_checkpoint(f"{notice['source']}: {notice['reason']}")
+            with self._lock:
+                self.doomed[node] = notice["deadline"]
+        return accepted
 
-    def _take_notices(self) -> bool:
-        """Move pending notices that concern the live group to the JIT list; True if any."""
-        with self._lock:
-            pending, self._pending_notices = self._pending_notices, []
-        mine = self.group.node_ids() if self.group is not None else set()
-        for n in pending:
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Stop at the next step boundary, commit a checkpoint there, and end STOPPED.
+
+        Thread-safe. The job resumes from that checkpoint when it is submitted again.
+        """
+        self.inbox.stop(reason)
+
+    def _take_inbox(self) -> None:
+        """Notices, in any state: the doomed node is drained at once (nothing new is
+        placed there); a notice for the live group's nodes starts its JIT checkpoint."""
+        notices, stop = self.inbox.take()
+        group = self.group
+        mine = group.node_ids() if group else set()
+        jit: list[dict[str, Any]] = []
+        for n in notices:
             node = n.get("node_id")
             left = n["deadline"] - time.time()
             where = f"node {node[:12]}" if node else "an unnamed node"
@@ -656,132 +889,118 @@ class Controller:
             if node is not None:
                 self.cluster.drain(node, n["deadline"], f"{n['source']}: {n['reason']}")
             n["step"] = self.step_count
-            if node is None or node in mine:
-                self._jit.append(n)
+            if group is not None and (node is None or node in mine):
+                jit.append(n)
             else:
-                n["outcome"] = "no ranks of this job on that node"
-                self.notices.append(n)
-        return bool(self._jit)
+                n["outcome"] = (
+                    "no ranks of this job on that node; it is drained"
+                    if group is not None
+                    else "no group running; the node is drained, the next group avoids it"
+                )
+                self.rec.notices.append(n)
+        if stop is not None and not isinstance(self.state, (Running, Leaving, Finishing)):
+            if not self.state.terminal:
+                self._teardown()
+                self.state = Stopped(reason=stop)
+            return
+        if not jit:
+            return
+        self._pending_jit.extend(jit)
+        if isinstance(self.state, Running) and group is not None:
+            self.state = self._jit(jit, group)
+        # Already leaving (a grow, a stop): that checkpoint answers the notice too, and
+        # the drained node gets no part of the next group.
 
-    def _answer_notices(self) -> State:
-        """Commit the just-saved step now, then restart off the doomed nodes."""
-        assert self.group is not None
-        step = self.step_count
-        self._collect_uploads(self.group.flush_uploads())
-        committed = step in self.committed
+    def _jit(self, notices: list[dict[str, Any]], group: WorkerGroup) -> State:
+        """Pick the step of the just-in-time checkpoint: at once, or as late as the
+        deadline allows when staying on the doomed capacity gains steps (JitPolicy)."""
+        deadline = min(n["deadline"] for n in notices)
+        step_s = self._wall_step_s() or 0.0
+        save_s = self._predicted_save_s()
+        doomed = set(self._doomed_here())
+        left = sum(1 for w in group.worker_info() if w["node_id"] not in doomed)
+        after = min(group.replicas, left // self.spec.parallel.pipeline_stages)
+        at = self.jit_policy.decide(
+            step=self.step_count,
+            seconds_left=deadline - time.time(),
+            step_s=step_s,
+            save_s=save_s,
+            replicas=group.replicas,
+            replicas_after=after,
+            rate_after=self._sps_by_replicas.get(after),
+        )
+        plan = (
+            "at once" if at == self.step_count + 1 else f"after {at - self.step_count} more step(s)"
+        )
+        self._event(
+            f"just-in-time checkpoint {plan} (step {at}; predicted save {save_s:.1f}s, "
+            f"{deadline - time.time():.0f}s to the deadline)"
+        )
+        return self._leave("preemption", at, "preemption notice", deadline=deadline)
+
+    def _predicted_save_s(self) -> float:
+        """Host copy + serialization + upload + commit of one checkpoint, from what this job
+        measured (or, before its first commit, the state size at an assumed rate)."""
+        r = self.rec
+        if r.upload_s:
+            return (
+                max(r.blocked_s[-1] if r.blocked_s else 0.0, 0.0)
+                + r.upload_s[-1]
+                + 2 * (constants.SPOTLINE_POLL_INTERVAL_S)
+            )
+        from spotline.plan import predicted_save_s
+
+        replicas = self.group.replicas if self.group else self.spec.replica_counts()[0]
+        return predicted_save_s(self.spec, replicas)
+
+    def _check_jit_fit(self, measured: bool) -> None:
+        """Say so when a just-in-time checkpoint cannot meet the shortest notice: at the
+        start from the state size, and once more from the first measured save."""
+        from spotline.plan import jit_fit_problem
+
+        group = self.group
+        if measured:
+            if self._jit_fit_checked or group is None:
+                return
+            self._jit_fit_checked = True
+            sps = self._sps_by_replicas.get(group.replicas)
+            problem = jit_fit_problem(
+                self.spec,
+                group.replicas,
+                save_s=self._predicted_save_s(),
+                step_s=1.0 / sps if sps else 0.0,
+            )
+        else:
+            problem = jit_fit_problem(self.spec, self.spec.replica_counts()[0])
+        if problem:
+            self._event(f"warning: {problem}", logging.WARNING)
+
+    def _answer_notices(self, step: int, committed: bool) -> None:
         now = self.clock()
-        for n in self._jit:
-            n["committed_step"] = step if committed else max(self.committed, default=None)
+        for n in self._pending_jit:
+            n["committed_step"] = (
+                step if committed else max(self.coordinator.committed, default=None)
+            )
             n["notice_to_commit_s"] = now - n["received_clock"] if committed else None
             n["committed_at"] = time.time() if committed else None
             n["before_deadline_s"] = n["deadline"] - time.time()
             n["outcome"] = "just-in-time checkpoint committed" if committed else "commit failed"
-            self.notices.append(n)
-        first = self._jit[0]
-        self._jit = []
-        if committed:
+            self.rec.notices.append(n)
+        if self._pending_jit and committed:
+            first = self._pending_jit[0]
             took = now - first["received_clock"]
             budget = self.spec.preemption.jit_checkpoint_budget_s
             self._event(
                 f"just-in-time checkpoint step {step} committed {took:.1f}s after the notice, "
                 f"{first['deadline'] - time.time():.0f}s before the deadline"
                 + (
-                    f"; that is over preemption.jit_checkpoint_budget_s ({budget:.0f}s): "
-                    "shorten steps (fewer micro-batches) or raise the budget and the "
-                    "nodes' grace period"
+                    f"; that is over preemption.jit_checkpoint_budget_s ({budget:.0f}s)"
                     if took > budget
                     else ""
                 ),
                 logging.WARNING if took > budget else logging.INFO,
             )
-        else:
-            self._event(
-                f"just-in-time checkpoint step {step} did not commit; the latest committed "
-                f"step is {max(self.committed, default=None)}",
-                logging.WARNING,
-            )
-        doomed_here = self.group.node_ids() & set(self.doomed)
-        if not doomed_here:
-            return State.RUNNING
-        self.attempts[-1].ended_by = "preemption notice"
-        self._restart("preemption", f"leaving node(s) {', '.join(n[:12] for n in doomed_here)}")
-        return State.SCHEDULING
-
-    def request_stop(self, reason: str = "stop requested") -> None:
-        """Stop at the next step boundary, commit a checkpoint there, and end STOPPED.
-
-        Thread-safe. The job resumes from that checkpoint when it is submitted again.
-        """
-        self._stop_reason = reason
-        group = self.group
-        if group is not None:
-            group.request_checkpoint(reason)
-
-    def _stopped(self) -> State:
-        self._teardown()
-        latest = max(self.committed, default=None)
-        self._event(
-            f"stopped at step {self.step_count} ({self._stop_reason}); latest committed "
-            f"step {latest} at {self.store.uri}: submitting the job again resumes there"
-        )
-        return State.STOPPED
-
-    def _should_grow(self) -> bool:
-        assert self.group is not None
-        e = self.spec.elastic
-        if self.group.replicas >= e.max_replicas:
-            return False
-        capacity = self.cluster.capacity(held_workers=self.group.world_size)
-        decision = self.grow_policy.decide(
-            replicas=self.group.replicas,
-            capacity=capacity,
-            steps_left=self.spec.train.steps - self.step_count,
-            steps_per_s=self._sps_by_replicas.get(self.group.replicas, 0.0),
-            restart_s=self._restart_s or 0.0,
-            since_resize_s=self.clock() - self._last_resize,
-            measured=self._sps_by_replicas,
-        )
-        if decision is None:
-            return False
-        self._grow_to = decision.replicas
-        return True
-
-    def _resizing(self) -> State:
-        """Grow: commit the boundary checkpoint, then restart bigger from it."""
-        assert self.group is not None
-        self._collect_uploads(self.group.flush_uploads())
-        if self.step_count not in self.committed:
-            self._event(
-                f"not growing: checkpoint step {self.step_count} did not commit", logging.WARNING
-            )
-            return State.RUNNING
-        self.attempts[-1].ended_by = "grow"
-        self._restart(
-            "grow",
-            f"capacity for {self._grow_to} replica(s) (restart cost {self._restart_s or 0:.1f}s, "
-            f"rule: elastic.scale_up_interval_s and time saved > 2 x restart cost)",
-        )
-        return State.SCHEDULING
-
-    def _restart(self, why: str, detail: str) -> None:
-        assert self.group is not None
-        before = self.group.replicas
-        self.resizes.append(
-            {"step": self.step_count, "from_replicas": before, "why": why, "detail": detail}
-        )
-        self._event(f"restarting at step {self.step_count} from {before} replica(s): {detail}")
-        self._teardown()
-        self._interrupted_at = (self.clock(), why)
-
-    def _teardown(self) -> None:
-        if self.backfill is not None:
-            self.backfill.detach()
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
-        # Uploads of a dead group never complete; their steps stay uncommitted.
-        self._uploads.clear()
-        self._save_world.clear()
+        self._pending_jit = []
 
     # --- bubbles and backfill -------------------------------------------------------
 
@@ -798,68 +1017,24 @@ class Controller:
         Never into a URI this job does not own (another job's artifacts stay intact)."""
         if not self._owns_store:
             return
-        self.telemetry.store(self.store, self.summary())
-        if not with_trace or self.bubbles is None or not self.bubbles.latest:
-            return
-        trace = self.trace()
-        try:
-            self.store.write_artifact(TRACE_ARTIFACT, json.dumps(trace).encode())
-        except StorageError as e:
-            self._event(f"could not write the pipeline trace: {e}", logging.WARNING)
-
-    def _backfill_result(self, result: dict[str, Any]) -> None:
-        if result.get("kind") == "eval":
-            self.telemetry.eval_result(result)
+        self.coordinator.store_summary(self.summary(), self.telemetry.ledger.to_dict())
+        if with_trace and self.bubbles is not None and self.bubbles.latest:
+            self.coordinator.write_artifact(TRACE_ARTIFACT, json.dumps(self.trace()).encode())
 
     def _export_counts(self) -> None:
         restarts: dict[str, int] = {}
-        for a in self.attempts[:-1]:
+        for a in self.rec.attempts[:-1]:
             why = (a.ended_by or "unknown").replace(" ", "_")
             restarts[why] = restarts.get(why, 0) + 1
         tasks: dict[str, int] = {}
         for t in self.backfill.results() if self.backfill else []:
             if t["state"] in ("done", "failed"):
                 tasks[t["state"]] = tasks.get(t["state"], 0) + 1
-        self.telemetry.counts(len(self.notices), self.node_losses, restarts, tasks)
+        self.telemetry.counts(len(self.rec.notices), self.rec.node_losses, restarts, tasks)
 
-    def summary(self) -> dict[str, Any]:
-        """Everything `spotline status` and `spotline report` show, in one dict."""
-        group = self.group
-        last = self.committed[-1] if self.committed else None
-        tel = self.telemetry
-        return {
-            **self._headline(group),
-            "waiting": self._waiting_reason,
-            "train_loss": tel.last.get("train_loss"),
-            "heldout_loss": self.heldout_loss,
-            "eval": tel.evals[-1] if tel.evals else None,
-            "evals": list(tel.evals),
-            "tokens_per_s": tel.last.get("tokens_per_s"),
-            "mfu": tel.last.get("mfu"),
-            "data_stall_fraction": tel.last.get("data_stall_fraction"),
-            "hfu": tel.last.get("hfu"),
-            "peak_flops_per_device": tel.peak_flops,
-            "bubbles": self.bubbles.summary() if self.bubbles else None,
-            "last_checkpoint": (
-                {"step": last, "uri": self.store.step_uri(last)} if last is not None else None
-            ),
-            "preemption_notices": len(self.notices),
-            "node_losses": self.node_losses,
-            "restarts": max(0, len(self.attempts) - 1),
-            "failures": self.failures,
-            "ledger": tel.ledger_summary(),
-            "cost": tel.cost(),
-            "alerts": [a.message() for a in tel.deviation.alerts],
-            "history": list(tel.history),
-            "losses": {str(k): v for k, v in sorted(self.losses.items())},
-            "notices": [
-                {k: n.get(k) for k in ("source", "node_id", "committed_step", "notice_to_commit_s")}
-                for n in self.notices
-            ],
-            "resizes": list(self.resizes),
-            "error": self.error,
-            "updated_at": time.time(),
-        }
+    def _backfill_result(self, result: dict[str, Any]) -> None:
+        if result.get("kind") == "eval":
+            self.telemetry.eval_result(result)
 
     def submit_backfill(self, task: Any, name: str | None = None) -> int:
         if self.backfill is None:
@@ -871,90 +1046,3 @@ class Controller:
 
     def backfill_record(self, task_id: int) -> dict[str, Any] | None:
         return self.backfill.record(task_id) if self.backfill is not None else None
-
-    # --- commits ------------------------------------------------------------------
-
-    def _collect_uploads(self, uploads: list[Any]) -> None:
-        for u in uploads:
-            if u.step not in self._save_world:
-                continue
-            if u.error:
-                self._event(
-                    f"checkpoint step {u.step} abandoned: rank {u.rank} upload failed: {u.error}",
-                    logging.WARNING,
-                )
-                self._save_world.pop(u.step, None)
-                self._uploads.pop(u.step, None)
-                continue
-            self._uploads.setdefault(u.step, []).append(u)
-            if len(self._uploads[u.step]) == self._save_world[u.step]:
-                uploads = self._uploads.pop(u.step)
-                self._commit(
-                    u.step,
-                    [f for x in uploads for f in x.files],
-                    self._save_world.pop(u.step),
-                    max(x.seconds for x in uploads),
-                )
-
-    def _commit_from_receipts(self) -> None:
-        """Commit steps whose uploads all finished but whose reports died with their group.
-
-        Every rank writes a receipt after its upload; a step newer than the latest
-        commit with a receipt from every rank of the group that saved it is complete.
-        """
-        latest = max(self.store.committed_steps(), default=-1)
-        for step in self.store.uncommitted_steps():
-            if step <= latest:
-                continue
-            receipts = self.store.read_receipts(step)
-            if not receipts:
-                continue
-            world = receipts[0]["world_size"]
-            if sorted(r["rank"] for r in receipts) != list(range(world)):
-                continue
-            files = [FileEntry(**f) for r in receipts for f in r["files"]]
-            self._event(f"step {step}: every rank's upload had finished; committing it now")
-            self._commit(step, files, world, upload_s=None)
-
-    def _commit(
-        self, step: int, files: list[FileEntry], world: int, upload_s: float | None
-    ) -> None:
-        files = sorted(files, key=lambda f: f.path)
-        replicas = world // self.spec.parallel.pipeline_stages
-        manifest = Manifest(
-            step=step,
-            files=files,
-            topology=self.spec.topology(replicas),
-            data_position={"next_step": step, "seed": self.spec.data.seed},
-            spec_hash=self.spec.spec_hash(),
-            created_at=time.time(),
-            extra={
-                "job": self.spec.name,
-                "batch": self.spec.batch_record(replicas),
-                "spec": self.spec.hashed_fields(),  # so a refused resume can say what differs
-                "vocab_size": self.spec.vocab_size(),
-            },
-        )
-        try:
-            self.store.commit(manifest)
-        except (StorageError, CorruptCheckpointError) as e:
-            # Training goes on; the next checkpoint commits in its place.
-            self._event(f"checkpoint step {step} not committed: {e}", logging.WARNING)
-            return
-        self.committed.append(step)
-        if upload_s is not None:
-            self.upload_s.append(upload_s)
-        self.upload_bytes.append(manifest.total_bytes)
-        deleted = self.store.apply_retention(self.spec.checkpoint.keep_last)
-        self.committed = [s for s in self.committed if s not in deleted]
-        self._event(
-            f"committed checkpoint step {step} ({manifest.total_bytes / 1e6:.1f} MB, "
-            f"{len(files)} files) -> {self.store.step_uri(step)}"
-        )
-        self.telemetry.commit(
-            step, manifest.total_bytes, self.blocked_s[-1] if self.blocked_s else None, upload_s
-        )
-        if self.backfill is not None:
-            self.backfill.on_commit(manifest, final=step >= self.spec.train.steps)
-            self.backfill.poll()  # start what is due now, not after the next chunk
-        self._write_artifacts()

@@ -179,21 +179,22 @@ class ScalingPolicy:
 
 
 class GrowPolicy:
-    """Whether to restart a running group at a bigger size, at a checkpoint boundary.
+    """Whether to restart a running group at a bigger size.
 
     The rule: grow from D to D' replicas only when
-      1. at least `interval_s` passed since the last resize (the configured cadence), and
+      1. the group has run for at least 2 x the measured restart cost since it started
+         (a minimum dwell, so capacity that flickers does not cause a restart storm), and
       2. the time the bigger group saves over the remaining steps is more than twice the
          measured restart cost:
              steps_left / r(D) - steps_left / r(D') > 2 x restart_s
          where r(D) is the current steps per second and r(D') the rate this job measured
          at D' replicas before, or r(D) x D'/D when it has not run at D' yet.
-    The factor 2 leaves margin for capacity that leaves again soon after it came.
+    restart_s is the last restart's measured cost; before the first restart, the first
+    group's measured start stands in. No fixed interval: capacity that joins is used as soon as the rule says it pays.
     """
 
-    def __init__(self, scaling: ScalingPolicy, interval_s: float):
+    def __init__(self, scaling: ScalingPolicy):
         self.scaling = scaling
-        self.interval_s = interval_s
 
     def decide(
         self,
@@ -202,14 +203,58 @@ class GrowPolicy:
         steps_left: int,
         steps_per_s: float,
         restart_s: float,
-        since_resize_s: float,
+        running_s: float,
         measured: dict[int, float] | None = None,
     ) -> Resize | None:
         target = self.scaling.fit(capacity) or 0
-        if target <= replicas or since_resize_s < self.interval_s or steps_per_s <= 0:
+        if target <= replicas or steps_per_s <= 0 or running_s < 2 * restart_s:
             return None
         faster = (measured or {}).get(target) or steps_per_s * target / replicas
         saved_s = steps_left / steps_per_s - steps_left / faster
         if saved_s <= 2 * restart_s:
             return None
         return Resize(target)
+
+
+class JitPolicy:
+    """At which step to take the just-in-time checkpoint of a preemption notice.
+
+    Moving at once (save after the next step, then restart on what is left) forfeits
+    the doomed node's capacity for the rest of the notice; staying trains at the full
+    size until the latest step whose save still ends before the deadline with a margin.
+    With W = deadline - now - margin, step time t, predicted save time S (host copy +
+    upload + commit), and rates r now and r' on what is left (r' = r x D'/D unless
+    measured):
+
+        stay:  k = floor((W - S) / t) more steps, then save
+        move:  1 step, then the smaller group trains for about W - t
+        stay   iff  k > 1 + r' x (W - t)
+
+    Both then restart once; counted at the moment the stayer's new group starts, the
+    mover has trained r' x (W - t) steps more at the smaller size. A long notice (AWS:
+    120 s) with a fast save usually stays; a short one (GCP, Azure: 30 s) moves.
+    """
+
+    def __init__(self, margin_s: float):
+        self.margin_s = margin_s
+
+    def decide(
+        self,
+        *,
+        step: int,
+        seconds_left: float,
+        step_s: float,
+        save_s: float,
+        replicas: int,
+        replicas_after: int,
+        rate_after: float | None = None,
+    ) -> int:
+        """The step to save at: step + 1 (move at once) or a later one (stay)."""
+        w = seconds_left - self.margin_s
+        if step_s <= 0 or w <= save_s + step_s:
+            return step + 1
+        k = int((w - save_s) // step_s)
+        r_after = rate_after if rate_after is not None else (replicas_after / replicas) / step_s
+        if k > 1 + r_after * (w - step_s):
+            return step + k
+        return step + 1

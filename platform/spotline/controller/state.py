@@ -1,23 +1,90 @@
-"""The controller's states. One loop iteration moves from one state to the next."""
+"""The controller's states. Each carries what it needs; a loop iteration returns the next.
+
+`name` is what status, events and the ledger call the state.
+"""
 
 from __future__ import annotations
 
-import enum
+from dataclasses import dataclass
+from typing import ClassVar
 
 
-class State(str, enum.Enum):
-    PENDING = "pending"
-    SCHEDULING = "scheduling"
-    WAITING = "waiting"  # below elastic.min_replicas: waiting for capacity
-    RUNNING = "running"
-    CHECKPOINTING = "checkpointing"
-    RESIZING = "resizing"  # restarting at another size from a fresh commit
-    RECOVERING = "recovering"
-    FINISHING = "finishing"
-    FINISHED = "finished"
-    FAILED = "failed"
-    STOPPED = "stopped"  # stopped on request, after a final commit
+@dataclass(frozen=True)
+class State:
+    name: ClassVar[str] = "?"
+    terminal: ClassVar[bool] = False
 
-    @property
-    def terminal(self) -> bool:
-        return self in (State.FINISHED, State.FAILED, State.STOPPED)
+
+@dataclass(frozen=True)
+class Pending(State):
+    name: ClassVar[str] = "pending"
+
+
+@dataclass(frozen=True)
+class Scheduling(State):
+    """Start a group on the capacity that is there: at least `want` replicas if it comes
+    within the settle time (after a teardown, the freed devices show up a moment later)."""
+
+    name: ClassVar[str] = "scheduling"
+    reason: str = "start"
+    since: float = 0.0
+    want: int = 0
+
+
+@dataclass(frozen=True)
+class Waiting(State):
+    """Below elastic.min_replicas: waiting for capacity since `since`."""
+
+    name: ClassVar[str] = "waiting"
+    reason: str = ""
+    since: float = 0.0
+
+
+@dataclass(frozen=True)
+class Running(State):
+    """The group trains on its own toward `target`."""
+
+    name: ClassVar[str] = "running"
+    target: int = 0
+
+
+@dataclass(frozen=True)
+class Leaving(State):
+    """The group was asked to save and stop at `step` (a just-in-time checkpoint before a
+    preemption, a grow, or a stop request); it leaves once that step is committed."""
+
+    name: ClassVar[str] = "checkpointing"
+    why: str = "preemption"  # "preemption" | "grow" | "stop"
+    step: int = 0
+    since: float = 0.0
+    grow_to: int = 0
+    deadline: float | None = None  # wall clock: the notice's, while `step` is a late one
+
+
+@dataclass(frozen=True)
+class Finishing(State):
+    """Every rank reached the last step: its commit, the held-out loss, backfill's end."""
+
+    name: ClassVar[str] = "finishing"
+
+
+@dataclass(frozen=True)
+class Finished(State):
+    name: ClassVar[str] = "finished"
+    terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Failed(State):
+    name: ClassVar[str] = "failed"
+    terminal: ClassVar[bool] = True
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Stopped(State):
+    """Stopped on request after a final commit; submitting the job again resumes there."""
+
+    name: ClassVar[str] = "stopped"
+    terminal: ClassVar[bool] = True
+    reason: str = ""

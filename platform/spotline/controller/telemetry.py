@@ -1,9 +1,8 @@
 """The controller's figures: Ray metrics, the goodput ledger, MFU, deviation alerts.
 
-Kept out of the state machine: the controller tells it what happened (a chunk of
-steps, a commit, time spent in a state) and it does the accounting and the
-exporting. Nothing here may stop a job: metric export never raises, and the
-stored summary is best effort.
+Kept out of the state machine: the controller tells it what happened (a batch of
+steps the ranks reported, a commit) and it does the accounting and the exporting.
+Nothing here may stop a job: metric export never raises.
 """
 
 from __future__ import annotations
@@ -17,27 +16,12 @@ from typing import Any
 from spotline.checkpoint import (
     LEDGER_ARTIFACT,
     SUMMARY_ARTIFACT,
-    CheckpointStore,
-    StorageError,
 )
 from spotline.config.schema import JobSpec
-from spotline.controller.state import State
 from spotline.metrics.deviation import DeviationMonitor, likely_cause
 from spotline.metrics.export import Metrics
 from spotline.metrics.flops import mfu, model_flops_per_token
 from spotline.metrics.ledger import GoodputLedger
-
-# The ledger part each state's time goes to (RUNNING splits its chunk itself).
-STATE_PART = {
-    State.PENDING: "startup_other",
-    State.SCHEDULING: "recovery",  # the first start is charged to startup_other instead
-    State.WAITING: "waiting",
-    State.RUNNING: "startup_other",  # what the chunk itself did not account for
-    State.CHECKPOINTING: "checkpoint_stall",
-    State.RESIZING: "recovery",
-    State.RECOVERING: "recovery",
-    State.FINISHING: "startup_other",
-}
 
 
 class Telemetry:
@@ -63,13 +47,11 @@ class Telemetry:
 
     # --- loading and storing ------------------------------------------------------
 
-    def resume(self, store: CheckpointStore) -> None:
-        """Continue the ledger and history a previous controller of this job stored."""
-        try:
-            ledger = store.read_artifact(LEDGER_ARTIFACT)
-            summary = store.read_artifact(SUMMARY_ARTIFACT)
-        except StorageError:
-            return
+    def resume(self, artifacts) -> None:
+        """Continue the ledger and history a previous controller of this job stored
+        (`artifacts.read_artifact`: the commit coordinator)."""
+        ledger = artifacts.read_artifact(LEDGER_ARTIFACT)
+        summary = artifacts.read_artifact(SUMMARY_ARTIFACT)
         if ledger is None:
             return
         self.ledger = GoodputLedger.from_dict(json.loads(ledger))
@@ -82,33 +64,7 @@ class Telemetry:
             "device-hours so far"
         )
 
-    def store(self, store: CheckpointStore, summary: dict[str, Any]) -> None:
-        try:
-            store.write_artifact(LEDGER_ARTIFACT, json.dumps(self.ledger.to_dict()).encode())
-            store.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())
-        except StorageError as e:
-            self._event(f"could not store the job summary and ledger: {e}", logging.WARNING)
-
-    # --- what happened ------------------------------------------------------------
-
-    def charge(
-        self,
-        state: State,
-        seconds: float,
-        devices: int,
-        first_start: bool,
-        chunk_failed: bool = False,
-    ) -> None:
-        """Time spent in one iteration of `state`. A chunk of steps that died with its
-        workers is thrown-away work: recomputed."""
-        part = "recomputed" if chunk_failed else STATE_PART.get(state)
-        if part is None:
-            return
-        if state is State.SCHEDULING and first_start:
-            part = "startup_other"
-        self.ledger.charge(part, seconds, devices)
-
-    def chunk(
+    def steps(
         self,
         *,
         steps: list[tuple[int, float]],
@@ -122,11 +78,11 @@ class Telemetry:
         warm: bool,
         uploading: bool = False,
         data_stall_s: float = 0.0,
-    ) -> float:
-        """A chunk of training; returns the seconds it charged to the ledger."""
+    ) -> None:
+        """A batch of steps the ranks reported (`seconds`: their summed step times)."""
         done = len(steps)
         if not done:
-            return 0.0
+            return
         spec = self.spec
         tokens = done * spec.global_batch(replicas) * spec.model.seq_len
         b = bubbles or {}
@@ -178,7 +134,6 @@ class Telemetry:
                 done, seconds, tokens, replicas, per_rank, backfill_slowdown, uploading
             )
         self._export_ledger()
-        return seconds
 
     def _check_deviation(
         self, done, seconds, tokens, replicas, per_rank, slowdown, uploading

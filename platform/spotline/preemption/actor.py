@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from spotline import constants
 from spotline.config.schema import JobSpec
 from spotline.preemption.sources import Notice, make_source
 from spotline.preemption.watcher import NoticeWatcher
@@ -39,9 +40,19 @@ class NodeWatcherActor:
         self.watcher = NoticeWatcher(sources, self._deliver, name=f"spotline-watch-{node_id[:8]}")
         self.watcher.start()
 
-    def _deliver(self, notice: Notice) -> None:
-        # Fire and forget: the controller dedupes, and a watcher never blocks on it.
-        self.controller.notify.remote(dataclasses.asdict(notice))
+    def _deliver(self, notice: Notice) -> bool:
+        """True once the controller accepted it; the watcher re-sends until then (the
+        controller dedupes). Bounded: a controller that does not answer is retried."""
+        import ray
+
+        try:
+            ref = self.controller.notify.remote(dataclasses.asdict(notice))
+            return bool(ray.get(ref, timeout=constants.SPOTLINE_NOTICE_ACK_TIMEOUT_S))
+        except Exception as e:  # noqa: BLE001 - not delivered: the watcher tries again
+            log.warning(
+                "notice for node %s not acknowledged yet (%s); re-sending", self.node_id[:12], e
+            )
+            return False
 
     def notices(self) -> list[dict[str, Any]]:
         return [dataclasses.asdict(n) for n in self.watcher.notices]

@@ -1,5 +1,5 @@
 """The per-node notice watcher: polls every source on its own interval, in one daemon
-thread, and reports each distinct notice exactly once.
+thread, and delivers each distinct notice until it is acknowledged.
 
 It must stay Ray-free (a Ray actor hosts it, the controller consumes its callbacks) and
 must never die of a misbehaving source or callback: one error is logged, the next poll
@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 class NoticeWatcher:
-    """Polls `sources` and calls `on_notice(notice)` once per distinct notice.
+    """Polls `sources` and calls `on_notice(notice)` for each distinct notice until it
+    returns True (the receiver has it): a delivery that fails or is not acknowledged is
+    tried again at every poll, whether or not the source still reports the notice.
 
     Notices are distinct by (source, node_id, deadline, reason): a source that keeps
     reporting the same notice is reported once, and a moved deadline is a new notice.
@@ -31,7 +33,7 @@ class NoticeWatcher:
     def __init__(
         self,
         sources: Sequence[NoticeSource],
-        on_notice: Callable[[Notice], None],
+        on_notice: Callable[[Notice], bool],
         *,
         name: str = "spotline-notice-watcher",
     ) -> None:
@@ -40,6 +42,7 @@ class NoticeWatcher:
         self._name = name
         self._seen: set[Notice] = set()
         self._delivered: list[Notice] = []
+        self._unacked: list[Notice] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,6 +108,7 @@ class NoticeWatcher:
         new: list[Notice] = []
         for src in self.sources:
             new.extend(self._poll_source(src))
+        self._redeliver()
         return new
 
     def _poll_source(self, src: NoticeSource) -> list[Notice]:
@@ -128,11 +132,25 @@ class NoticeWatcher:
                 notice.reason,
                 notice.remaining_s(),
             )
-            try:
-                self._on_notice(notice)
-            except Exception:
-                logger.exception("on_notice callback failed for %s", notice)
+            self._deliver(notice)
         return new
+
+    def _deliver(self, notice: Notice) -> None:
+        try:
+            acked = bool(self._on_notice(notice))
+        except Exception:
+            logger.exception("delivering %s failed; trying again at the next poll", notice)
+            acked = False
+        if not acked:
+            with self._lock:
+                if notice not in self._unacked:
+                    self._unacked.append(notice)
+
+    def _redeliver(self) -> None:
+        with self._lock:
+            todo, self._unacked = self._unacked, []
+        for notice in todo:
+            self._deliver(notice)
 
     def _run(self) -> None:
         due = [time.monotonic()] * len(self.sources)
@@ -142,5 +160,6 @@ class NoticeWatcher:
                 if due[i] <= now and not self._stop.is_set():
                     self._poll_source(src)
                     due[i] = time.monotonic() + src.poll_interval_s
+            self._redeliver()
             wait = min(due) - time.monotonic() if due else None
             self._stop.wait(None if wait is None else max(wait, 0.0))

@@ -1,7 +1,8 @@
-"""Topology-free training state: full fp32 weights and Adam moments, by parameter name.
+"""A reference for the sharded state's tests: full fp32 weights and Adam moments by
+parameter name, gathered with a collective (what Spotline's checkpoints held before
+they were sharded per rank). Tests compare the sharded save/load against it.
 
-This is the whole checkpoint: Spotline does not write DeepSpeed's own (pickled,
-world-size-bound) checkpoint files. `gather` collects, per pipeline stage, every
+Spotline itself never uses this: its checkpoints are `spotline.train.state`'s. `gather` collects, per pipeline stage, every
 parameter's full fp32 master copy and Adam moments (`exp_avg`, `exp_avg_sq`) under its
 global name (`<layer index>.<param>`, the same in a PipelineModule and in the pp=1
 Sequential). A checkpoint written with D replicas therefore loads with D' != D: each
@@ -146,3 +147,19 @@ def load(engine, state: dict[str, Any]) -> None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     engine.global_steps = state["global_steps"]
     engine.global_samples = state["global_samples"]
+
+
+def save_reference(trainer, root: Path) -> None:
+    """The full state of every stage under root/global_step<N>/spotline/ (collective)."""
+    out = Path(root) / f"global_step{trainer.step}" / "spotline"
+    out.mkdir(parents=True, exist_ok=True)
+    state = gather(trainer.engine)
+    if trainer.topo.replica == 0:
+        save(state, out / f"stage_{trainer.topo.stage:03d}{STAGE_SUFFIX}")
+
+
+def load_reference(trainer, root: Path, step: int) -> None:
+    files = sorted((Path(root) / f"global_step{step}" / "spotline").glob(f"stage_*{STAGE_SUFFIX}"))
+    load(trainer.engine, load_files(files))
+    trainer.step = step
+    trainer._sync_lr()

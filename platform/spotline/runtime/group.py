@@ -4,6 +4,12 @@ The controller only talks to this interface (`WorkerGroup`), so controller
 tests swap in a fake group. `RayWorkerGroup` places one actor per device with a
 placement group: the stages of a replica are consecutive bundles, packed onto a
 node where they fit. Rank = stage * replicas + replica, as DeepSpeed's grid expects.
+
+Once started (`run`), the ranks train on their own; `poll` collects what they
+published without ever waiting on a rank's training thread, and `request` sends
+them messages (save at step k, stop at step k). A sidecar factory, given by the
+caller, starts one extra actor per rank in the rank's bundle (the backfill
+executors): the runtime does not know what it is.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextlib
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,7 +26,7 @@ from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.config.redact import redact
 from spotline.config.schema import JobSpec
-from spotline.workers.trainer import Topology
+from spotline.train.trainer import Topology
 
 PROCESS_DIED = "worker process died (killed, out of memory, or its node was lost)"
 
@@ -56,20 +63,28 @@ class WorkerFailure(RuntimeError):
 
 
 @dataclass
-class ChunkResult:
-    losses: list[tuple[int, float]]
-    seconds: float
+class Progress:
+    """What a group's ranks published since the last poll."""
+
+    steps: list[tuple[int, float, float, float]] = field(default_factory=list)
+    """(step, loss, seconds, wall time at its end), in order (rank 0's: the loss is the
+    same on every rank)."""
+    saves: dict[int, float] = field(default_factory=dict)
+    """Steps saved by every rank, with the longest time a rank's training was blocked."""
+    save_bytes: dict[int, int] = field(default_factory=dict)
+    """Bytes each of those saves copied to the host, over all ranks."""
     uploads: list[Any] = field(default_factory=list)
-    interrupted: bool = False
-    """The ranks stopped early at a step boundary because one of them was asked to."""
+    """Finished uploads (UploadResult), any rank, in the order they finished."""
+    uploading: bool = False
     notices: list[dict[str, Any]] = field(default_factory=list)
     """Preemption notices the ranks saw themselves (SIGTERM), as Notice fields + rank."""
     bubbles: list[dict[str, Any]] = field(default_factory=list)
-    """Per rank of a pipeline: bubble figures of the chunk and its latest step's timeline."""
+    """Per rank of a pipeline: bubble figures since the last poll and its latest steps."""
     lr: float | None = None
-    """Learning rate of the chunk's last step."""
     data_stall_s: float = 0.0
-    """Seconds the chunk's steps waited for their batches (the slowest rank's)."""
+    """Seconds steps waited for their batches since the last poll (the slowest rank's)."""
+    finished: dict[str, Any] | None = None
+    """Set once every rank's run returned: {"stopped_at": step, "reason": ...}."""
 
 
 class WorkerGroup(Protocol):
@@ -77,19 +92,24 @@ class WorkerGroup(Protocol):
 
     world_size: int
     replicas: int
+    attempt: str
 
     def start(self) -> None: ...
     def restore(self, manifest: Manifest) -> int: ...
-    def train(self, n_steps: int) -> ChunkResult: ...
-    def request_checkpoint(self, reason: str) -> None: ...
+    def run(self, target: int) -> None: ...
+    def poll(self, timeout_s: float) -> Progress: ...
+    def request(self, save_at: int = 0, stop_at: int = 0, reason: str = "") -> None: ...
+    def wait_uploads(self, timeout_s: float) -> bool: ...
     def node_ids(self) -> set[str]: ...
-    def save(self) -> float: ...
-    def flush_uploads(self) -> list[Any]: ...
     def heldout_loss(self) -> float: ...
     def executors(self) -> list[Any]: ...
     def peak_flops(self) -> float | None: ...
     def worker_info(self) -> list[dict[str, Any]]: ...
     def shutdown(self) -> None: ...
+
+
+Sidecar = Callable[[Topology, Any, dict[str, float], str], Any]
+"""(topology, scheduling strategy of the rank's bundle, the bundle, attempt) -> actor."""
 
 
 def worker_name(topo: Topology) -> str:
@@ -113,19 +133,37 @@ def worker_bundle(spec: JobSpec, device: str) -> dict[str, float]:
 
 
 class RayWorkerGroup:
-    def __init__(self, spec: JobSpec, replicas: int, store: CheckpointStore, device: str):
+    def __init__(
+        self,
+        spec: JobSpec,
+        replicas: int,
+        store: CheckpointStore,
+        device: str,
+        sidecar: Sidecar | None = None,
+        sidecar_gpu_fraction: float = 0.0,
+    ):
         self.spec = spec
         self.replicas = replicas
         self.store = store
         self.device = device
+        self.sidecar = sidecar
+        self.sidecar_gpu_fraction = sidecar_gpu_fraction if sidecar is not None else 0.0
         self.pp = spec.parallel.pipeline_stages
         self.world_size = self.pp * replicas
-        self.run_id = uuid.uuid4().hex[:8]
+        self.attempt = uuid.uuid4().hex[:8]
         self.pg = None
         self.actors: list[Any] = []
-        self.backfill: list[Any] = []  # one executor per rank when backfill is on
+        self.sidecars: list[Any] = []  # one per rank, when a sidecar factory is given
         self._info: list[dict[str, Any]] = []
         self._devices: list[dict[str, Any]] = []  # per rank: device name and peak FLOP/s
+        self._runs: list[Any] = []  # each rank's run() ref
+        self._finished: dict[int, dict[str, Any]] = {}
+        self._polls: dict[int, Any] = {}  # rank -> its progress() ref still out
+        # Ranks whose run had returned when their latest progress() was sent: that
+        # report holds all they will ever publish (the final save included).
+        self._drained: set[int] = set()
+        self._final_polls: set[int] = set()
+        self._saves: dict[int, dict[int, tuple[float, int]]] = {}  # step -> rank -> report
 
     # --- helpers ------------------------------------------------------------------
 
@@ -183,21 +221,21 @@ class RayWorkerGroup:
     def _nodes(self) -> dict[int, str]:
         return {i["rank"]: i["node_id"] for i in self._info}
 
-    # --- WorkerGroup --------------------------------------------------------------
+    # --- start-up ---------------------------------------------------------------------
 
     def start(self) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from spotline.workers.actor import TrainWorker
+        from spotline.runtime.actor import TrainWorker
 
         bundle = worker_bundle(self.spec, self.device)
         # Bundle i = (replica i // pp, stage i % pp): a replica's stages stay adjacent.
         self.pg = placement_group(
             [dict(bundle) for _ in range(self.world_size)],
             strategy="PACK",
-            name=f"spotline:{self.spec.name}:{self.run_id}",
+            name=f"spotline:{self.spec.name}:{self.attempt}",
         )
         timeout = constants.SPOTLINE_WORKER_START_TIMEOUT_S
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
@@ -212,10 +250,9 @@ class RayWorkerGroup:
             )
         spec_json = self.spec.model_dump_json()
         cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
-        bf = self.spec.backfill
-        # With backfill the worker leaves a fraction of its GPU to its executor; both are
-        # in the same bundle, so Ray gives them the same physical device.
-        gpus = bundle.get("GPU", 0) * ((1 - bf.gpu_fraction) if bf.enabled else 1)
+        # With a sidecar the worker leaves a fraction of its GPU to it; both are in the
+        # same bundle, so Ray gives them the same physical device.
+        gpus = bundle.get("GPU", 0) * (1 - self.sidecar_gpu_fraction)
         for rank in range(self.world_size):
             topo = Topology(self.pp, self.replicas, rank)
             idx = topo.replica * self.pp + topo.stage
@@ -224,13 +261,13 @@ class RayWorkerGroup:
                 cls.options(
                     num_cpus=bundle.get("CPU", 0),
                     num_gpus=gpus,
-                    name=f"spotline:{self.spec.name}:{worker_name(topo)}:{self.run_id}",
+                    name=f"spotline:{self.spec.name}:{worker_name(topo)}:{self.attempt}",
                     scheduling_strategy=where,
                     max_restarts=0,
-                ).remote(spec_json, topo, self.store, self.run_id)
+                ).remote(spec_json, topo, self.store, self.attempt)
             )
-            if bf.enabled:
-                self.backfill.append(self._start_executor(topo, where, bundle, spec_json))
+            if self.sidecar is not None:
+                self.sidecars.append(self.sidecar(topo, where, bundle, self.attempt))
         self._info = self._call_all("start", "info", timeout_s=timeout)
         # Rank 0 hosts the torch.distributed store: its node and a port free there.
         addr = self._info[0]["ip"]
@@ -238,25 +275,20 @@ class RayWorkerGroup:
         self._devices = self._call_all("rendezvous", "setup", addr, port, timeout_s=timeout)
 
     def restore(self, manifest: Manifest) -> int:
-        """Two phases: every rank downloads and verifies, and only then does any rank load.
-
-        A corrupt file found by any rank raises CorruptCheckpointError before a single
-        rank has loaded, so the controller can fall back to an older step. A file that
-        verifies but does not parse (not safetensors/JSON) is corrupt too.
-        """
-        dirs = self._corrupt_or_failure(
+        """Two phases. `fetch_checkpoint`: each rank reads what it needs and verifies every
+        byte before it changes its engine's tensors. `load_checkpoint`, only once every
+        rank's fetch succeeded: step, RNG and lr. A corrupt file found by any rank raises
+        CorruptCheckpointError before any rank trains on the step; the controller then
+        loads an older step into every rank, which overwrites all of the state (no rank
+        keeps a part of the bad step). A file that verifies but does not parse is
+        corrupt too."""
+        self._corrupt_or_failure(
             lambda: self._call_all(
-                f"download of checkpoint step {manifest.step}",
-                "fetch_checkpoint",
-                manifest.to_json(),
+                f"read of checkpoint step {manifest.step}", "fetch_checkpoint", manifest.to_json()
             )
         )
         steps = self._corrupt_or_failure(
-            lambda: self._call_all(
-                f"load of checkpoint step {manifest.step}",
-                "load_checkpoint",
-                per_rank_args=[(d, manifest.step) for d in dirs],
-            )
+            lambda: self._call_all(f"load of checkpoint step {manifest.step}", "load_checkpoint")
         )
         return steps[0]
 
@@ -270,65 +302,112 @@ class RayWorkerGroup:
                 raise corrupt[0] from e
             raise
 
-    def train(self, n_steps: int) -> ChunkResult:
-        results = self._call_all("training", "train", n_steps)
-        return ChunkResult(
-            losses=results[0]["losses"],
-            seconds=max(r["seconds"] for r in results),
-            uploads=[u for r in results for u in r["uploads"]],
-            interrupted=results[0]["interrupted"],
-            notices=[n for r in results for n in r["notices"]],
-            bubbles=[r["bubbles"] for r in results if r.get("bubbles")],
-            lr=results[0].get("lr"),
-            data_stall_s=max(r.get("data_stall_s", 0.0) for r in results),
-        )
+    # --- free-running training ----------------------------------------------------------
 
-    def _start_executor(self, topo: Topology, where: Any, bundle: dict, spec_json: str) -> Any:
+    def run(self, target: int) -> None:
+        """Every rank trains to `target` on its own from here; nothing waits for it."""
+        self._runs = [a.run.remote(target) for a in self.actors]
+        self._finished = {}
+        self._drained = set()
+        self._final_polls = set()
+
+    def request(self, save_at: int = 0, stop_at: int = 0, reason: str = "") -> None:
+        """Ask every rank to save at / stop after a step; does not wait."""
+        for a in self.actors:
+            a.request.remote(save_at, stop_at, reason)
+
+    def poll(self, timeout_s: float) -> Progress:
+        """Collect what the ranks published (waiting at most `timeout_s` for answers).
+        A rank whose run raised, or whose process died, raises WorkerFailure."""
         import ray
 
-        from spotline.backfill.executor import BackfillExecutor
-        from spotline.workers.actor import channel_path
+        self._check_runs()
+        for rank, actor in enumerate(self.actors):
+            if rank not in self._polls:
+                self._polls[rank] = actor.progress.remote()
+                if rank in self._finished:
+                    self._final_polls.add(rank)
+        refs = list(self._polls.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready_set = set(ready)
+        reports: list[dict[str, Any]] = []
+        for rank, ref in list(self._polls.items()):
+            if ref in ready_set:
+                del self._polls[rank]
+                if rank in self._final_polls:
+                    self._drained.add(rank)
+                try:
+                    reports.append(ray.get(ref))
+                except Exception as e:  # noqa: BLE001 - grouped and re-raised
+                    self._raise_failure("training", rank, e, list(self._runs), self._rank_of())
+        self._check_runs()
+        return self._fold(reports)
 
-        cls = ray.remote(concurrency_groups={"control": 1})(BackfillExecutor)
-        gpu = bundle.get("GPU", 0) * self.spec.backfill.gpu_fraction
-        return cls.options(
-            num_cpus=0,  # shares the worker's CPUs: it only runs while the worker waits
-            num_gpus=gpu,
-            name=f"spotline:{self.spec.name}:backfill:{worker_name(topo)}:{self.run_id}",
-            scheduling_strategy=where,
-            max_restarts=-1,  # a crashed task's executor comes back for the next task
-        ).remote(
-            spec_json,
-            topo.rank,
-            topo.stage,
-            channel_path(self.spec, self.run_id, topo.rank),
-            self.store,
-            max(1, int(self.spec.resources.cpus_per_worker)),
-            topo.rank if constants.SPOTLINE_PIN_CORES else None,
-        )
+    def _rank_of(self) -> dict[Any, int]:
+        return {ref: r for r, ref in enumerate(self._runs)}
+
+    def _check_runs(self) -> None:
+        import ray
+
+        if not self._runs:
+            return
+        ready, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+        rank_of = self._rank_of()
+        for ref in ready:
+            rank = rank_of[ref]
+            if rank in self._finished:
+                continue
+            try:
+                self._finished[rank] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - grouped and re-raised
+                self._raise_failure("training", rank, e, list(self._runs), rank_of)
+
+    def _fold(self, reports: list[dict[str, Any]]) -> Progress:
+        out = Progress()
+        for r in sorted(reports, key=lambda r: r["rank"]):
+            if r["rank"] == 0:
+                out.steps = r["steps"]
+                out.lr = r["lr"]
+            for step, blocked, nbytes in r["saves"]:
+                self._saves.setdefault(step, {})[r["rank"]] = (blocked, nbytes)
+            out.uploads += r["uploads"]
+            out.uploading = out.uploading or r["uploading"]
+            out.notices += r["notices"]
+            if r.get("bubbles"):
+                out.bubbles.append(r["bubbles"])
+            out.data_stall_s = max(out.data_stall_s, r["data_stall_s"])
+        for step in sorted(self._saves):
+            by_rank = self._saves[step]
+            if len(by_rank) == self.world_size:
+                del self._saves[step]
+                out.saves[step] = max(b for b, _ in by_rank.values())
+                out.save_bytes[step] = sum(n for _, n in by_rank.values())
+        # Finished once every rank's run returned AND a report sent after that came
+        # back: a report taken while the run was ending may miss its last save.
+        done = self._runs and len(self._drained) == len(self._runs)
+        if done and not self._saves:
+            out.finished = self._finished[0]
+        return out
+
+    def wait_uploads(self, timeout_s: float) -> bool:
+        """True once every rank's uploads finished (their results come through poll)."""
+        import ray
+
+        refs = [a.wait_uploads.remote(timeout_s) for a in self.actors]
+        return all(ray.get(refs, timeout=timeout_s + 30))
+
+    # --- the rest -----------------------------------------------------------------------
 
     def executors(self) -> list[Any]:
-        return list(self.backfill)
+        return list(self.sidecars)
 
     def peak_flops(self) -> float | None:
         """Peak FLOP/s of one device of this group (the slowest), None if unknown."""
         peaks = [d.get("peak_flops") for d in self._devices]
         return min(peaks) if peaks and None not in peaks else None
 
-    def request_checkpoint(self, reason: str) -> None:
-        """Ask every rank to stop at the next step boundary; does not wait."""
-        for a in self.actors:
-            a.request_checkpoint.remote(reason)
-
     def node_ids(self) -> set[str]:
         return {i["node_id"] for i in self._info}
-
-    def save(self) -> float:
-        results = self._call_all("checkpoint save", "save")
-        return max(r["blocked_s"] for r in results)
-
-    def flush_uploads(self) -> list[Any]:
-        return [u for r in self._call_all("checkpoint upload", "flush_uploads") for u in r]
 
     def heldout_loss(self) -> float:
         return self._call_all("held-out evaluation", "heldout_loss")[0]
@@ -341,11 +420,15 @@ class RayWorkerGroup:
         from ray.util.placement_group import remove_placement_group
 
         # Already-dead actors and groups are fine: teardown is idempotent.
-        for a in self.backfill + self.actors:
+        for a in self.sidecars + self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
         self.actors = []
-        self.backfill = []
+        self.sidecars = []
+        self._runs = []
+        self._polls = {}
+        self._drained = set()
+        self._final_polls = set()
         if self.pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)

@@ -4,12 +4,15 @@ This is plain Python with no Ray in it, so the same code runs inside a Ray
 worker actor and under `torch.multiprocessing` (benchmarks/overhead.py): the
 overhead benchmark then measures Spotline's orchestration, nothing else.
 
-The training step must never wait on storage: `save()` writes to node-local
-staging and returns; uploads happen on a background thread (see uploads.py).
+The training step never waits on storage: `snapshot()` copies this rank's share
+to the host and returns; serialization and upload happen on a background thread
+(`spotline.checkpoint.transfer`), and the format is `spotline.train.state`'s.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -26,13 +29,21 @@ import torch.distributed as dist
 from spotline import constants
 from spotline.bubbles.channel import WindowChannel
 from spotline.bubbles.recorder import StepRecorder
-from spotline.checkpoint.layout import CheckpointFormatError, load_json, save_json
+from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.config.schema import JobSpec
 from spotline.data import Prefetcher, Sampler, open_dataset
 from spotline.models import build_pipeline_module, build_sequential, init_from_hf, model_def
-from spotline.workers import portable
+from spotline.train import state
 
-RANK_STATE_DIR = "spotline"  # stage state and per-rank RNG state of a step
+
+@dataclass(frozen=True)
+class Fetched:
+    """A checkpoint this rank has read and loaded into its engine (see Trainer.fetch)."""
+
+    step: int
+    rank_meta: dict[str, Any] | None
+    meta: dict[str, Any]
+    bytes_read: int
 
 
 @dataclass(frozen=True)
@@ -212,13 +223,14 @@ class Trainer:
         groups = self.engine.optimizer.param_groups if self.engine.optimizer else []
         return float(groups[0]["lr"]) if groups else None
 
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is True on any rank. Collective: all ranks call it.
+    def agree(self, save_at: int, stop_at: int) -> tuple[int, int]:
+        """The largest (save_at, stop_at) any rank holds, on every rank. Collective: all
+        ranks call it after every step.
 
-        One 4-byte all-reduce per step; it is how every rank agrees to stop at the same
-        step boundary, whichever rank (or the controller, through any rank) asked.
+        One 8-byte all-reduce per step; it is how every rank agrees to save or stop at
+        the same step boundary, whichever rank (or the controller, through any rank) asked.
         """
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        t = torch.tensor([save_at, stop_at], dtype=torch.int64)
 
         def agree() -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
@@ -228,7 +240,7 @@ class Trainer:
             self.recorder.record_sync(agree)
         else:
             agree()
-        return bool(t.item())
+        return int(t[0]), int(t[1])
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         if self.topo.replicas > 1:
@@ -256,54 +268,62 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------
 
-    def save(self, staging_root: Path) -> Path:
-        """Save this rank's share of the current step under staging_root; returns the dir.
-
-        Each rank writes to its own directory (no two ranks ever write the same path,
-        even when they share a node). The union of all ranks' files is one checkpoint:
-        one stage file per pipeline stage (full fp32 weights and Adam moments, written by
-        the stage's replica 0) and one JSON file of RNG state per rank.
-        """
-        out = Path(staging_root) / f"global_step{self.step}" / RANK_STATE_DIR
-        out.mkdir(parents=True, exist_ok=True)
-        # Collective over each stage's replicas; replica 0 writes the stage's file.
-        state = portable.gather(self.engine)
-        if self.topo.replica == 0:
-            portable.save(state, out / f"stage_{self.topo.stage:03d}{portable.STAGE_SUFFIX}")
-        save_json(
-            out / f"rank_{self.topo.rank:05d}.json",
-            {
-                "rng": _rng_state(),
-                "step": self.step,
-                "sampler": {"next_step": self.step, "seed": self.spec.data.seed},
-                "topology": {
-                    "pipeline_stages": self.topo.pipeline_stages,
-                    "replicas": self.topo.replicas,
-                },
-            },
+    def snapshot(self) -> state.RankSnapshot:
+        """Host copies of what this rank owns (the only part of a save that blocks
+        training; no collective): its ZeRO share of the fp32 weights and Adam moments,
+        its stage's module weights on replica 0, and its RNG state."""
+        snap = state.snapshot(self.engine, self.topo, write_weights=self.topo.replica == 0)
+        snap.meta.update(
+            rng=_rng_state(),
+            step=self.step,
+            sampler={"next_step": self.step, "seed": self.spec.data.seed},
         )
-        return Path(staging_root)
+        return snap
 
-    def load(self, local_dir: Path, step: int) -> None:
-        """Load a checkpoint written at any replica count (the stage files are full
-        tensors); per-rank RNG state comes back when the replica count is the same."""
-        own = Path(local_dir) / f"global_step{step}" / RANK_STATE_DIR
-        files = sorted(own.glob(f"stage_*{portable.STAGE_SUFFIX}"))
-        if len(files) != self.topo.pipeline_stages:
-            raise CheckpointFormatError(
-                own,
-                f"checkpoint step {step} has {len(files)} stage state file(s), this job has "
-                f"{self.topo.pipeline_stages} stage(s)",
-            )
-        portable.load(self.engine, portable.load_files(files))
-        self.step = step
-        rank_file = own / f"rank_{self.topo.rank:05d}.json"
-        saved = load_json(rank_file) if rank_file.exists() else None
-        if saved is not None and saved.get("topology", {}).get("replicas") == self.topo.replicas:
-            _set_rng_state(saved["rng"])
+    @staticmethod
+    def write(snap: state.RankSnapshot, out: Path) -> list[dict[str, Any]]:
+        """Serialize a snapshot into `out` (safetensors + JSON); its index entries, with
+        files relative to `out`. Runs on the upload thread."""
+        return state.write(snap, out, root=out)
+
+    def fetch(self, manifest: Any, store: Any) -> Fetched:
+        """Read, verify and load just what this rank holds of a committed checkpoint
+        written at any shape (ranged reads; no collective). The engine is changed only
+        once every byte this rank needs has verified."""
+        index = manifest.extra.get("index")
+        files = {f.path: f for f in manifest.files}
+        metas = {}
+        for path, entry in files.items():
+            if path.endswith(f"/{state.META_FILE}"):
+                raw = store.read_range(manifest.step, path, 0, entry.size)
+                if hashlib.sha256(raw).hexdigest() != entry.sha256:
+                    raise CheckpointFormatError(path, "sha256 differs from the manifest's")
+                try:
+                    metas[path] = json.loads(raw)["meta"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CheckpointFormatError(path, f"not a valid meta file ({e})") from None
+        meta = state.combine_meta(list(metas.values()))
+        stats = state.load(
+            self.engine, self.topo, index, meta, state.store_reader(store, manifest.step)
+        )
+        mine = [m for m in metas.values() if m.get("topology", {}).get("rank") == self.topo.rank]
+        return Fetched(manifest.step, mine[0] if mine else None, meta, stats["bytes_read"])
+
+    def load(self, fetched: Fetched) -> None:
+        """Finish a load: the step, RNG streams (the same ones when this rank existed at
+        the saved shape; reseeded otherwise) and the lr of this group's schedule."""
+        self.step = fetched.step
+        own = fetched.rank_meta
+        topo = own.get("topology", {}) if own else {}
+        same = (
+            topo.get("replicas") == self.topo.replicas
+            and topo.get("pipeline_stages") == self.topo.pipeline_stages
+        )
+        if own is not None and same and "rng" in own:
+            _set_rng_state(own["rng"])
         else:
-            # Per-rank RNG streams do not map across sizes: reseed from (seed, rank, step).
-            _seed_everything(self.spec.train.seed + 7919 * step + self.topo.rank)
+            # Per-rank RNG streams do not map across shapes: reseed from (seed, rank, step).
+            _seed_everything(self.spec.train.seed + 7919 * fetched.step + self.topo.rank)
         self._sync_lr()
 
     def _sync_lr(self) -> None:

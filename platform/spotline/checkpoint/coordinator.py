@@ -1,0 +1,304 @@
+"""The commit coordinator: the one owner of receipts -> manifest -> retention -> restore.
+
+- A step commits when every rank of ONE group (attempt) has written its receipt; the
+  manifest lists exactly that group's files (they live under the attempt's own prefix,
+  so a re-save by another group can never mix with them). It is written last, and
+  commits the moment the last upload finishes.
+- A restore goes through one fallback path: an unparsable or unsigned manifest, a
+  missing file or a sha256 mismatch falls back to the previous committed step and says
+  so; a load error that is not corruption is retried a bounded number of times, then
+  falls back too.
+- A storage error in a commit, in retention or in an artifact write is reported and
+  retried later; it never reaches the workers, so it never tears down a healthy group.
+
+The controller talks to storage only through this class.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from spotline.checkpoint.manifest import FileEntry, Manifest
+from spotline.checkpoint.store import (
+    LEDGER_ARTIFACT,
+    SUMMARY_ARTIFACT,
+    CheckpointMismatchError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    StorageError,
+)
+from spotline.checkpoint.transfer import UploadResult, attempt_dir
+from spotline.config.schema import JobSpec
+
+Event = Callable[..., None]
+
+
+class Restorable(Protocol):
+    """What a restore needs of a worker group."""
+
+    replicas: int
+    attempt: str
+
+    def restore(self, manifest: Manifest) -> int: ...
+
+
+@dataclass
+class _Pending:
+    attempt: str
+    world: int
+    results: dict[int, UploadResult] = field(default_factory=dict)
+    saved_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Committed:
+    step: int
+    nbytes: int
+    files: int
+    upload_s: float | None
+    committed_at: float
+    manifest: Manifest
+
+
+class CommitCoordinator:
+    def __init__(self, spec: JobSpec, store: CheckpointStore, event: Event, load_retries: int = 2):
+        self.spec = spec
+        self.store = store
+        self._event = event
+        self.load_retries = load_retries
+        self.committed: list[int] = []
+        self._pending: dict[tuple[int, str], _Pending] = {}
+        self._retention_due = False
+
+    # --- saves and receipts -----------------------------------------------------------
+
+    def expect(self, step: int, attempt: str, world: int) -> None:
+        """Group `attempt` (of `world` ranks) saved `step`: its uploads will follow."""
+        self._pending.setdefault((step, attempt), _Pending(attempt, world))
+
+    def pending_steps(self) -> list[int]:
+        return sorted({s for s, _ in self._pending})
+
+    def abandon(self, attempt: str) -> None:
+        """The group died: its saves that are not all uploaded never commit."""
+        for key in [k for k in self._pending if k[1] == attempt]:
+            self._pending.pop(key)
+
+    def receive(self, results: list[UploadResult]) -> list[Committed]:
+        """Fold in finished uploads; commit every step whose group is now complete."""
+        out = []
+        for r in results:
+            p = self._pending.get((r.step, r.attempt))
+            if p is None:
+                continue
+            if r.error:
+                self._event(
+                    f"checkpoint step {r.step} abandoned: rank {r.rank} upload failed after "
+                    f"retries: {r.error}",
+                    logging.WARNING,
+                )
+                self._pending.pop((r.step, r.attempt))
+                continue
+            p.results[r.rank] = r
+            if len(p.results) == p.world:
+                self._pending.pop((r.step, r.attempt))
+                done = self._commit(r.step, p.attempt, p.world, list(p.results.values()))
+                if done is not None:
+                    out.append(done)
+        self.retain()
+        return out
+
+    def commit_from_storage(self) -> list[Committed]:
+        """Commit steps newer than the latest commit whose every rank of one group left a
+        receipt in storage (their completion reports died with the group)."""
+        out = []
+        try:
+            latest = max(self.store.committed_steps(), default=-1)
+            for step in self.store.uncommitted_steps():
+                if step <= latest:
+                    continue
+                for attempt, receipts in sorted(self.store.read_receipts(step).items()):
+                    world = receipts[0].get("world_size")
+                    if sorted(r["rank"] for r in receipts) != list(range(world or 0)):
+                        continue
+                    results = [
+                        UploadResult(
+                            step,
+                            r["rank"],
+                            attempt,
+                            world,
+                            [FileEntry(**f) for f in r["files"]],
+                            r.get("index", []),
+                        )
+                        for r in receipts
+                    ]
+                    self._event(
+                        f"step {step}: every rank of group {attempt} had uploaded; committing it"
+                    )
+                    done = self._commit(step, attempt, world, results)
+                    if done is not None:
+                        out.append(done)
+                        break
+        except StorageError as e:
+            self._event(f"could not look for finished uploads: {e}", logging.WARNING)
+        return out
+
+    def _commit(
+        self, step: int, attempt: str, world: int, results: list[UploadResult]
+    ) -> Committed | None:
+        spec = self.spec
+        replicas = world // spec.parallel.pipeline_stages
+        files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
+        index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
+        manifest = Manifest(
+            step=step,
+            files=files,
+            topology=spec.topology(replicas),
+            data_position={"next_step": step, "seed": spec.data.seed},
+            spec_hash=spec.spec_hash(),
+            created_at=time.time(),
+            extra={
+                "job": spec.name,
+                "attempt": attempt,
+                "batch": spec.batch_record(replicas),
+                "spec": spec.hashed_fields(),  # so a refused resume can say what differs
+                "vocab_size": spec.vocab_size(),
+                "index": index,
+            },
+        )
+        try:
+            self.store.commit(manifest)
+        except (StorageError, CorruptCheckpointError) as e:
+            # Training goes on; the next checkpoint commits in its place.
+            self._event(f"checkpoint step {step} not committed: {e}", logging.WARNING)
+            return None
+        self.committed = sorted(set(self.committed) | {step})
+        self._retention_due = True
+        self._sweep_other_attempts(step, attempt)
+        upload_s = max((r.seconds for r in results), default=0.0) or None
+        self._event(
+            f"committed checkpoint step {step} ({manifest.total_bytes / 1e6:.1f} MB, "
+            f"{len(files)} files) -> {self.store.step_uri(step)}"
+        )
+        return Committed(step, manifest.total_bytes, len(files), upload_s, time.time(), manifest)
+
+    def _sweep_other_attempts(self, step: int, keep: str) -> None:
+        """Files of other groups under a committed step (a re-save that died) go."""
+        try:
+            for attempt in self.store.read_receipts(step):
+                if attempt != keep:
+                    self.store.remove(step, attempt_dir(attempt))
+        except StorageError as e:
+            self._event(f"could not sweep step {step}'s abandoned uploads: {e}", logging.WARNING)
+
+    def retain(self) -> None:
+        """Apply checkpoint.keep_last; a storage error is reported and retried later."""
+        if not self._retention_due:
+            return
+        try:
+            deleted = self.store.apply_retention(self.spec.checkpoint.keep_last)
+        except StorageError as e:
+            self._event(f"retention deferred: {e}", logging.WARNING)
+            return
+        self._retention_due = False
+        self.committed = [s for s in self.committed if s not in deleted]
+
+    # --- restore --------------------------------------------------------------------
+
+    def check_owner(self) -> None:
+        self.store.check_owner(self.spec)
+
+    def restore(
+        self, group: Restorable, sleep: Callable[[float], None]
+    ) -> tuple[int, Manifest | None]:
+        """Load the newest committed step that verifies into `group`: (step, manifest), or
+        (0, None) when nothing is committed. CorruptCheckpointError when every step fails."""
+        self.commit_from_storage()
+        steps = sorted(self.store.committed_steps(), reverse=True)
+        self.committed = sorted(steps)
+        for i, step in enumerate(steps):
+            older = steps[i + 1] if i + 1 < len(steps) else None
+            then = f"falling back to step {older}" if older is not None else "no older step to try"
+            try:
+                manifest = self.store.load_manifest(step)
+                self._check_compatible(manifest)
+                restored = self._load(group, manifest, sleep)
+            except CorruptCheckpointError as e:
+                self._event(
+                    f"checkpoint step {step} at {self.store.uri} failed verification "
+                    f"({e.path}: {e.reason}); {then}",
+                    logging.WARNING,
+                )
+                continue
+            except FileNotFoundError:  # deleted by retention between listing and reading
+                self._event(f"checkpoint step {step} was deleted while restoring; {then}")
+                continue
+            return restored, manifest
+        if steps:
+            raise CorruptCheckpointError(
+                steps[-1],
+                "*",
+                "every committed step failed verification",
+                uri=self.store.uri,
+                message=f"every committed checkpoint at {self.store.uri} failed verification "
+                f"(steps {sorted(steps)}); refusing to start from scratch over them. Inspect or "
+                "move them, or point checkpoint.uri at an empty location.",
+            )
+        return 0, None
+
+    def _load(self, group: Restorable, manifest: Manifest, sleep: Callable[[float], None]) -> int:
+        """group.restore, retried when it fails for a reason other than corruption or a
+        dead worker (those go up: fall back, or restart the group)."""
+        for attempt in range(self.load_retries + 1):
+            try:
+                return group.restore(manifest)
+            except (CorruptCheckpointError, StorageError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a load error: bounded retries
+                if getattr(e, "process_died", False) or attempt == self.load_retries:
+                    raise
+                self._event(
+                    f"loading checkpoint step {manifest.step} failed ({e}); retrying "
+                    f"({attempt + 1}/{self.load_retries})",
+                    logging.WARNING,
+                )
+                sleep(1.0)
+        raise AssertionError("unreachable")
+
+    def _check_compatible(self, m: Manifest) -> None:
+        if m.spec_hash != self.spec.spec_hash() or m.extra.get("job") != self.spec.name:
+            raise CheckpointMismatchError(
+                self.store.describe_mismatch(
+                    self.spec, m.extra.get("job"), m.spec_hash, m.extra.get("spec"), m.step
+                )
+            )
+        if "index" not in m.extra:
+            raise CheckpointMismatchError(
+                f"checkpoint step {m.step} at {self.store.uri} was written by an older "
+                "Spotline (no sharded state index); resume it with that version, or point "
+                "checkpoint.uri at a new location"
+            )
+
+    # --- artifacts --------------------------------------------------------------------
+
+    def write_artifact(self, relpath: str, data: bytes) -> str | None:
+        try:
+            return self.store.write_artifact(relpath, data)
+        except StorageError as e:
+            self._event(f"could not write {relpath} beside the checkpoints: {e}", logging.WARNING)
+            return None
+
+    def read_artifact(self, relpath: str) -> bytes | None:
+        try:
+            return self.store.read_artifact(relpath)
+        except StorageError:
+            return None
+
+    def store_summary(self, summary: dict[str, Any], ledger: dict[str, Any]) -> None:
+        self.write_artifact(LEDGER_ARTIFACT, json.dumps(ledger).encode())
+        self.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())

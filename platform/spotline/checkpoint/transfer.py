@@ -1,0 +1,145 @@
+"""Background serialization and upload of a rank's checkpoint shares.
+
+One daemon thread per worker: it turns each snapshot (host copies the training step
+made, the only part of a save that blocks training) into files under node-local
+staging, uploads them (retried with backoff by the store), writes the rank's receipt,
+and deletes the staged files. Saves of step N finish before those of step N+1 start.
+`submit` only enqueues; results are collected as they finish (`take_done`), so a
+step commits as soon as its last rank's upload is done.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotline.checkpoint.manifest import FileEntry
+from spotline.checkpoint.store import CheckpointStore
+
+
+def attempt_dir(attempt: str) -> str:
+    """Where a group's files of a step live: a re-save by another group never mixes."""
+    return f"a-{attempt}"
+
+
+@dataclass
+class UploadResult:
+    step: int
+    rank: int
+    attempt: str = ""
+    world_size: int = 0
+    files: list[FileEntry] = field(default_factory=list)
+    index: list[dict[str, Any]] = field(default_factory=list)
+    """Where each saved tensor lies (file, byte range, sha256): what a restore reads."""
+    seconds: float = 0.0
+    """From the snapshot to the receipt: serialization and upload."""
+    nbytes: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Job:
+    step: int
+    write: Callable[[Path], list[dict[str, Any]]]
+    """Serializes the snapshot into a directory; returns its index entries."""
+    local: Path
+
+
+class Uploader:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        rank: int,
+        world_size: int,
+        attempt: str,
+        max_bytes_per_s: float | None = None,
+    ):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.attempt = attempt
+        self.max_bytes_per_s = max_bytes_per_s
+        self._todo: queue.Queue[_Job | None] = queue.Queue()
+        self._done: list[UploadResult] = []
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._thread = threading.Thread(
+            target=self._loop, name=f"spotline-upload-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def submit(self, step: int, local: Path, write: Callable[[Path], list[dict]]) -> None:
+        """Serialize (`write(dir)`) and upload step `step`'s share in the background."""
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._todo.put(_Job(step, write, local))
+
+    def take_done(self) -> list[UploadResult]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once every submitted upload finished (or failed)."""
+        return self._idle.wait(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._todo.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            prefix = f"{attempt_dir(self.attempt)}/rank_{self.rank:05d}"
+            try:
+                shutil.rmtree(job.local, ignore_errors=True)
+                job.local.mkdir(parents=True, exist_ok=True)
+                index = job.write(job.local)
+                files = self.store.upload_dir(
+                    job.local, job.step, prefix=prefix, max_bytes_per_s=self.max_bytes_per_s
+                )
+                for entry in index:
+                    entry["file"] = f"{prefix}/{entry['file']}"
+                self.store.write_receipt(
+                    job.step, self.attempt, self.rank, self.world_size, files, index
+                )
+                result = UploadResult(
+                    job.step,
+                    self.rank,
+                    self.attempt,
+                    self.world_size,
+                    files,
+                    index,
+                    time.perf_counter() - t0,
+                    sum(f.size for f in files),
+                )
+            except Exception as e:  # noqa: BLE001 - reported to the controller, never raised here
+                result = UploadResult(
+                    job.step,
+                    self.rank,
+                    self.attempt,
+                    self.world_size,
+                    seconds=time.perf_counter() - t0,
+                    error=f"{type(e).__name__}: {e}",
+                )
+            finally:
+                # Staging holds one save at a time per rank: never more than the next
+                # restore could need, and nothing once it is in storage.
+                shutil.rmtree(job.local, ignore_errors=True)
+            with self._lock:
+                self._done.append(result)
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.set()

@@ -1,0 +1,45 @@
+"""What other threads tell the controller: preemption notices and stop requests.
+
+Node watchers and the SDK call in from other threads of the controller actor at any
+moment; the state machine takes everything out at the start of each iteration, in
+whatever state it is. A notice is accepted once (by source, node and deadline), and
+`notify` returns True only when it was accepted or already known, so a watcher
+re-sends until it is sure the controller has it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Inbox:
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _seen: set[tuple] = field(default_factory=set)
+    _notices: list[dict[str, Any]] = field(default_factory=list)
+    _stop: str | None = None
+
+    def notify(self, notice: dict[str, Any], clock: float) -> bool:
+        key = (notice["source"], notice.get("node_id"), notice["deadline"])
+        with self._lock:
+            if key not in self._seen:
+                self._seen.add(key)
+                self._notices.append(dict(notice, received_at=time.time(), received_clock=clock))
+        return True
+
+    def stop(self, reason: str) -> None:
+        with self._lock:
+            self._stop = self._stop or reason
+
+    def take(self) -> tuple[list[dict[str, Any]], str | None]:
+        with self._lock:
+            notices, self._notices = self._notices, []
+            return notices, self._stop
+
+    @property
+    def stop_reason(self) -> str | None:
+        with self._lock:
+            return self._stop

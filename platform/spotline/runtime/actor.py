@@ -1,0 +1,299 @@
+"""The Ray actor that hosts one rank: a `Trainer` that trains on its own.
+
+`run(target)` trains from the rank's current step to `target` without stopping for
+anyone: periodic checkpoints (every checkpoint.interval_steps) are taken at the same
+step on every rank by construction, and what the controller asks for (checkpoint at
+step k, stop at step k) arrives through `request`, on its own concurrency group
+("control"), while the loop runs. After every step the ranks agree on those requests
+with one all-reduce of two integers (what was one of one integer), so they all save
+or stop at the same step boundary. A SIGTERM to the process (when the job watches
+for it) asks the same, at once.
+
+A save blocks training only for its host copy; serialization and upload run on the
+rank's upload thread. Progress (losses, step times, saves, finished uploads, bubbles,
+notices) is published into a buffer that the controller drains with `progress`,
+which never touches the training thread. Nothing here calls the controller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from spotline import constants
+from spotline.bubbles.channel import WindowChannel
+from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
+from spotline.checkpoint.layout import CheckpointFormatError
+from spotline.checkpoint.staging import check_local_dir
+from spotline.checkpoint.transfer import Uploader
+from spotline.config.redact import install_log_redaction
+from spotline.config.schema import JobSpec
+from spotline.metrics.export import Metrics, export_gpu_samples
+from spotline.metrics.flops import device_peak
+from spotline.preemption import make_source
+from spotline.runtime.cpu import pin_process
+from spotline.train.trainer import Topology, Trainer, init_distributed
+
+log = logging.getLogger("spotline.worker")
+
+
+def channel_path(spec: JobSpec, attempt: str, rank: int) -> str:
+    """Where a rank's trainer and backfill executor share their window channel."""
+    root = Path(spec.checkpoint.staging_dir) / spec.name / attempt
+    return str(root / f"window_rank_{rank:05d}.chan")
+
+
+@dataclasses.dataclass
+class _Requests:
+    """What the controller asked for, as steps (0: nothing asked)."""
+
+    save_at: int = 0
+    stop_at: int = 0
+    reason: str = ""
+
+
+class TrainWorker:
+    def __init__(self, spec_json: str, topo: Topology, store: CheckpointStore, attempt: str):
+        install_log_redaction()
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.topo = topo
+        self.store = store
+        self.attempt = attempt
+        root = Path(self.spec.checkpoint.staging_dir) / self.spec.name
+        self.staging = root / attempt / f"rank_{topo.rank:05d}"
+        self.trainer: Trainer | None = None
+        cap = self.spec.checkpoint.upload_max_mb_per_s
+        self.uploader = Uploader(
+            store, topo.rank, topo.world_size, attempt, None if cap is None else cap * 1e6
+        )
+        self.channel: WindowChannel | None = None
+        self._lock = threading.Lock()  # the control thread and the training thread
+        self._req = _Requests()
+        self._buf: dict[str, list] = {"steps": [], "saves": [], "notices": []}
+        self._stall_seen = 0.0
+        self._filled_seen = (0, 0)  # (filled_ns, overrun_ns) already reported
+        self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
+        self._sigterm = None
+        self._sigterm_reported = False
+        sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
+        if sigterm:
+            # Actor construction runs on the process's main thread, where Python
+            # delivers signals; training runs on a worker thread and polls the source.
+            node = ray.get_runtime_context().get_node_id()
+            self._sigterm = make_source(sigterm[0], node_id=node)
+            self._sigterm.install()
+
+    # --- start-up -----------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": self.topo.rank,
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+        }
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        if constants.SPOTLINE_PIN_CORES:
+            pin_process(self.topo.rank)
+        # This node's disk, checked before the first step rather than at the first save.
+        check_local_dir(self.staging, "checkpoint.staging_dir")
+        self._clean_staging()
+        backend = init_distributed(self.topo, master_addr, master_port)
+        threads = max(1, int(self.spec.resources.cpus_per_worker))
+        if self.spec.backfill.enabled:
+            self.channel = WindowChannel(
+                channel_path(self.spec, self.attempt, self.topo.rank), create=True
+            )
+        self.trainer = Trainer(self.spec, self.topo, threads=threads, window_channel=self.channel)
+        self.metrics = Metrics(self.spec.name)
+        name, peak = device_peak(self.spec.parallel.precision, threads)
+        return {"backend": backend, "device": name, "peak_flops": peak}
+
+    def _clean_staging(self) -> None:
+        """Drop what earlier groups of this job left on this node (a save cut off by a
+        kill, an old window channel): a new group starts only after the old one is
+        gone, and the next restore reads from storage, never from here."""
+        root = self.staging.parent.parent
+        for old in root.iterdir():
+            if old.name != self.attempt and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+    # --- restore: read everything first, then load ----------------------------------
+
+    def fetch_checkpoint(self, manifest_json: str) -> dict[str, Any]:
+        """Read (ranged, sha256-verified) just what this rank needs of a committed step;
+        raises CorruptCheckpointError before anything is loaded."""
+        assert self.trainer is not None
+        manifest = Manifest.from_json(manifest_json)
+        try:
+            self._restored = self.trainer.fetch(manifest, self.store)
+        except CheckpointFormatError as e:
+            raise CorruptCheckpointError(
+                manifest.step, e.path, e.reason, uri=self.store.uri
+            ) from None
+        return {"rank": self.topo.rank, "bytes_read": self._restored.bytes_read}
+
+    def load_checkpoint(self) -> int:
+        assert self.trainer is not None and self._restored is not None
+        fetched, self._restored = self._restored, None
+        self.trainer.load(fetched)
+        return self.trainer.step
+
+    # --- steady state -------------------------------------------------------------
+
+    @ray.method(concurrency_group="control")
+    def request(self, save_at: int, stop_at: int, reason: str) -> None:
+        """Checkpoint at step `save_at` and/or stop after step `stop_at` (0: not asked; a
+        step already passed means the next boundary). Every rank acts at the same step.
+        The earliest stop asked for wins: a just-in-time checkpoint can be moved up."""
+        log.info(
+            "rank %d: asked to save at %d, stop at %d (%s)",
+            self.topo.rank,
+            save_at,
+            stop_at,
+            reason,
+        )
+        with self._lock:
+            self._req.save_at = max(self._req.save_at, save_at)
+            if stop_at > 0:
+                held = self._req.stop_at
+                self._req.stop_at = min(held, stop_at) if held > 0 else stop_at
+            self._req.reason = reason or self._req.reason
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> dict[str, Any]:
+        """What happened since the last call; never waits for the training thread."""
+        with self._lock:
+            buf, self._buf = self._buf, {"steps": [], "saves": [], "notices": []}
+        trainer = self.trainer
+        stall = trainer.data_stall_s if trainer else 0.0
+        out = {
+            "rank": self.topo.rank,
+            **buf,
+            "uploads": self.uploader.take_done(),
+            "uploading": self.uploader.busy,
+            "bubbles": self._bubbles(),
+            "lr": trainer.lr() if trainer else None,
+            "data_stall_s": stall - self._stall_seen,
+        }
+        self._stall_seen = stall
+        return out
+
+    def run(self, target: int) -> dict[str, Any]:
+        """Train to step `target`, or until every rank agreed to stop; returns where.
+
+        A request to save at step k is served by the first save at a step >= k
+        (a periodic one included); a stop always saves at the step it stops at.
+        """
+        assert self.trainer is not None
+        tr = self.trainer
+        interval = self.spec.checkpoint.interval_steps
+        self._export_devices()
+        saved_through = tr.step  # the same on every rank: it follows agreed decisions
+        while tr.step < target:
+            t0 = time.perf_counter()
+            loss = tr.train_step()
+            step_s = time.perf_counter() - t0
+            self._watch_sigterm()
+            with self._lock:
+                req = dataclasses.replace(self._req)
+            ask = req.save_at if req.save_at > saved_through else 0
+            save_at, stop_at = tr.agree(ask, req.stop_at)
+            s = tr.step
+            stop = 0 < stop_at <= s
+            save = stop or s % interval == 0 or s == target or 0 < save_at <= s
+            with self._lock:
+                self._buf["steps"].append((s, loss, step_s, time.time()))
+            if save:
+                self._save(s)
+                saved_through = s
+            if stop:
+                return {"rank": self.topo.rank, "stopped_at": s, "reason": req.reason or "stop"}
+        return {"rank": self.topo.rank, "stopped_at": tr.step, "reason": "target"}
+
+    def _watch_sigterm(self) -> None:
+        notice = self._sigterm.poll() if self._sigterm is not None else None
+        if notice is None or self._sigterm_reported:
+            return
+        self._sigterm_reported = True
+        with self._lock:
+            self._buf["notices"].append(dataclasses.asdict(notice) | {"rank": self.topo.rank})
+            # Save and stop at once: this process has seconds left.
+            self._req.save_at = self._req.stop_at = 1
+            self._req.reason = f"SIGTERM to rank {self.topo.rank}"
+
+    def _save(self, step: int) -> None:
+        """Host copy (the only part that blocks training), then a background upload."""
+        assert self.trainer is not None
+        t0 = time.perf_counter()
+        snap = self.trainer.snapshot()
+        blocked = time.perf_counter() - t0
+        local = self.staging / f"step_{step:08d}"
+        self.uploader.submit(step, local, lambda out: self._write(snap, out))
+        with self._lock:
+            self._buf["saves"].append((step, blocked, snap.nbytes))
+
+    def _write(self, snap: Any, out: Path) -> list[dict[str, Any]]:
+        try:
+            return self.trainer.write(snap, out)
+        except OSError as e:
+            # Same type (the controller sorts failures by it), with the field to fix.
+            raise type(e)(
+                e.errno,
+                f"rank {self.topo.rank} cannot write under checkpoint.staging_dir {out}: "
+                f"{e.strerror or e}; point checkpoint.staging_dir at a writable local disk "
+                "with room for a checkpoint",
+            ) from e
+
+    def wait_uploads(self, timeout_s: float) -> bool:
+        return self.uploader.wait(timeout_s)
+
+    def heldout_loss(self) -> float:
+        assert self.trainer is not None
+        return self.trainer.heldout_loss()
+
+    # --- published figures ------------------------------------------------------------
+
+    def _export_devices(self) -> None:
+        export_gpu_samples(self.metrics, self.topo.stage, self.topo.replica)
+
+    def _bubbles(self) -> dict[str, Any] | None:
+        """This stage's bubble figures since the last call, and its latest steps' timeline."""
+        rec = self.trainer.recorder if self.trainer else None
+        if rec is None:
+            return None
+        out: dict[str, Any] = rec.take_totals()
+        if not out["steps"]:
+            return None
+        out.update(stage=self.topo.stage, replica=self.topo.replica, rank=self.topo.rank)
+        out["filled_s"] = out["overrun_s"] = 0.0
+        if self.channel is not None:
+            st = self.channel.state()
+            out["filled_s"] = (st.filled_ns - self._filled_seen[0]) / 1e9
+            out["overrun_s"] = (st.overrun_ns - self._filled_seen[1]) / 1e9
+            self._filled_seen = (st.filled_ns, st.overrun_ns)
+        out["steps_timeline"] = [
+            {
+                "step": step,
+                "start_ns": int(t0 * 1e9),
+                "instrs": [(i.name, i.slot, i.start, i.end) for i in timeline],
+            }
+            for step, t0, timeline in rec.recent_steps()
+        ]
+        return out

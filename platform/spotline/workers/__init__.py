@@ -1,1 +1,0 @@
-"""Workers: one Ray actor per device, each hosting a DeepSpeed engine."""
