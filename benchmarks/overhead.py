@@ -217,6 +217,16 @@ def _direct_rank(
             )
     finally:
         dist.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """End a rank that finished cleanly without the interpreter's teardown: the data
+    prefetcher's and gloo's threads can still be live then, and a C++ thread destroyed
+    while joinable aborts the process (SIGABRT) after the figures were sent."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _log_tail(path: Path) -> str:

