@@ -543,7 +543,8 @@ def peak_bytes(params: int, d: int, part_bytes: int, together: bool) -> float:
 
     Fitted to this script's own measurements (rank RSS per phase, moto's peak RSS):
     each uploading rank holds about 2.5 x threads x part in flight, and moto about 3.5
-    x that, plus 2.5 x each object it assembles.
+    x that, plus about 7 x each object it assembles (6.3 GB for one 931 MB object;
+    a 3.5 GB object took moto past 17 GB).
     """
     share = 12 * params / d  # ZeRO-1: this rank's fp32 master + two moments
     engine = d * (8 * params + share + RANK_BASE_BYTES)  # fp32 weights + grads, whole
@@ -551,7 +552,7 @@ def peak_bytes(params: int, d: int, part_bytes: int, together: bool) -> float:
     in_flight = UPLOAD_THREADS * part_bytes
     phase = max(
         d * share,  # every rank's snapshot, until written
-        busy * (6 * in_flight + 2.5 * share),  # uploads
+        busy * (6 * in_flight + 7 * share),  # uploads
         busy * (4 * params + 8 * params / d),  # restore: all fp32 weights + own moments
     )
     return engine + phase + MOTO_BASE_BYTES
