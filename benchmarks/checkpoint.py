@@ -241,26 +241,14 @@ def _redirect_output(path: Path) -> None:
 
 
 def _manifest(spec: Any, replicas: int, step: int, attempt: str, ranks: list[dict]) -> Any:
-    """The manifest `CommitCoordinator._commit` builds from the ranks' upload results."""
-    from spotline.checkpoint import Manifest
+    """The manifest the commit coordinator builds from the ranks' upload results."""
+    from spotline.checkpoint.coordinator import build_manifest
+    from spotline.checkpoint.transfer import UploadResult
 
-    ranks = sorted(ranks, key=lambda r: r["rank"])
-    return Manifest(
-        step=step,
-        files=sorted((f for r in ranks for f in r["files"]), key=lambda f: f.path),
-        topology=spec.topology(replicas),
-        data_position={"next_step": step, "seed": spec.data.seed},
-        spec_hash=spec.spec_hash(),
-        created_at=time.time(),
-        extra={
-            "job": spec.name,
-            "attempt": attempt,
-            "batch": spec.batch_record(replicas),
-            "spec": spec.hashed_fields(),
-            "vocab_size": spec.vocab_size(),
-            "index": [e for r in ranks for e in r["index"]],
-        },
-    )
+    results = [
+        UploadResult(step, r["rank"], attempt, replicas, r["files"], r["index"], 0.0) for r in ranks
+    ]
+    return build_manifest(spec, step, attempt, replicas, results)
 
 
 def in_turns(dist: Any, rank: int, world: int, together: bool, fn: Callable[[], None]) -> None:

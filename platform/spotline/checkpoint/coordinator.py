@@ -151,26 +151,7 @@ class CommitCoordinator:
     def _commit(
         self, step: int, attempt: str, world: int, results: list[UploadResult]
     ) -> Committed | None:
-        spec = self.spec
-        replicas = world // spec.parallel.pipeline_stages
-        files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
-        index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
-        manifest = Manifest(
-            step=step,
-            files=files,
-            topology=spec.topology(replicas),
-            data_position={"next_step": step, "seed": spec.data.seed},
-            spec_hash=spec.spec_hash(),
-            created_at=time.time(),
-            extra={
-                "job": spec.name,
-                "attempt": attempt,
-                "batch": spec.batch_record(replicas),
-                "spec": spec.hashed_fields(),  # so a refused resume can say what differs
-                "vocab_size": spec.vocab_size(),
-                "index": index,
-            },
-        )
+        manifest = build_manifest(self.spec, step, attempt, world, results)
         try:
             self.store.commit(manifest)
         except (StorageError, CorruptCheckpointError) as e:
@@ -183,9 +164,11 @@ class CommitCoordinator:
         upload_s = max((r.seconds for r in results), default=0.0) or None
         self._event(
             f"committed checkpoint step {step} ({manifest.total_bytes / 1e6:.1f} MB, "
-            f"{len(files)} files) -> {self.store.step_uri(step)}"
+            f"{len(manifest.files)} files) -> {self.store.step_uri(step)}"
         )
-        return Committed(step, manifest.total_bytes, len(files), upload_s, time.time(), manifest)
+        return Committed(
+            step, manifest.total_bytes, len(manifest.files), upload_s, time.time(), manifest
+        )
 
     def _sweep_other_attempts(self, step: int, keep: str) -> None:
         """Files of other groups under a committed step (a re-save that died) go."""
@@ -302,3 +285,28 @@ class CommitCoordinator:
     def store_summary(self, summary: dict[str, Any], ledger: dict[str, Any]) -> None:
         self.write_artifact(LEDGER_ARTIFACT, json.dumps(ledger).encode())
         self.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())
+
+
+def build_manifest(
+    spec: JobSpec, step: int, attempt: str, world: int, results: list[UploadResult]
+) -> Manifest:
+    """The manifest of `step` from every rank's upload result of group `attempt`."""
+    replicas = world // spec.parallel.pipeline_stages
+    files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
+    index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
+    return Manifest(
+        step=step,
+        files=files,
+        topology=spec.topology(replicas),
+        data_position={"next_step": step, "seed": spec.data.seed},
+        spec_hash=spec.spec_hash(),
+        created_at=time.time(),
+        extra={
+            "job": spec.name,
+            "attempt": attempt,
+            "batch": spec.batch_record(replicas),
+            "spec": spec.hashed_fields(),  # so a refused resume can say what differs
+            "vocab_size": spec.vocab_size(),
+            "index": index,
+        },
+    )
