@@ -75,9 +75,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ranks import BenchmarkError, log_tail, spawn_ranks
+
 MB = 1e6
 GB = 1e9
-LOG_TAIL_LINES = 40
 MOTO_START_TIMEOUT_S = 60.0
 # boto3 and s3fs both default to 10 concurrent parts per file.
 UPLOAD_THREADS = 10
@@ -100,10 +101,6 @@ AWS_ENV_TO_CLEAR = (
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
 )
-
-
-class BenchmarkError(RuntimeError):
-    """A run failed; the message says where, with the failing rank's log tail."""
 
 
 def stats(xs: list[float]) -> dict[str, Any]:
@@ -144,14 +141,6 @@ def _mem_available() -> int | None:
     except OSError:
         pass
     return None
-
-
-def _log_tail(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
 
 
 # --- the moto S3 server ------------------------------------------------------------------
@@ -201,7 +190,7 @@ def start_moto(work: Path) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise BenchmarkError(
                 f"moto S3 server exited with code {proc.returncode} before answering:\n"
-                + _log_tail(log_path)
+                + log_tail(log_path)
             )
         try:
             opener.open(url + "/", timeout=1).close()
@@ -213,7 +202,7 @@ def start_moto(work: Path) -> tuple[subprocess.Popen, str]:
                 stop_moto(proc)
                 raise BenchmarkError(
                     f"moto S3 server on {url} did not answer within {MOTO_START_TIMEOUT_S:g} s:\n"
-                    + _log_tail(log_path)
+                    + log_tail(log_path)
                 ) from None
             time.sleep(0.1)
 
@@ -431,57 +420,11 @@ def _rank(rank: int, cfg_json: str, results: Any) -> None:
 
 def run_group(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Spawn the D ranks of one group and wait for rank 0's figures."""
-    import torch.multiprocessing as mp
-
     work = Path(cfg["work"])
     work.mkdir(parents=True, exist_ok=True)
-    results = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(
-        _rank,
-        args=(json.dumps(cfg), results),
-        nprocs=cfg["replicas"],
-        join=False,
-        start_method="spawn",
-    )
-    got: list[dict[str, Any]] = []
-    deadline = time.monotonic() + timeout_s
+    killed = " (killed: out of memory? try a smaller --n-layers/--d-model)"
     where = f"D={cfg['replicas']}"
-    try:
-        while not ctx.join(timeout=1.0):
-            while not results.empty():
-                got.append(results.get())
-            if time.monotonic() > deadline:
-                raise BenchmarkError(
-                    f"{where}: the group did not finish within {timeout_s:.0f}s (--timeout); "
-                    f"rank 0 log tail:\n{_log_tail(work / 'rank_0.log')}"
-                )
-    except mp.ProcessRaisedException as e:
-        raise BenchmarkError(
-            f"{where}: rank {e.error_index} raised:\n{e.msg.strip()}\n"
-            f"--- rank {e.error_index} log tail ---\n{_log_tail(work / f'rank_{e.error_index}.log')}"
-        ) from None
-    except mp.ProcessExitedException as e:
-        killed = " (killed: out of memory? try a smaller --n-layers/--d-model)"
-        raise BenchmarkError(
-            f"{where}: rank {e.error_index} exited with code {e.exit_code}"
-            + (f" (signal {e.signal_name})" if e.signal_name else "")
-            + (killed if e.signal_name == "SIGKILL" else "")
-            + f"\n--- rank {e.error_index} log tail ---\n"
-            + _log_tail(work / f"rank_{e.error_index}.log")
-        ) from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    while not results.empty():
-        got.append(results.get())
-    if len(got) != 1:
-        raise BenchmarkError(f"{where}: rank 0 returned {len(got)} results, expected 1")
-    return got[0]
+    return spawn_ranks(_rank, (json.dumps(cfg),), cfg["replicas"], work, timeout_s, where, killed)
 
 
 # --- the spec and its size -----------------------------------------------------------------

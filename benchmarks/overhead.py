@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ranks import BenchmarkError, spawn_ranks
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "quickstart.yaml"
 # Spec fields this benchmark sets itself, and the flag to use instead of --set.
@@ -64,12 +66,7 @@ OWNED_FIELDS = {
     "checkpoint.uri": "--uri",
     "checkpoint.staging_dir": "(a temp directory)",
 }
-LOG_TAIL_LINES = 40
 STARTUP_POLL_S = 0.05  # how often the driver asks a starting job for its step
-
-
-class BenchmarkError(RuntimeError):
-    """A run failed; the message carries the failing rank's traceback or the job's error."""
 
 
 @dataclass
@@ -229,14 +226,6 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _log_tail(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
-
-
 def run_direct(
     spec: Any,
     replicas: int,
@@ -249,11 +238,8 @@ def run_direct(
 ) -> DirectResult:
     """interval > 0: synchronous checkpoints inside the timed loop; saves: synchronous
     save + upload timings after it."""
-    import torch.multiprocessing as mp
-
     world = spec.parallel.pipeline_stages * replicas
     workdir.mkdir(parents=True, exist_ok=True)
-    results = mp.get_context("spawn").SimpleQueue()
     args = (
         spec.model_dump_json(),
         replicas,
@@ -264,47 +250,9 @@ def run_direct(
         saves,
         time.time(),
         str(workdir),
-        results,
     )
-    ctx = mp.start_processes(
-        _direct_rank, args=args, nprocs=world, join=False, start_method="spawn"
-    )
-    got: list[dict[str, Any]] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            while not results.empty():
-                got.append(results.get())
-            if time.monotonic() > deadline:
-                raise BenchmarkError(
-                    f"direct run did not finish within {timeout_s:.0f}s (--timeout); "
-                    f"rank 0 log tail:\n{_log_tail(workdir / 'rank_0.log')}"
-                )
-    except mp.ProcessRaisedException as e:
-        raise BenchmarkError(
-            f"direct run: rank {e.error_index} raised:\n{e.msg.strip()}\n"
-            f"--- rank {e.error_index} log tail ---\n{_log_tail(workdir / f'rank_{e.error_index}.log')}"
-        ) from None
-    except mp.ProcessExitedException as e:
-        raise BenchmarkError(
-            f"direct run: rank {e.error_index} exited with code {e.exit_code}"
-            + (f" (signal {e.signal_name})" if e.signal_name else "")
-            + f"\n--- rank {e.error_index} log tail ---\n"
-            + _log_tail(workdir / f"rank_{e.error_index}.log")
-        ) from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    while not results.empty():
-        got.append(results.get())
-    if len(got) != 1:
-        raise BenchmarkError(f"direct run: rank 0 returned {len(got)} results, expected 1")
-    return DirectResult(**got[0])
+    got = spawn_ranks(_direct_rank, args, world, workdir, timeout_s, "direct run")
+    return DirectResult(**got)
 
 
 # --- the Spotline run -------------------------------------------------------------------
