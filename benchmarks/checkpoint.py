@@ -16,10 +16,10 @@ parameters), trains one step so that Adam's moments exist, and then, --repeats t
              `spotline.plan.checkpoint_bytes(spec)`, the fp32 master and both Adam
              moments of every parameter: bytes_ratio.
 3. upload    MB/s of Spotline's `upload_dir` (the upload part of 1, sha256 of every
-             file included) against boto3's `upload_file` (multipart, TransferConfig
-             with the same part size and 10 threads, as s3fs uses) of the same files, to
-             the same moto S3 server on 127.0.0.1; all ranks upload at once, and the two
-             take turns going first: upload_vs_boto3 (goal >= 0.8).
+             file and the commit-ready file entries included) against a bare boto3
+             `upload_file` (multipart, TransferConfig with the same part size and 10
+             threads per file) of the same files, to the same moto S3 server on
+             127.0.0.1; the two take turns going first: upload_vs_boto3 (goal >= 0.8).
 4. restore   the uploads are committed as one manifest, built as the commit coordinator
              builds it, and every rank runs `Trainer.fetch(manifest, store)`: bytes_read
              per rank over the checkpoint's bytes. restore_bytes_per_rank_ratio is the
@@ -80,8 +80,9 @@ from ranks import BenchmarkError, log_tail, spawn_ranks
 MB = 1e6
 GB = 1e9
 MOTO_START_TIMEOUT_S = 60.0
-# boto3 and s3fs both default to 10 concurrent parts per file.
+# Parts in flight per file, and the part size: Spotline's defaults, which are boto3's.
 UPLOAD_THREADS = 10
+DEFAULT_PART_MB = 8
 # Memory estimate: what a rank process holds besides model state (torch, DeepSpeed,
 # the corpus, the allocator's slack), and the moto server's own.
 RANK_BASE_BYTES = 0.8 * GB
@@ -270,7 +271,7 @@ class _RankBench:
         self.restore_store = self.s3 if cfg["restore_from"] == "s3" else self.local_store
         self.client = boto3.client("s3", endpoint_url=cfg["endpoint"], region_name="us-east-1")
         self.transfer = TransferConfig(
-            multipart_threshold=2 * part,  # as s3fs: files of two parts or more go multipart
+            multipart_threshold=part,  # as Spotline's upload: files above one part go multipart
             multipart_chunksize=part,
             max_concurrency=UPLOAD_THREADS,
             use_threads=True,
@@ -474,8 +475,9 @@ def peak_bytes(params: int, d: int, part_bytes: int, together: bool) -> float:
 
     Fitted to this script's own measurements (rank RSS per phase, moto's peak RSS):
     each uploading rank holds about 2.5 x threads x part in flight, and moto about 3.5
-    x that, plus about 7 x each object it assembles (6.3 GB for one 931 MB object;
-    a 3.5 GB object took moto past 17 GB).
+    x that, plus about 3.5 x each object it assembles (8 MiB parts: a 420 MB object
+    peaked at 3.1 x and kept 1.1 x; with 50 MiB parts s3fs's uploads took moto to
+    7 x).
     """
     share = 12 * params / d  # ZeRO-1: this rank's fp32 master + two moments
     engine = d * (8 * params + share + RANK_BASE_BYTES)  # fp32 weights + grads, whole
@@ -483,7 +485,7 @@ def peak_bytes(params: int, d: int, part_bytes: int, together: bool) -> float:
     in_flight = UPLOAD_THREADS * part_bytes
     phase = max(
         d * share,  # every rank's snapshot, until written
-        busy * (6 * in_flight + 7 * share),  # uploads
+        busy * (6 * in_flight + 3.5 * share),  # uploads
         busy * (4 * params + 8 * params / d),  # restore: all fp32 weights + own moments
     )
     return engine + phase + MOTO_BASE_BYTES
@@ -707,7 +709,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=3, help="saves + restores per group")
     p.add_argument(
-        "--part-mb", type=int, default=50, help="multipart part size, MiB, both clients (>= 5)"
+        "--part-mb",
+        type=int,
+        default=DEFAULT_PART_MB,
+        help="multipart part size, MiB, both clients (>= 5)",
     )
     p.add_argument(
         "--restore-from",

@@ -1,7 +1,7 @@
 """Checkpoint store on s3:// against moto's S3 server on 127.0.0.1 (see conftest.py).
 
-These run the real s3fs/aiobotocore request path; nothing inside the client is
-replaced. No Ray. Tampering goes through a plain boto3 client, as another program
+These run the real request paths, s3fs/aiobotocore for reads and listings and boto3's
+managed transfer for uploads; nothing inside either client is replaced. No Ray. Tampering goes through a plain boto3 client, as another program
 (or a failing disk) would.
 """
 
@@ -119,6 +119,42 @@ def test_large_file_goes_multipart_and_round_trips(s3_bucket: S3Bucket, tmp_path
         store.read_range(7, "rank_0/model_states.pt", 5 * 2**20 - 7, 20)
         == data[5 * 2**20 - 7 : 5 * 2**20 + 13]
     )
+
+
+def test_uploads_use_the_storage_options_credentials_and_extra_args(
+    s3_bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No credentials in the environment: only storage_options can sign the upload.
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "s3_additional_kwargs": {"ServerSideEncryption": "AES256"},
+    }
+    store = _store(s3_bucket, storage_options=options)
+    files = store.upload_dir(make_staging(tmp_path / "s", 3), 3)
+    head = s3_bucket.client.head_object(Bucket=s3_bucket.name, Key=_key(store, 3, files[0].path))
+    assert head["ServerSideEncryption"] == "AES256"
+
+
+def test_an_option_boto3_cannot_take_keeps_the_s3fs_upload(
+    s3_bucket: S3Bucket, tmp_path: Path
+) -> None:
+    # `use_ssl` has no boto3 transfer equivalent here: the upload must not drop it
+    # silently, so it goes through s3fs, which honours it.
+    store = _store(s3_bucket, storage_options={"use_ssl": False})
+    manifest = save_step(store, 5, tmp_path)
+    store.verify_remote(manifest)
+    assert store._backend._upload_client() is None
+
+
+def test_upload_to_a_missing_bucket_names_the_bucket(tmp_path: Path, s3_bucket: S3Bucket) -> None:
+    store = CheckpointStore("s3://no-such-bucket-here/x", endpoint_url=s3_bucket.endpoint_url)
+    with pytest.raises(StorageError) as ei:
+        store.upload_dir(make_staging(tmp_path / "s", 1), 1)
+    msg = str(ei.value)
+    assert "'no-such-bucket-here' does not exist" in msg and "aws s3 mb" in msg
 
 
 def test_check_writable_passes_and_leaves_nothing(s3_bucket: S3Bucket) -> None:
