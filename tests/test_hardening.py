@@ -342,7 +342,7 @@ def test_a_model_far_too_big_fails_with_the_fields_to_change(
     with pytest.raises(SpecError) as ei:
         check_offline(spec)
     msg = str(ei.value)
-    assert "parameters and needs about" in msg and "GB per device" in msg
+    assert "parameters and needs about" in msg and "TB per device" in msg
     for field in ("model.d_model", "parallel.pipeline_stages", "parallel.zero_stage"):
         assert field in msg
     ok = _local(tmp_path)
@@ -466,7 +466,9 @@ def _bad_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             "config_kwargs must be a mapping",
         ),
         (["validate", *cfg, "--set", "checkpoint.storage_options.anon=true"], "local path"),
-        (["validate", *cfg, "--set", "model.d_model=10000000"], "GB per device"),
+        (["validate", *cfg, "--set", "model.d_model=10000000"], "TB per device"),
+        (["plan", *cfg, "--device-memory-gb", "0.01"], "a device has 10.0 MB"),
+        (["plan", str(empty)], "is empty"),
         (["run", str(empty)], "is empty"),
         (["run", *cfg, "--set", "parallel.pipline=2"], "did you mean 'pipeline_stages'"),
         (["submit", str(empty), "--address", "http://127.0.0.1:9"], "is empty"),

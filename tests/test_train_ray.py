@@ -242,3 +242,33 @@ def test_a_pickle_in_the_checkpoint_runs_no_code_and_falls_back(reference, tmp_p
     assert attempt["restored_from"] == 20
     for step, loss in attempt["losses"]:
         assert loss == ref.losses[step]
+
+
+def test_the_plan_is_close_to_what_the_quickstart_measures(ray_session, tmp_path):
+    """The quickstart itself (2 stages x 2 replicas): the summary puts the plan beside
+    the run, and the plan's memory per stage and bubble hold against the measurement."""
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    job = spotline.Job.from_yaml(
+        config,
+        {
+            "train.steps": 16,
+            "checkpoint.uri": f"file://{tmp_path}/ckpt",
+            "checkpoint.staging_dir": str(tmp_path / "staging"),
+        },
+    )
+    result = job.run(verbose=False)
+    assert result.state == "finished"
+    plan = result.plan
+    assert plan["replicas"] == 2
+    predicted, measured = plan["predicted"], plan["measured"]
+    assert sorted(measured["memory_bytes"]) == [0, 1]  # every stage measured itself
+    for stage, planned in predicted["memory_bytes"].items():
+        assert planned == pytest.approx(measured["memory_bytes"][stage], rel=0.20), stage
+    # Within 10 points of the step: (p-1)/(m+p-1) is 20% here.
+    assert measured["bubble_fraction"] > 0
+    assert abs(predicted["bubble_fraction"] - measured["bubble_fraction"]) <= 0.10
+    assert predicted["step_s"] > 0 and measured["step_s"] > 0
+    text = result.summary()
+    assert "plan vs run" in text and "stage 1 memory" in text

@@ -1,4 +1,4 @@
-"""`spotline` command line: run, validate, submit, status, report, trace.
+"""`spotline` command line: run, validate, plan, submit, status, report, trace.
 
 Every way a command can fail ends in one line on stderr that says what happened and
 what to do, and a non-zero exit: 2 for bad input (spec, URI, file, arguments), 1 for a
@@ -111,6 +111,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     _add_spec_args(val)
     val.add_argument("--offline", action="store_true", help="skip the storage and corpus checks")
+
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory, bubble, step time, checkpoint and cost before launch",
+    )
+    _add_spec_args(plan)
+    plan.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="FLOP/s per device to plan at, in TFLOP/s (default: this machine's device)",
+    )
+    plan.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="memory of one device (default: resources.device_memory_gb, else this machine)",
+    )
+    plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
 
     submit = sub.add_parser("submit", help="submit through Ray's job submission API")
     _add_spec_args(submit)
@@ -242,11 +261,18 @@ def _dispatch(args) -> int:
 
         (check_offline if args.offline else preflight)(job.spec)
         print(f"{job.spec.name}: OK (spec hash {job.spec.spec_hash()})")
-        from spotline.plan import jit_fit_problem
+        from spotline.plan import make_plan
 
-        problem = jit_fit_problem(job.spec, job.spec.replica_counts()[0])
-        if problem:
-            print(f"spotline: warning: {problem}", file=sys.stderr)
+        for warning in make_plan(job.spec).warnings:  # the checks `spotline plan` makes
+            print(f"spotline: warning: {warning}", file=sys.stderr)
+        return 0
+    if args.cmd == "plan":
+        job = _job_from_args(args)
+        plan = job.plan(peak_tflops=args.peak_tflops, device_memory_gb=args.device_memory_gb)
+        print(plan.render())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(plan.to_dict(), f, indent=2)
         return 0
     if args.cmd == "submit":
         handle = _job_from_args(args).submit(args.address, args.working_dir)

@@ -21,6 +21,7 @@ from spotline import constants
 from spotline.config import JobSpec, apply_overrides, load_spec
 from spotline.config.loader import validate_dict
 from spotline.config.redact import install_log_redaction, split_secrets, write_secrets_package
+from spotline.plan import Plan
 
 
 class JobFailed(RuntimeError):
@@ -69,6 +70,9 @@ class JobResult:
     """Dollars on spot, and for the same steps on-demand (metrics.*_usd_per_device_hour)."""
     alerts: list[str] = field(default_factory=list)
     """Sustained performance deviations the controller warned about."""
+    plan: dict[str, Any] | None = None
+    """The plan's predictions (memory per stage, bubble, step time, MFU) beside the
+    measured values, at the replica count measured (see `spotline.plan`)."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:
@@ -101,8 +105,30 @@ class JobResult:
                 f"  committed steps   {self.committed_steps}",
                 *self._bubble_lines(),
                 *self._goodput_lines(),
+                *self._plan_lines(),
             ]
         )
+
+    def _plan_lines(self) -> list[str]:
+        if not self.plan:
+            return []
+        pred, meas = self.plan["predicted"], self.plan["measured"]
+
+        def pair(key: str, fmt) -> str:
+            a, b = pred.get(key), meas.get(key)
+            return f"{fmt(a) if a is not None else 'n/a'} planned, {fmt(b) if b is not None else 'n/a'} measured"
+
+        lines = [f"  plan vs run       at {self.plan['replicas']} replica(s):"]
+        for stage, planned in pred["memory_bytes"].items():
+            got = meas["memory_bytes"].get(stage) or meas["memory_bytes"].get(str(stage))
+            lines.append(
+                f"    stage {stage} memory  {planned / 1e9:.3f} GB planned, "
+                + (f"{got / 1e9:.3f} GB measured" if got else "not measured")
+            )
+        lines.append(f"    step time       {pair('step_s', lambda x: f'{x:.3g}s')}")
+        lines.append(f"    bubble          {pair('bubble_fraction', lambda x: f'{x:.1%}')}")
+        lines.append(f"    MFU             {pair('mfu', lambda x: f'{x:.1%}')}")
+        return lines
 
     def _goodput_lines(self) -> list[str]:
         if not self.ledger:
@@ -339,6 +365,44 @@ class Job:
     def with_overrides(self, overrides: dict[str, Any] | list[str]) -> Job:
         raw = apply_overrides(self.spec.model_dump(mode="json"), overrides)
         return Job(validate_dict(raw, f"{self.spec.name} with overrides"))
+
+    def plan(
+        self,
+        peak_tflops: float | None = None,
+        device_memory_gb: float | None = None,
+        local_cluster: bool = True,
+    ) -> Plan:
+        """Predict memory per stage, the bubble, step time and MFU, the checkpoint and its
+        just-in-time save against each notice, the replica counts and the cost of 1B
+        tokens, before anything starts on the cluster (see `spotline.plan`).
+
+        Runs the offline checks first, so a stage that cannot fit its device is refused
+        (SpecError) naming the field to change. The FLOP/s per device: `peak_tflops`,
+        else this machine's device (a datasheet peak on a GPU, a short matmul probe on
+        CPU at resources.cpus_per_worker threads); none for a GPU job planned here
+        without a GPU. `device_memory_gb` stands in for resources.device_memory_gb.
+        """
+        from spotline.metrics.flops import device_peak
+        from spotline.plan import make_plan
+        from spotline.preflight import check_offline, device_memory_bytes
+
+        spec = self.spec
+        if device_memory_gb is not None:
+            spec = self.with_overrides({"resources.device_memory_gb": device_memory_gb}).spec
+        check_offline(spec, local_cluster)
+        rate = None
+        if peak_tflops is not None:
+            rate = (peak_tflops * 1e12, peak_tflops * 1e12, f"{peak_tflops:g} TFLOP/s (given)")
+        else:
+            import torch
+
+            if spec.resources.device != "gpu" or torch.cuda.is_available():
+                threads = max(1, int(spec.resources.cpus_per_worker))
+                name, peak = device_peak(spec.parallel.precision, threads)
+                if peak:
+                    how = "a matmul probe" if name == "cpu" else "the datasheet peak"
+                    rate = (peak, peak, f"{peak / 1e12:.3g} TFLOP/s ({name}, {how})")
+        return make_plan(spec, device_memory_bytes(spec, local_cluster), rate)
 
     def start(self, address: str | None = None) -> JobRun:
         """Preflight (before any worker starts), then start the controller actor."""

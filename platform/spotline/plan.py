@@ -1,21 +1,36 @@
-"""Predictions from the spec alone: memory per device and bytes per checkpoint.
+"""Predictions from the spec before launch: memory, bubble, step time, checkpoints, cost.
 
-Pure arithmetic on the spec (no Ray, no torch), so the preflight can refuse a job that
-cannot fit before anything starts, and name the field to change.
+Arithmetic on the spec plus, optionally, a device's peak FLOP/s (a datasheet entry or a
+short matmul probe); nothing starts on the cluster. The preflight refuses a job that
+cannot fit with the field to change; `spotline plan` prints the whole prediction, and
+the job's summary puts it beside what the run measured.
 
 Memory per device, for the largest pipeline stage (P parameters), D replicas:
 - weights w·P, gradients w·P (w = 4 bytes in fp32, 2 in bf16);
 - the fp32 master copy 4·P (bf16, or any ZeRO stage >= 1) and Adam's two moments 8·P;
 - ZeRO-1 splits master and moments over D, ZeRO-2 the gradients too, ZeRO-3 the weights;
-- activations: per micro-batch and layer s·b·h·(34 + 5·a·s/h) bytes in 16-bit
-  (Korthikanti et al., 2022; twice that in fp32), times the micro-batches a 1F1B stage
-  holds at once (p - stage), plus the logits on the last stage.
+- ZeRO-1/2's gradient-reduction bucket, fp32, sized to the stage (see
+  `JobSpec.zero_bucket_elements`);
+- activations: per micro-batch and layer 34·s·b·h bytes in 16-bit (Korthikanti et al.,
+  2022; twice that in fp32), times the micro-batches a 1F1B stage holds at once
+  (p - stage), plus the logits on the last stage. Their 5·a·s²·b term for the attention
+  scores is left out: the built-in models use fused attention
+  (`scaled_dot_product_attention`), which keeps no s x s matrix on CPU or GPU.
+
+Step time: each stage's training FLOPs per micro-batch (its blocks' 6·N + 12·T·d per
+token, and the head's share on the last stage, the conventions of
+`spotline.metrics.flops`) at the device's FLOP/s, played through the real 1F1B
+schedule (`bubbles.schedule.simulate`, backward = 2 x forward). The simulated step
+gives the bubble (time stages wait on each other) as well. Data-parallel collectives
+and the optimizer step are not charged, so the step time is a lower bound at that rate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from spotline.config.schema import JobSpec
 from spotline.models import ModelDef, layer_param_counts, model_def, stage_bounds
@@ -36,9 +51,20 @@ def stage_params(spec: JobSpec, model: ModelDef | None = None) -> list[int]:
 class StageMemory:
     stage: int
     params: int
-    state_bytes: int
-    """Weights, gradients, master weights and optimizer state on one device."""
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    """fp32 master weights and both Adam moments (this rank's ZeRO share)."""
+    bucket_bytes: int
+    """DeepSpeed's ZeRO gradient-reduction bucket(s), fp32."""
     activation_bytes: int
+    """Activations of the micro-batches the stage holds at once (and the logits)."""
+    micro_batches_in_flight: int
+
+    @property
+    def state_bytes(self) -> int:
+        """Weights, gradients, master weights, optimizer state and the reduction bucket."""
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.bucket_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -53,17 +79,12 @@ def memory_per_device(spec: JobSpec, replicas: int | None = None) -> list[StageM
     z = p.zero_stage
     w = 2 if p.precision == "bf16" else 4
     master = MASTER_BYTES if (p.precision == "bf16" or z >= 1) else 0
-    per_param = (
-        w / (d if z >= 3 else 1)
-        + w / (d if z >= 2 else 1)
-        + (master + ADAM_BYTES) / (d if z >= 1 else 1)
-    )
     model = model_def(spec)
     m = spec.model
     b, s = spec.micro_batch_size(), m.seq_len
-    # Width and heads of the built-in kinds; a custom model is charged as if d = 1024.
-    h, heads = getattr(m, "d_model", 1024), getattr(m, "n_heads", 16)
-    per_layer = s * b * h * (34 + 5 * heads * s / h) * (w / 2)
+    # Width of the built-in kinds; a custom model is charged as if d = 1024.
+    h = getattr(m, "d_model", 1024)
+    per_layer = 34 * s * b * h * (w / 2)
     bounds = stage_bounds(model, p.pipeline_stages)
     is_block = [ld.cls is model.block_class for ld in model.layers]
     micro = spec.grad_accum(d)
@@ -74,8 +95,131 @@ def memory_per_device(spec: JobSpec, replicas: int | None = None) -> list[StageM
         act = per_layer * blocks * in_flight
         if stage == p.pipeline_stages - 1:
             act += 2 * b * s * model.vocab_size * 4  # fp32 logits and their gradient
-        out.append(StageMemory(stage, params, math.ceil(params * per_param), math.ceil(act)))
+        out.append(
+            StageMemory(
+                stage,
+                params,
+                weight_bytes=math.ceil(params * w / (d if z >= 3 else 1)),
+                grad_bytes=math.ceil(params * w / (d if z >= 2 else 1)),
+                optimizer_bytes=math.ceil(params * (master + ADAM_BYTES) / (d if z >= 1 else 1)),
+                bucket_bytes=_bucket_bytes(spec, params),
+                activation_bytes=math.ceil(act),
+                micro_batches_in_flight=in_flight,
+            )
+        )
     return out
+
+
+def _bucket_bytes(spec: JobSpec, params: int) -> int:
+    bucket = spec.zero_bucket_elements(params)
+    if bucket is None:
+        return 0
+    overlap = (spec.deepspeed.get("zero_optimization") or {}).get("overlap_comm", False)
+    return bucket * 4 * (2 if overlap else 1)  # double-buffered when overlapping comms
+
+
+def human_bytes(n: float) -> str:
+    """1.2 GB, 340.0 MB, 12.0 kB: decimal units, one decimal."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def memory_problem(spec: JobSpec, capacity: int, source: str) -> str | None:
+    """Why the job's largest stage cannot fit a device of `capacity` bytes (None if it
+    fits), naming the fields that would make it fit."""
+    worst = max(memory_per_device(spec), key=lambda m: m.total_bytes)
+    if worst.total_bytes <= capacity:
+        return None
+    return (
+        f"model: stage {worst.stage} holds {worst.params:,} parameters and needs about "
+        f"{human_bytes(worst.total_bytes)} per device ({human_bytes(worst.state_bytes)} of "
+        f"weights, gradients and Adam state under ZeRO-{spec.parallel.zero_stage}, "
+        f"{human_bytes(worst.activation_bytes)} of activations), but a device has "
+        f"{human_bytes(capacity)} ({source}); lower model.d_model or model.n_layers, add "
+        "parallel.pipeline_stages, raise parallel.zero_stage, use parallel.precision: bf16, "
+        "or lower train.global_batch_size"
+    )
+
+
+# --- step time and bubble -------------------------------------------------------------
+
+
+def stage_flops_per_token(spec: JobSpec, model: ModelDef | None = None) -> list[float]:
+    """Training FLOPs per token of each pipeline stage: 6 x the weights of each layer's
+    matrix multiplications (nn.Linear: embeddings are gathers), plus 12·T·d of attention
+    per block, scaled so the stages add up to the provider's own `flops_per_token`."""
+    import torch
+    from torch import nn
+
+    model = model or model_def(spec)
+    d = getattr(spec.model, "d_model", 1024)
+    raw = []
+    with torch.device("meta"):
+        for ld in model.layers:
+            layer = ld.build()
+            linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+            attention = 12.0 * model.seq_len * d if ld.cls is model.block_class else 0.0
+            raw.append(6.0 * linear + attention)
+    scale = model.flops_per_token / sum(raw) if sum(raw) > 0 else 0.0
+    bounds = stage_bounds(model, spec.parallel.pipeline_stages)
+    return [scale * sum(raw[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    step_s: float | None
+    """Seconds per optimizer step at `flops_per_s` (None without a rate)."""
+    bubble_fraction: float
+    """Share of the step the stages wait on each other (0 without a pipeline)."""
+    theory: float
+    """(p - 1)/(m + p - 1): the bubble with equal stages."""
+    backfill_s_per_step: float | None
+    """Device-seconds per step the bubbles leave for backfill, over all devices."""
+    mfu: float | None
+    """Model FLOP/s over `peak_flops` at that step time."""
+
+
+def predict_step(
+    spec: JobSpec,
+    replicas: int,
+    flops_per_s: float | None = None,
+    peak_flops: float | None = None,
+) -> StepPrediction:
+    """One step at `replicas`, each device running `flops_per_s` (the relative stage
+    costs alone give the bubble when no rate is known)."""
+    from spotline.bubbles.detector import bubble_fraction
+    from spotline.bubbles.schedule import simulate, theory_fraction
+
+    p, m = spec.parallel.pipeline_stages, spec.grad_accum(replicas)
+    stage = stage_flops_per_token(spec)
+    tokens = spec.micro_batch_size() * spec.model.seq_len
+    rate = flops_per_s or 1.0
+    micro_s = [f * tokens / rate for f in stage]
+    if p > 1:
+        timelines = simulate(
+            p, m, t_fwd=[t / 3 for t in micro_s], t_bwd=[2 * t / 3 for t in micro_s]
+        )
+        spans = [tl[-1].end - tl[0].start for tl in timelines]
+        bubble = sum(bubble_fraction(tl) * sp for tl, sp in zip(timelines, spans, strict=True))
+        bubble /= sum(spans)
+        step = max(spans)
+    else:
+        bubble, step = 0.0, m * micro_s[0]
+    devices = p * replicas
+    known = flops_per_s is not None
+    util = None
+    if known and peak_flops:
+        total = sum(stage) * tokens * m * replicas
+        util = total / step / (devices * peak_flops)
+    return StepPrediction(
+        step_s=step if known else None,
+        bubble_fraction=bubble,
+        theory=theory_fraction(p, m) if p > 1 else 0.0,
+        backfill_s_per_step=bubble * step * devices if known else None,
+        mfu=util,
+    )
 
 
 def checkpoint_bytes(spec: JobSpec) -> int:
@@ -114,18 +258,21 @@ def predicted_save_s(spec: JobSpec, replicas: int, bytes_per_s: float | None = N
     return save_bytes_per_rank(spec, replicas) / rate + SAVE_FIXED_S
 
 
-def shortest_notice(spec: JobSpec) -> tuple[str, float] | None:
-    """(source kind, seconds) of the shortest notice the job's sources give, or None
-    without sources. A source's default_deadline_s, else its protocol's usual notice
-    (aws 120 s; gcp, azure, ray-drain and sigterm 30 s)."""
+def notice_deadlines(spec: JobSpec) -> list[tuple[str, float]]:
+    """(source kind, seconds) of each notice source of the job: its default_deadline_s,
+    else its protocol's usual notice (aws 120 s; gcp, azure, ray-drain, sigterm 30 s)."""
     from spotline.registry import NOTICE_SOURCES
 
-    out = None
-    for s in spec.preemption.sources:
-        d = s.default_deadline_s or NOTICE_SOURCES.load(s.kind).default_deadline_s
-        if out is None or d < out[1]:
-            out = (s.kind, float(d))
-    return out
+    return [
+        (s.kind, float(s.default_deadline_s or NOTICE_SOURCES.load(s.kind).default_deadline_s))
+        for s in spec.preemption.sources
+    ]
+
+
+def shortest_notice(spec: JobSpec) -> tuple[str, float] | None:
+    """(source kind, seconds) of the shortest notice the job's sources give, or None
+    without sources."""
+    return min(notice_deadlines(spec), key=lambda n: n[1], default=None)
 
 
 def jit_fit_problem(
@@ -163,4 +310,184 @@ def jit_fit_problem(
         "goes, and the job would resume from the previous checkpoint. Write less per rank "
         "(more replicas, or parallel.zero_stage >= 1), lift checkpoint.upload_max_mb_per_s, "
         "or lower checkpoint.interval_steps so that a lost notice costs fewer steps"
+    )
+
+
+# --- the whole plan ---------------------------------------------------------------------
+
+BUBBLE_WARN_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class NoticeFit:
+    source: str
+    deadline_s: float
+    save_s: float
+    """Predicted seconds from the save request to the commit (plus one step)."""
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the job will need and do, predicted before launch (`spotline plan`)."""
+
+    name: str
+    replica_counts: list[int]
+    """Replica counts the batch policy allows, with their global batch and micro-batches."""
+    batches: dict[int, dict[str, int]]
+    replicas: int
+    """The count the per-device figures below are for: the smallest, where ZeRO splits
+    state the least."""
+    stages: list[StageMemory]
+    device_bytes: int | None
+    device_source: str | None
+    step: StepPrediction
+    rate_source: str | None
+    """Where the FLOP/s came from (a datasheet peak, a probe, --peak-tflops); None: none."""
+    tokens_per_step: int
+    checkpoint_bytes: int
+    save_bytes_per_rank: int
+    notices: list[NoticeFit]
+    usd_per_1b_tokens: dict[str, float | None]
+    """'spot' and 'on_demand' dollars for 1e9 tokens at the predicted step time."""
+    warnings: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for st, mem in zip(out["stages"], self.stages, strict=True):
+            st.update(state_bytes=mem.state_bytes, total_bytes=mem.total_bytes)
+            if self.device_bytes:
+                st["headroom_bytes"] = self.device_bytes - mem.total_bytes
+        return out
+
+    def render(self) -> str:
+        gb = 1e9
+        lines = [f"Spotline plan for {self.name}"]
+        lines.append(
+            "  replicas          "
+            + ", ".join(
+                f"{d} (batch {b['global_batch']}, {b['micro_batches']} micro-batches)"
+                for d, b in self.batches.items()
+            )
+        )
+        have = (
+            f"device {self.device_bytes / gb:,.2f} GB ({self.device_source})"
+            if self.device_bytes
+            else "device memory unknown (set resources.device_memory_gb)"
+        )
+        lines.append(f"  memory per device at {self.replicas} replica(s); {have}")
+        for m in self.stages:
+            room = (
+                f", headroom {(self.device_bytes - m.total_bytes) / gb:,.2f} GB"
+                if self.device_bytes
+                else ""
+            )
+            lines.append(
+                f"    stage {m.stage}: {m.params:,} params; weights {m.weight_bytes / gb:.3f}, "
+                f"grads {m.grad_bytes / gb:.3f}, optimizer {m.optimizer_bytes / gb:.3f}, "
+                f"bucket {m.bucket_bytes / gb:.3f}, "
+                f"activations {m.activation_bytes / gb:.3f} ({m.micro_batches_in_flight} "
+                f"micro-batch(es) in flight) = {m.total_bytes / gb:.3f} GB{room}"
+            )
+        st = self.step
+        if self.stages and len(self.stages) > 1:
+            free = (
+                f"; {st.backfill_s_per_step:.3g} device-s per step left for backfill"
+                if st.backfill_s_per_step is not None
+                else ""
+            )
+            lines.append(
+                f"  bubble            {st.bubble_fraction:.1%} of each step (equal stages: "
+                f"{st.theory:.1%}){free}"
+            )
+        if st.step_s is not None:
+            mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
+            lines.append(
+                f"  step time         {st.step_s:.3g} s at {self.rate_source}{mfu}; "
+                f"{self.tokens_per_step / st.step_s:,.0f} tokens/s"
+            )
+        else:
+            lines.append("  step time         unknown: no device FLOP/s (pass --peak-tflops)")
+        lines.append(
+            f"  checkpoint        {self.checkpoint_bytes / gb:,.3f} GB; the busiest rank "
+            f"writes {self.save_bytes_per_rank / gb:,.3f} GB"
+        )
+        for n in self.notices:
+            lines.append(
+                f"    {n.source} notice {n.deadline_s:.0f}s: just-in-time save about "
+                f"{n.save_s:.1f}s, {'fits' if n.fits else 'does NOT fit'}"
+            )
+        usd = self.usd_per_1b_tokens
+        if any(v is not None for v in usd.values()):
+            parts = [f"${v:,.2f} {k.replace('_', '-')}" for k, v in usd.items() if v is not None]
+            lines.append(f"  cost of 1B tokens {', '.join(parts)}")
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def make_plan(
+    spec: JobSpec,
+    device: tuple[int, str] | None = None,
+    rate: tuple[float, float | None, str] | None = None,
+) -> Plan:
+    """The plan of `spec`. `device`: (bytes, where that figure comes from) of one device;
+    `rate`: (FLOP/s a device runs at, its peak FLOP/s for MFU, where they come from)."""
+    from spotline import constants
+
+    counts = spec.replica_counts()
+    d = counts[0]
+    flops_per_s, peak, rate_source = rate if rate else (None, None, None)
+    step = predict_step(spec, d, flops_per_s, peak)
+    tokens = spec.global_batch(d) * spec.model.seq_len
+    warnings = []
+    if device is not None:
+        problem = memory_problem(spec, *device)
+        if problem:
+            warnings.append(problem)
+    if step.bubble_fraction > BUBBLE_WARN_FRACTION:
+        p = spec.parallel.pipeline_stages
+        need = math.ceil(3 * (p - 1))  # (p-1)/(m+p-1) <= 0.25 at m >= 3(p-1)
+        warnings.append(
+            f"the pipeline bubble is {step.bubble_fraction:.0%} of each step (over "
+            f"{BUBBLE_WARN_FRACTION:.0%}): raise parallel.micro_batches (to {need} or more "
+            f"for {p} stages, with train.global_batch_size a multiple of micro_batches x "
+            "elastic.max_replicas), or lower parallel.pipeline_stages"
+        )
+    save_s = predicted_save_s(spec, d)
+    margin = constants.SPOTLINE_JIT_MARGIN_S
+    notices = []
+    for kind, deadline in notice_deadlines(spec):
+        need_s = save_s + (step.step_s or 0.0)
+        notices.append(NoticeFit(kind, deadline, need_s, need_s <= deadline - margin))
+    problem = jit_fit_problem(spec, d, step_s=step.step_s or 0.0)
+    if problem:
+        warnings.append(problem)
+    m = spec.metrics
+    usd: dict[str, float | None] = {"spot": None, "on_demand": None}
+    if step.step_s is not None:
+        hours = 1e9 / tokens * step.step_s * d * spec.parallel.pipeline_stages / 3600
+        for key, price in (
+            ("spot", m.spot_usd_per_device_hour),
+            ("on_demand", m.on_demand_usd_per_device_hour),
+        ):
+            usd[key] = None if price is None else hours * price
+    return Plan(
+        name=spec.name,
+        replica_counts=counts,
+        batches={
+            r: {"global_batch": spec.global_batch(r), "micro_batches": spec.grad_accum(r)}
+            for r in counts
+        },
+        replicas=d,
+        stages=memory_per_device(spec, d),
+        device_bytes=device[0] if device else None,
+        device_source=device[1] if device else None,
+        step=step,
+        rate_source=rate_source,
+        tokens_per_step=tokens,
+        checkpoint_bytes=checkpoint_bytes(spec),
+        save_bytes_per_rank=save_bytes_per_rank(spec, d),
+        notices=notices,
+        usd_per_1b_tokens=usd,
+        warnings=warnings,
     )

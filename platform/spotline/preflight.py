@@ -20,7 +20,7 @@ from spotline.config.backfill import SpeculativeTaskSpec
 from spotline.config.loader import SpecError
 from spotline.config.schema import JobSpec
 from spotline.data import open_dataset
-from spotline.plan import checkpoint_bytes, memory_per_device
+from spotline.plan import checkpoint_bytes, memory_problem
 
 
 def open_store(spec: JobSpec) -> CheckpointStore:
@@ -94,20 +94,9 @@ def check_memory(spec: JobSpec, local_cluster: bool) -> None:
     have = device_memory_bytes(spec, local_cluster)
     if have is None:
         return
-    capacity, source = have
-    worst = max(memory_per_device(spec), key=lambda m: m.total_bytes)
-    if worst.total_bytes <= capacity:
-        return
-    p = spec.parallel
-    raise SpecError(
-        f"model: stage {worst.stage} holds {worst.params:,} parameters and needs about "
-        f"{worst.total_bytes / GB:,.1f} GB per device ({worst.state_bytes / GB:,.1f} GB of "
-        f"weights, gradients and Adam state under ZeRO-{p.zero_stage}, "
-        f"{worst.activation_bytes / GB:,.1f} GB of activations), but a device has "
-        f"{capacity / GB:,.1f} GB ({source}); lower model.d_model or model.n_layers, add "
-        "parallel.pipeline_stages, raise parallel.zero_stage, use parallel.precision: bf16, "
-        "or lower train.global_batch_size"
-    )
+    problem = memory_problem(spec, *have)
+    if problem:
+        raise SpecError(problem)
 
 
 def resolve_tokenizer(spec: JobSpec) -> None:

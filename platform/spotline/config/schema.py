@@ -442,10 +442,31 @@ class JobSpec(_Section):
             "wall_clock_breakdown": False,
         }
 
-    def deepspeed_config(self, replicas: int) -> dict[str, Any]:
-        """The DeepSpeed config of a group of `replicas`: derived from the spec, with the
-        `deepspeed:` section merged over it (its keys never contradict the derived ones)."""
-        return _deep_merge(self._derived_deepspeed(replicas), self.deepspeed)
+    def deepspeed_config(self, replicas: int, stage_params: int | None = None) -> dict[str, Any]:
+        """The DeepSpeed config of a group of `replicas` (of a stage of `stage_params`
+        parameters): derived from the spec, with the `deepspeed:` section merged over it
+        (its keys never contradict the derived ones)."""
+        derived = self._derived_deepspeed(replicas)
+        bucket = self.zero_bucket_elements(stage_params) if stage_params else None
+        if bucket is not None:
+            derived["zero_optimization"]["reduce_bucket_size"] = bucket
+        return _deep_merge(derived, self.deepspeed)
+
+    def zero_bucket_elements(self, stage_params: int) -> int | None:
+        """Elements of the gradient-reduction bucket DeepSpeed's ZeRO-1/2 allocates on
+        every rank of a stage of `stage_params` parameters (None without ZeRO).
+
+        DeepSpeed allocates its whole reduce_bucket_size (5e8 elements: 2 GB in fp32)
+        whatever the model's size. A bucket larger than the stage holds nothing more,
+        so Spotline sizes it to the stage, never above DeepSpeed's default, unless
+        deepspeed.zero_optimization.reduce_bucket_size is set.
+        """
+        if self.parallel.zero_stage not in (1, 2):
+            return None
+        given = _dig(self.deepspeed, ["zero_optimization", "reduce_bucket_size"])
+        if given is not _ABSENT:
+            return int(given)
+        return max(1, min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, stage_params))
 
     # --- derived -----------------------------------------------------------------
 
@@ -564,6 +585,9 @@ class JobSpec(_Section):
 _ABSENT = object()
 # deepspeed: keys Spotline derives, and the spec field each comes from (None: Spotline
 # supplies the object itself, so the key cannot be set at all).
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default zero_optimization.reduce_bucket_size."""
+
 _SPOTLINE_OWNED_DEEPSPEED_KEYS: dict[str, str | None] = {
     "train_batch_size": "train.global_batch_size",
     "train_micro_batch_size_per_gpu": "train.global_batch_size / (parallel.micro_batches "

@@ -71,6 +71,7 @@ from spotline.controller.state import (
     Waiting,
 )
 from spotline.controller.telemetry import Telemetry
+from spotline.plan import memory_per_device, predict_step
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.group import Progress, WorkerFailure, WorkerGroup
 
@@ -117,6 +118,12 @@ class Record:
     steps_trained: int = 0
     first_step_start: float | None = None  # wall clock, this controller's first step
     last_step_end: float | None = None
+    peak_memory: dict[int, int] = field(default_factory=dict)
+    """Measured peak tensor bytes per pipeline stage (the largest rank's)."""
+    peak_memory_replicas: int | None = None
+    """The replica count that measurement was taken at."""
+    step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT_STEPS))
+    """The live group's latest steps' own seconds (the ranks' step timers)."""
 
 
 class Controller:
@@ -171,6 +178,7 @@ class Controller:
         self._accounted = 0.0  # seconds of this iteration charged from the ranks' measurements
         self._pending_jit: list[dict[str, Any]] = []  # notices the next leave answers
         self._jit_fit_checked = False  # the check from the first measured save is done
+        self._predictions: dict[tuple, dict[str, Any]] = {}  # the plan's, by shape
 
     @property
     def store(self) -> CheckpointStore:
@@ -230,6 +238,7 @@ class Controller:
             "eval": tel.evals[-1] if tel.evals else None,
             "evals": list(tel.evals),
             "bubbles": self.bubbles.summary() if self.bubbles else None,
+            "plan": self._plan_vs_run(group.replicas if group else None),
             "ledger": tel.ledger_summary(),
             "cost": tel.cost(),
             "alerts": [a.message() for a in tel.deviation.alerts],
@@ -253,6 +262,35 @@ class Controller:
             "updated_at": time.time(),
         }
 
+    def _plan_vs_run(self, replicas: int | None) -> dict[str, Any]:
+        """The plan's predictions beside what the run measured, at the replica count
+        of the measurement (memory: of the first group; step time, MFU, bubble: of the
+        live group)."""
+        tel, r = self.telemetry, self.rec
+        d = r.peak_memory_replicas or replicas or self.spec.replica_counts()[0]
+        key = (d, replicas or d, tel.peak_flops)
+        if key not in self._predictions:  # arithmetic on the spec: once per shape
+            mem = memory_per_device(self.spec, d)
+            step = predict_step(self.spec, key[1], tel.peak_flops, tel.peak_flops)
+            self._predictions[key] = {
+                "memory_bytes": {m.stage: m.total_bytes for m in mem},
+                "bubble_fraction": step.bubble_fraction,
+                "step_s": step.step_s,
+                "mfu": step.mfu,
+            }
+        seconds = sorted(r.step_seconds)
+        bubbles = self.bubbles.summary() if self.bubbles else None
+        return {
+            "replicas": d,
+            "predicted": self._predictions[key],
+            "measured": {
+                "memory_bytes": dict(sorted(r.peak_memory.items())),
+                "bubble_fraction": bubbles["bubble_fraction"] if bubbles else 0.0,
+                "step_s": seconds[len(seconds) // 2] if seconds else None,
+                "mfu": tel.last.get("mfu"),
+            },
+        }
+
     _STATUS_KEYS = (
         "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
         "node_losses", "waiting", "doomed_nodes", "committed_steps", "workers", "error",
@@ -262,6 +300,7 @@ class Controller:
         "checkpoint_uri", "committed_steps", "failures", "checkpoint_blocked_s",
         "checkpoint_upload_s", "checkpoint_bytes", "wall_s", "error", "notices", "node_losses",
         "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
+        "plan",
     )  # fmt: skip
 
     def status(self, since_event: int = 0) -> dict[str, Any]:
@@ -458,6 +497,7 @@ class Controller:
             self.rec.resizes[-1]["to_replicas"] = replicas
         self._starting_since = self.clock()
         self._recent_steps.clear()
+        self.rec.step_seconds.clear()
         group = self.group_factory(replicas)
         self.group = group
         attempt = Attempt(replicas=replicas, attempt=group.attempt)
@@ -522,6 +562,7 @@ class Controller:
         attempt = r.attempts[-1]
         for step, loss, step_s, wall in p.steps:
             r.losses[step] = loss
+            r.step_seconds.append(step_s)
             attempt.losses.append((step, loss))
             self._recent_steps.append((step, wall))
             if r.first_step_start is None:
@@ -541,6 +582,11 @@ class Controller:
             self._committed(done)
         for notice in p.notices:
             self.notify(notice)
+        for m in p.memory:
+            if r.peak_memory_replicas not in (None, group.replicas):
+                continue  # keep the first group's: the plan is compared at one shape
+            r.peak_memory_replicas = group.replicas
+            r.peak_memory[m["stage"]] = max(r.peak_memory.get(m["stage"], 0), m["peak_bytes"])
         self._account(p, elapsed)
 
     def _after_restart(self) -> None:

@@ -39,6 +39,7 @@ from spotline.config.redact import install_log_redaction
 from spotline.config.schema import JobSpec
 from spotline.metrics.export import Metrics, export_gpu_samples
 from spotline.metrics.flops import device_peak
+from spotline.metrics.memory import measure_peak
 from spotline.preemption import make_source
 from spotline.runtime.cpu import pin_process
 from spotline.train.trainer import Topology, Trainer, init_distributed
@@ -78,7 +79,8 @@ class TrainWorker:
         self.channel: WindowChannel | None = None
         self._lock = threading.Lock()  # the control thread and the training thread
         self._req = _Requests()
-        self._buf: dict[str, list] = {"steps": [], "saves": [], "notices": []}
+        self._buf: dict[str, Any] = {"steps": [], "saves": [], "notices": [], "memory": None}
+        self._steps_run = 0  # steps this process trained (its peak memory is taken once)
         self._stall_seen = 0.0
         self._filled_seen = (0, 0)  # (filled_ns, overrun_ns) already reported
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
@@ -180,7 +182,7 @@ class TrainWorker:
     def progress(self) -> dict[str, Any]:
         """What happened since the last call; never waits for the training thread."""
         with self._lock:
-            buf, self._buf = self._buf, {"steps": [], "saves": [], "notices": []}
+            buf, self._buf = self._buf, {"steps": [], "saves": [], "notices": [], "memory": None}
         trainer = self.trainer
         stall = trainer.data_stall_s if trainer else 0.0
         out = {
@@ -208,7 +210,13 @@ class TrainWorker:
         saved_through = tr.step  # the same on every rank: it follows agreed decisions
         while tr.step < target:
             t0 = time.perf_counter()
-            loss = tr.train_step()
+            if self._steps_run == 1:  # the first steady step: optimizer state exists
+                loss, peak = measure_peak(tr.train_step, tr.device)
+                with self._lock:
+                    self._buf["memory"] = {"stage": self.topo.stage, "peak_bytes": peak}
+            else:
+                loss = tr.train_step()
+            self._steps_run += 1
             step_s = time.perf_counter() - t0
             self._watch_sigterm()
             with self._lock:

@@ -83,6 +83,8 @@ class Progress:
     lr: float | None = None
     data_stall_s: float = 0.0
     """Seconds steps waited for their batches since the last poll (the slowest rank's)."""
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    """Peak tensor memory of ranks that measured it since the last poll: stage, bytes."""
     finished: dict[str, Any] | None = None
     """Set once every rank's run returned: {"stopped_at": step, "reason": ...}."""
 
@@ -381,6 +383,8 @@ class RayWorkerGroup:
             if r.get("bubbles"):
                 out.bubbles.append(r["bubbles"])
             out.data_stall_s = max(out.data_stall_s, r["data_stall_s"])
+            if r.get("memory"):
+                out.memory.append(r["memory"])
         for step in sorted(self._saves):
             by_rank = self._saves[step]
             if len(by_rank) == self.world_size:

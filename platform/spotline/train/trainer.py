@@ -163,7 +163,7 @@ class Trainer:
             model=model,
             optimizer=opt,
             lr_scheduler=sched,
-            config=spec.deepspeed_config(topo.replicas),
+            config=spec.deepspeed_config(topo.replicas, sum(p.numel() for p in model.parameters())),
             dist_init_required=False,
         )
         self.device = self.engine.device

@@ -1,0 +1,209 @@
+"""`spotline plan`: predictions from the spec before launch, checked against direct
+computations and against what a real engine holds (the run-time comparison with a
+whole job is in test_train_ray.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+import spotline
+from spotline.bubbles.schedule import theory_fraction
+from spotline.cli import main
+from spotline.config import load_spec
+from spotline.config.loader import SpecError
+from spotline.metrics.memory import TensorMemory
+from spotline.models import model_def
+from spotline.plan import (
+    make_plan,
+    memory_per_device,
+    predict_step,
+    stage_flops_per_token,
+)
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def _spec(tmp_path: Path, *overrides: str):
+    return load_spec(QUICKSTART, [f"checkpoint.uri=file://{tmp_path}/c", *overrides])
+
+
+# --- pure arithmetic (unit) -----------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_stage_flops_add_up_to_the_model_and_the_head_is_on_the_last_stage(tmp_path) -> None:
+    spec = _spec(tmp_path)
+    per_stage = stage_flops_per_token(spec)
+    assert sum(per_stage) == pytest.approx(model_def(spec).flops_per_token)
+    one = stage_flops_per_token(_spec(tmp_path, "parallel.pipeline_stages=1"))
+    assert one == [pytest.approx(sum(per_stage))]
+    # Two blocks on each stage: the difference between the stages is the head's 6·V·d.
+    m = spec.model
+    assert per_stage[1] - per_stage[0] == pytest.approx(6 * 256 * m.d_model, rel=1e-6)
+
+
+@pytest.mark.unit
+def test_step_prediction_follows_the_schedule(tmp_path) -> None:
+    spec = _spec(tmp_path, "parallel.pipeline_stages=1")
+    rate = 1e9
+    step = predict_step(spec, 2, rate, rate)
+    tokens = spec.micro_batch_size() * spec.model.seq_len
+    micro = model_def(spec).flops_per_token * tokens / rate
+    assert step.step_s == pytest.approx(spec.grad_accum(2) * micro)
+    assert step.bubble_fraction == 0.0 and step.mfu == pytest.approx(1.0)
+    # A pipeline: its bubble is at least the equal-stage one (the last stage also runs
+    # the head), and MFU at the probe's rate is what the bubble leaves.
+    piped = predict_step(_spec(tmp_path), 2, rate, rate)
+    theory = theory_fraction(2, 4)
+    assert piped.theory == pytest.approx(theory)
+    assert theory <= piped.bubble_fraction < theory + 0.05
+    assert piped.mfu == pytest.approx(1 - piped.bubble_fraction, rel=0.05)
+    assert predict_step(_spec(tmp_path), 2).step_s is None  # no rate: no step time
+
+
+@pytest.mark.unit
+def test_memory_follows_the_zero_stage(tmp_path) -> None:
+    z0 = memory_per_device(_spec(tmp_path, "parallel.zero_stage=0"), 2)[0]
+    z1 = memory_per_device(_spec(tmp_path), 2)[0]
+    n = z1.params
+    assert z0.optimizer_bytes == 8 * n and z0.bucket_bytes == 0  # fp32: no master copy
+    assert z1.optimizer_bytes == math.ceil(12 * n / 2)  # master + moments split over D=2
+    assert z1.bucket_bytes == 4 * n  # DeepSpeed's bucket, sized to the stage
+    assert z1.weight_bytes == z1.grad_bytes == 4 * n
+    assert z0.activation_bytes == z1.activation_bytes > 0
+
+
+@pytest.mark.unit
+def test_plan_prices_a_billion_tokens_and_checks_each_notice(tmp_path) -> None:
+    spec = _spec(
+        tmp_path,
+        "metrics.spot_usd_per_device_hour=1.0",
+        "metrics.on_demand_usd_per_device_hour=3.0",
+        'preemption.sources=[{"kind": "aws"}, {"kind": "gcp"}]',
+    )
+    plan = make_plan(spec, (10**10, "test"), (1e9, 1e9, "test"))
+    hours = 1e9 / plan.tokens_per_step * plan.step.step_s * 4 / 3600  # 2 stages x 2
+    assert plan.usd_per_1b_tokens["spot"] == pytest.approx(hours)
+    assert plan.usd_per_1b_tokens["on_demand"] == pytest.approx(3 * hours)
+    assert [(n.source, n.deadline_s, n.fits) for n in plan.notices] == [
+        ("aws", 120.0, True),
+        ("gcp", 30.0, True),
+    ]
+    assert plan.warnings == []
+    assert plan.batches == {2: {"global_batch": 16, "micro_batches": 4}}
+    assert json.loads(json.dumps(plan.to_dict()))["stages"][0]["headroom_bytes"] > 0
+
+
+@pytest.mark.unit
+def test_plan_warns_naming_the_field_for_a_big_bubble_and_a_slow_save(tmp_path) -> None:
+    spec = _spec(
+        tmp_path,
+        "parallel.micro_batches=1",
+        "train.global_batch_size=2",
+        "checkpoint.upload_max_mb_per_s=0.001",
+        'preemption.sources=[{"kind": "gcp"}]',
+    )
+    plan = make_plan(spec)
+    assert plan.step.bubble_fraction == pytest.approx(0.5)
+    bubble, jit = plan.warnings
+    assert "parallel.micro_batches" in bubble and "to 3 or more" in bubble
+    assert "checkpoint.upload_max_mb_per_s" in jit and "gcp notice" in jit
+    assert not make_plan(_spec(tmp_path)).warnings
+
+
+@pytest.mark.unit
+def test_plan_refuses_a_stage_that_cannot_fit_naming_the_fields(tmp_path) -> None:
+    job = spotline.Job(_spec(tmp_path))
+    with pytest.raises(SpecError) as ei:
+        job.plan(peak_tflops=1.0, device_memory_gb=0.01)
+    msg = str(ei.value)
+    assert "stage 0" in msg and "a device has 10.0 MB (resources.device_memory_gb)" in msg
+    assert "parallel.pipeline_stages" in msg and "parallel.zero_stage" in msg
+    plan = job.plan(peak_tflops=1.0, device_memory_gb=1.0)
+    assert plan.device_bytes == 10**9 and plan.rate_source.startswith("1 TFLOP/s")
+
+
+@pytest.mark.unit
+def test_plan_cli_prints_the_plan_and_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(QUICKSTART), "--set", f"checkpoint.uri=file://{tmp_path}/c"]
+    assert main([*argv, "--peak-tflops", "0.1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Spotline plan for quickstart" in text and "bubble" in text and "stage 1" in text
+    data = json.loads(out.read_text())
+    assert data["step"]["step_s"] > 0 and len(data["stages"]) == 2
+
+
+# --- the measurement the plan is compared with ----------------------------------------
+
+
+@pytest.mark.unit
+def test_tensor_memory_counts_what_is_alive() -> None:
+    keep = torch.zeros(1000, 1000)  # 4 MB alive before
+    with TensorMemory() as m:
+        a = torch.ones(1000, 1000)
+        b = a @ a  # 8 MB more: the peak
+        del a
+        c = b + 1
+        del b
+    assert m.start_bytes >= keep.nbytes
+    assert m.peak_bytes - m.start_bytes == 2 * keep.nbytes
+    assert m.now_bytes - m.start_bytes == c.nbytes
+
+
+def _engine_peaks(spec_dicts: list[dict], out) -> None:
+    """In a fresh process: for each spec, one DeepSpeed ZeRO-1 engine (world 1, gloo),
+    two steps, and the peak tensor memory over the second, beside the plan's."""
+    from spotline.config.loader import validate_dict
+    from spotline.preflight import resolve_tokenizer
+    from spotline.train.trainer import Topology, Trainer, init_distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    topo = Topology(1, 1, 0)
+    init_distributed(topo, "127.0.0.1", port)
+    for raw in spec_dicts:
+        spec = validate_dict(raw, "test")
+        resolve_tokenizer(spec)
+        trainer = Trainer(spec, topo, threads=1)
+        trainer.train_step()
+        with TensorMemory() as m:
+            trainer.train_step()
+        out.put((memory_per_device(spec, 1)[0].total_bytes, m.peak_bytes))
+        del trainer
+
+
+@pytest.mark.ray
+def test_predicted_memory_is_within_20_percent_of_a_real_engine(tmp_path) -> None:
+    import multiprocessing as mp
+
+    shapes = {
+        "quickstart": [],
+        "batch 64": ["train.global_batch_size=64"],
+        "d_model 256": ["model.d_model=256"],
+    }
+    specs = [
+        _spec(
+            tmp_path,
+            "parallel.pipeline_stages=1",
+            "elastic.min_replicas=1",
+            "elastic.max_replicas=1",
+            *extra,
+        ).model_dump(mode="json")
+        for extra in shapes.values()
+    ]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_engine_peaks, args=(specs, out))
+    proc.start()
+    got = {name: out.get(timeout=300) for name in shapes}
+    proc.join(60)
+    for name, (predicted, measured) in got.items():
+        assert predicted == pytest.approx(measured, rel=0.20), (name, predicted, measured)
