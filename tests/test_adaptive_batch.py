@@ -210,6 +210,25 @@ def _probe_rank(rank: int, port: int, out: dict) -> None:
         out["engine_big"] = float(tr.engine.get_global_grad_norm()) ** 2
         out["noise"] = tr.schedule.noise.to_dict()
         out["micro_batches"] = tr.micro_batches
+        # A boundary grows the batch in place: the engine's accumulation, the lr, not
+        # the held-out set.
+        held, lr = tr.heldout_loss(2), tr.lr()
+        tr._set_batch(16)
+        grown = {
+            "micro_batches": tr.micro_batches,
+            "engine_batch": tr.engine.train_batch_size(),
+            "lr_ratio": tr.lr() / lr,
+            "same_heldout": tr.heldout_loss(2) == held,
+        }
+        steps = tr.engine.global_steps
+        tr.train_step()  # 8 micro-batches after 4: one optimizer step, at its end
+        grown["optimizer_steps"] = tr.engine.global_steps - steps
+        # ...and nothing accumulated after it: the boundary was the step's last micro-batch.
+        grown["leftover"] = any(
+            p.grad is not None and bool(p.grad.any()) for p in tr.engine.module.parameters()
+        )
+        grown["history"] = tr.schedule.history
+        out["grown"] = grown
     except BaseException:  # noqa: BLE001 - reported to the test
         out["error"] = traceback.format_exc()
 
@@ -235,6 +254,11 @@ def test_probe_reads_the_micro_batch_and_step_norms_of_a_real_engine():
         out = dict(out)
     assert "error" not in out, out.get("error")
     assert out["micro_batches"] == 4
+    grown = out["grown"]
+    assert grown["micro_batches"] == 8 and grown["engine_batch"] == 16
+    assert grown["lr_ratio"] == pytest.approx(math.sqrt(2))  # sqrt(16 / 8)
+    assert grown["same_heldout"] and grown["optimizer_steps"] == 1 and not grown["leftover"]
+    assert grown["history"] == [[1, 8], [2, 16]]
     assert out["engine_big"] == pytest.approx(out["big_sq"], rel=1e-4)
     noise = NoiseScale(out["noise"]["decay"])
     noise.update(out["small_sq"], 2, out["big_sq"], 8)

@@ -336,11 +336,16 @@ class Trainer:
     def heldout_loss(self, n_batches: int | None = None) -> float:
         """Mean loss over the first n fixed held-out batches (the same every call)."""
         n = n_batches or self.spec.train.eval_batches
+        # The held-out set does not follow an adaptive batch: the starting batch's shape.
+        micro = self.spec.grad_accum(self.topo.replicas)
         losses = []
         for k in range(n):
-            batches = self._to_device(self._batches(self.heldout, k))
+            host = [None] * micro
+            if self.heldout is not None:
+                host = self.heldout.micro_batches(k, self.topo.replica, self.topo.replicas, micro)
+            batches = self._to_device(host)
             if self.pipelined:
-                out = self.engine.eval_batch(data_iter=iter(batches))
+                out = self.engine.eval_batch(data_iter=iter(batches), num_micro_batches=micro)
                 losses.append(float(out.item()))
             else:
                 self.engine.eval()
