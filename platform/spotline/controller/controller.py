@@ -580,7 +580,9 @@ class Controller:
         warm = self.clock() - self._group_started > 1.0 and len(p.steps) > 0
         if self.bubbles is not None and p.bubbles:
             on = self.backfill is not None and not self.backfill.governor.decision().paused
-            self.bubbles.add(p.bubbles, self.spec.grad_accum(group.replicas), on)
+            # The depth in force: an adaptive batch deepens the 1F1B schedule as it grows.
+            micro = (self.rec.batch or {}).get("micro_batches")
+            self.bubbles.add(p.bubbles, micro or self.spec.grad_accum(group.replicas), on)
         if self.backfill is not None:
             if p.steps:
                 self.backfill.on_chunk(len(p.steps), step_time, warm=warm)
