@@ -6,6 +6,7 @@ gives the uninterrupted run's per-step losses bit for bit."""
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 
 import pytest
@@ -97,3 +98,22 @@ def test_sigkill_resume_gives_identical_losses(adaptive_run, tmp_path):
     want = CheckpointStore(ref.checkpoint_uri).load_manifest(30).extra["batch"]
     got = CheckpointStore(result.checkpoint_uri).load_manifest(30).extra["batch"]
     assert got["history"] == want["history"] and got["noise"] == want["noise"]
+
+
+def test_resume_on_fewer_replicas_keeps_the_batch_in_force(adaptive_run, tmp_path, capsys):
+    ref_spec, ref = adaptive_run
+    shutil.copytree(ref.checkpoint_uri.removeprefix("file://"), tmp_path / "ckpt")
+    want = CheckpointStore(ref.checkpoint_uri).load_manifest(30).extra["batch"]
+    over = {**ADAPTIVE, "elastic.min_replicas": 1, "elastic.max_replicas": 1, "train.steps": 34}
+    spec = tiny_spec(tmp_path, "adaptive", **over)  # the job that owns these checkpoints
+    result = spotline.Job(spec).run(verbose=True)
+    assert "resharded from 2 stage(s) x 2 replica(s) to 2 x 1" in capsys.readouterr().out
+    (attempt,) = result.attempts
+    assert attempt["restored_from"] == 30 and sorted(result.losses) == list(range(31, 35))
+    m = CheckpointStore(result.checkpoint_uri).load_manifest(34)
+    got = m.extra["batch"]
+    # The same global batch and history, as whole micro-batches on the one replica left.
+    assert got["history"] == want["history"]
+    assert got["global_batch_size"] == want["global_batch_size"]
+    assert m.topology["replicas"] == 1
+    assert got["micro_batches_per_step"] == want["global_batch_size"] // spec.micro_batch_size()
