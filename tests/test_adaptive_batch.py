@@ -151,6 +151,11 @@ def test_spec_derives_the_adaptive_batch():
         ({"train.adaptive.min_batch_size": 40}, "train.adaptive.min_batch_size", "raise"),
         ({"elastic.batch_policy": "scaled"}, "elastic.batch_policy", "batch_schedule: fixed"),
         ({"parallel.zero_stage": 0}, "parallel.zero_stage", "set zero_stage: 1"),
+        (
+            {"deepspeed.zero_optimization.overlap_comm": True},
+            "deepspeed.zero_optimization.overlap_comm",
+            "remove the key",
+        ),
     ],
 )
 def test_spec_refuses_bad_adaptive_fields(over, field, fix):

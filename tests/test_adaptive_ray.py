@@ -69,6 +69,7 @@ def test_batch_grows_at_checkpoint_boundaries_and_is_recorded(adaptive_run, tmp_
     b = summary["batch"]
     assert b["schedule"] == "adaptive" and b["global_batch_size"] == sizes[-1]
     assert b["noise_scale"] is not None and b["noise_scale"] > 0
+    assert result.batch == b or result.batch["history"] == b["history"]
     assert summary["history"][-1]["global_batch_size"] == sizes[-1]
     row = dict(status_rows(summary))["global batch"]
     assert row.startswith(f"{sizes[-1]} sequences (adaptive)"), row

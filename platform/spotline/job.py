@@ -69,6 +69,9 @@ class JobResult:
     """Dollars on spot, and for the same steps on-demand (metrics.*_usd_per_device_hour)."""
     alerts: list[str] = field(default_factory=list)
     """Sustained performance deviations the controller warned about."""
+    batch: dict[str, Any] | None = None
+    """The global batch at the end: schedule, global_batch_size, noise_scale (adaptive),
+    and history ([[first_step, global_batch], ...])."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:

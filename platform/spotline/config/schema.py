@@ -448,6 +448,12 @@ class JobSpec(_Section):
                 f"{p.zero_stage}): the noise scale reads each rank's gradient after its first "
                 "micro-batch, before ZeRO reduces it; set zero_stage: 1, or batch_schedule: fixed"
             )
+        if _dig(self.deepspeed, ["zero_optimization", "overlap_comm"]) is True:
+            raise ValueError(
+                "deepspeed.zero_optimization.overlap_comm cannot be true with "
+                "train.batch_schedule 'adaptive': it reduces gradients during the backward, "
+                "before the noise scale reads them; remove the key, or use batch_schedule: fixed"
+            )
         if a.max_batch_size is None:
             raise ValueError(
                 "train.adaptive.max_batch_size is required with train.batch_schedule "

@@ -319,10 +319,10 @@ class Trainer:
             self.recorder.record_sync(agree)
         else:
             agree()
-        if self._proposal:
+        self._proposal = 0
+        if int(t[2]) > 0:
             # The adaptive batch of the next steps rides on the same all-reduce, so
             # every rank changes at the same boundary to the same size.
-            self._proposal = 0
             self._set_batch(int(t[2]))
         return int(t[0]), int(t[1])
 
