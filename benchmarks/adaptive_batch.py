@@ -116,6 +116,7 @@ def _rank(rank: int, cfg_json: str, results: Any) -> None:
                 "history": tr.schedule.history,
                 "estimates": tr.schedule.estimates,
                 "wall_s": time.perf_counter() - t0,
+                "final_lr": tr.lr(),
             }
         )
 
@@ -135,7 +136,6 @@ def run_arm(args: argparse.Namespace, arm: str, work: Path) -> dict[str, Any]:
     out = spawn_ranks(
         _rank, (json.dumps(cfg),), args.replicas, work / arm, args.timeout, f"arm {arm}"
     )
-    out["lr"] = spec.train.lr
     return out
 
 
@@ -192,14 +192,23 @@ def main(argv: list[str] | None = None) -> int:
         tok, steps = to_target(r["curve"], target)
         figures[f"tokens_to_target_{key}"] = tok
         figures[f"steps_to_target_{key}"] = steps
-        rows.append((arm, tok, steps, best[arm], r["history"][-1][1], r["lr"], r["wall_s"]))
+        rows.append((arm, tok, steps, best[arm], r["history"][-1][1], r["final_lr"]))
     fixed, adaptive = figures["tokens_to_target_fixed"], figures["tokens_to_target_adaptive"]
     ratio = adaptive / fixed if fixed and adaptive else None
     figures["adaptive_over_fixed_tokens"] = ratio
+    s_fixed, s_adaptive = figures["steps_to_target_fixed"], figures["steps_to_target_adaptive"]
+    figures["adaptive_over_fixed_steps"] = s_adaptive / s_fixed if s_fixed and s_adaptive else None
     print(f"target held-out loss {target:.4f}  ({args.tokens:,} tokens per arm)")
-    head = ("arm", "tokens to target", "steps to target", "best held-out", "final batch", "lr")
+    head = (
+        "arm",
+        "tokens to target",
+        "steps to target",
+        "best held-out",
+        "final batch",
+        "final lr",
+    )
     print(f"{head[0]:<10} {head[1]:>17} {head[2]:>16} {head[3]:>14} {head[4]:>12} {head[5]:>9}")
-    for arm, tok, steps, b, final, lr, _ in rows:
+    for arm, tok, steps, b, final, lr in rows:
         t = "-" if tok is None else f"{tok:,}"
         s = "-" if steps is None else str(steps)
         print(f"{arm:<10} {t:>17} {s:>16} {b:>14.4f} {final:>12} {lr:>9.5f}")
@@ -208,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     est = runs["adaptive"]["estimates"]
     print("noise scale at boundaries (step, B_simple):", ", ".join(f"{s}:{b:.1f}" for s, b in est))
     if ratio is not None:
-        print(f"adaptive / fixed tokens to target: {ratio:.3f}")
+        steps_ratio = figures["adaptive_over_fixed_steps"]
+        print(f"adaptive / fixed to target: {ratio:.3f}x the tokens, {steps_ratio:.3f}x the steps")
     if args.json:
         out = {**figures, "args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}
         args.json.write_text(json.dumps(out, indent=2))
