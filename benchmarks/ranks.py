@@ -4,6 +4,9 @@ script, and so this module, again."""
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +17,23 @@ LOG_TAIL_LINES = 40
 
 class BenchmarkError(RuntimeError):
     """A run failed; the message says where, with the failing rank's log tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redirect_output(path: Path) -> None:
+    """Send this process's stdout and stderr to `path`: DeepSpeed prints from every
+    rank; its lines belong in a per-rank log, not in the table."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def log_tail(path: Path) -> str:

@@ -73,6 +73,9 @@ class JobResult:
     plan: dict[str, Any] | None = None
     """The plan's predictions (memory per stage, bubble, step time, MFU) beside the
     measured values, at the replica count measured (see `spotline.plan`)."""
+    batch: dict[str, Any] | None = None
+    """The global batch at the end: schedule, global_batch_size, noise_scale (adaptive),
+    and history ([[first_step, global_batch], ...])."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:

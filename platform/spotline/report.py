@@ -45,6 +45,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("replicas", f"{s.get('replicas', 0)} of {s.get('max_replicas', '?')}"),
         ("step", f"{s.get('step', 0)} / {s.get('total_steps', '?')}"),
         ("train loss", _num(s.get("train_loss"))),
+        ("global batch", _batch(s)),
         ("eval loss", _eval(s)),
         ("tokens/s", _num(s.get("tokens_per_s"), "{:,.0f}")),
         ("MFU", _pct(s.get("mfu"))),
@@ -65,6 +66,31 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if s.get("error"):
         rows.append(("error", str(s["error"])))
     return rows
+
+
+def _batch(s: dict[str, Any]) -> str:
+    b = s.get("batch")
+    if not b:
+        return "-"
+    out = f"{b.get('global_batch_size')} sequences ({b.get('schedule')})"
+    if b.get("schedule") == "adaptive":
+        noise = b.get("noise_scale")
+        out += f", noise scale {'-' if noise is None else f'{noise:,.1f}'}"
+        out += f", {max(0, len(b.get('history') or []) - 1)} change(s)"
+    return out
+
+
+def batch_steps(s: dict[str, Any]) -> list[tuple[int, int]]:
+    """(step, global batch) points of the schedule, as a step function to the last step."""
+    b = s.get("batch") or {}
+    hist = [(int(a), int(v)) for a, v in b.get("history") or []]
+    if not hist:
+        return []
+    last = max([int(k) for k in (s.get("losses") or {})] + [hist[-1][0]])
+    pts: list[tuple[int, int]] = []
+    for (first, size), nxt in zip(hist, [*hist[1:], (last + 1, None)], strict=True):
+        pts += [(first, size), (max(first, nxt[0] - 1), size)]
+    return pts
 
 
 def _eval(s: dict[str, Any]) -> str:
@@ -137,6 +163,15 @@ def _loss_png(s: dict[str, Any], path: Path) -> Path:
         ax.plot(*zip(*evals, strict=True), "o-", label="eval (backfill)", ms=4)
     if s.get("heldout_loss") is not None and losses:
         ax.plot([losses[-1][0]], [s["heldout_loss"]], "s", label="held-out (final)")
+    batch = batch_steps(s)
+    if batch:
+        # The global batch beside the loss: an adaptive schedule's growth shows where
+        # the loss curve changes slope.
+        right = ax.twinx()
+        right.plot(*zip(*batch, strict=True), color="tab:purple", lw=1.5, ls="--")
+        right.set_ylabel("global batch (sequences)", color="tab:purple")
+        right.set_ylim(bottom=0)
+        ax.plot([], [], color="tab:purple", ls="--", label="global batch (right)")
     return _finish(fig, ax, path, xlabel="step", ylabel="loss", title=f"{s.get('name')}: loss")
 
 

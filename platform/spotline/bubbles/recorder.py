@@ -83,6 +83,14 @@ class StepRecorder:
                 self.channel.close_window()
             self._instrs.append(Instr(name, -1, start - self._t0, end - self._t0))
 
+    def set_micro_batches(self, micro_batches: int) -> None:
+        """The schedule depth changed (an adaptive batch): forget the old program and
+        the forecast learnt from it."""
+        if micro_batches != self.micro_batches:
+            self.micro_batches = micro_batches
+            self._program = None
+            self.forecast = Forecast()
+
     # --- steps ------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:

@@ -134,6 +134,7 @@ class CommitCoordinator:
                             world,
                             [FileEntry(**f) for f in r["files"]],
                             r.get("index", []),
+                            batch=r.get("batch"),
                         )
                         for r in receipts
                     ]
@@ -292,19 +293,23 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of `step` from every rank's upload result of group `attempt`."""
     replicas = world // spec.parallel.pipeline_stages
+    # Every rank saved the same schedule (their metas must agree to load): rank 0's.
+    ranked = sorted(results, key=lambda r: r.rank)
+    schedule = next((r.batch for r in ranked if r.batch), None)
+    batch = int(schedule["history"][-1][1]) if schedule else None
     files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
     index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
     return Manifest(
         step=step,
         files=files,
-        topology=spec.topology(replicas),
+        topology=spec.topology(replicas, batch),
         data_position={"next_step": step, "seed": spec.data.seed},
         spec_hash=spec.spec_hash(),
         created_at=time.time(),
         extra={
             "job": spec.name,
             "attempt": attempt,
-            "batch": spec.batch_record(replicas),
+            "batch": spec.batch_record(replicas, schedule),
             "spec": spec.hashed_fields(),  # so a refused resume can say what differs
             "vocab_size": spec.vocab_size(),
             "index": index,

@@ -863,8 +863,10 @@ class CheckpointStore:
         world_size: int,
         files: list[FileEntry],
         index: list[dict[str, Any]] | None = None,
+        batch: dict[str, Any] | None = None,
     ) -> None:
-        """Record that `rank` of the group `attempt` finished uploading its files of `step`.
+        """Record that `rank` of the group `attempt` finished uploading its files of `step`
+        (and the adaptive batch schedule it saved, if any).
 
         Receipts let a restarted controller commit a step whose uploads all finished
         but whose completion reports were lost with the workers that sent them. They
@@ -877,6 +879,7 @@ class CheckpointStore:
                 "world_size": world_size,
                 "files": [dataclasses.asdict(f) for f in files],
                 "index": index or [],
+                "batch": batch,
             }
         ).encode()
         path = f"{self._step_path(step)}/{RECEIPTS_DIR}/{attempt}/rank_{rank:05d}.json"

@@ -41,6 +41,9 @@ class UploadResult:
     """From the snapshot to the receipt: serialization and upload."""
     nbytes: int = 0
     error: str | None = None
+    batch: dict[str, Any] | None = None
+    """The adaptive batch schedule the rank saved (history and noise averages), if any:
+    the manifest records it."""
 
 
 @dataclass
@@ -49,6 +52,7 @@ class _Job:
     write: Callable[[Path], list[dict[str, Any]]]
     """Serializes the snapshot into a directory; returns its index entries."""
     local: Path
+    batch: dict[str, Any] | None = None
 
 
 class Uploader:
@@ -80,12 +84,19 @@ class Uploader:
     def busy(self) -> bool:
         return not self._idle.is_set()
 
-    def submit(self, step: int, local: Path, write: Callable[[Path], list[dict]]) -> None:
-        """Serialize (`write(dir)`) and upload step `step`'s share in the background."""
+    def submit(
+        self,
+        step: int,
+        local: Path,
+        write: Callable[[Path], list[dict]],
+        batch: dict[str, Any] | None = None,
+    ) -> None:
+        """Serialize (`write(dir)`) and upload step `step`'s share in the background;
+        `batch` (the adaptive batch schedule, if any) travels with its receipt."""
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self._todo.put(_Job(step, write, local))
+        self._todo.put(_Job(step, write, local, batch))
 
     def take_done(self) -> list[UploadResult]:
         with self._lock:
@@ -113,7 +124,7 @@ class Uploader:
                 for entry in index:
                     entry["file"] = f"{prefix}/{entry['file']}"
                 self.store.write_receipt(
-                    job.step, self.attempt, self.rank, self.world_size, files, index
+                    job.step, self.attempt, self.rank, self.world_size, files, index, job.batch
                 )
                 result = UploadResult(
                     job.step,
@@ -124,6 +135,7 @@ class Uploader:
                     index,
                     time.perf_counter() - t0,
                     sum(f.size for f in files),
+                    batch=job.batch,
                 )
             except Exception as e:  # noqa: BLE001 - reported to the controller, never raised here
                 result = UploadResult(

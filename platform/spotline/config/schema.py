@@ -158,13 +158,40 @@ class ElasticSpec(_Section):
     """Below min_replicas, wait this long for capacity to come back, then fail."""
 
 
+class AdaptiveBatchSpec(_Section):
+    """Bounds and smoothing of train.batch_schedule 'adaptive'.
+
+    The global batch starts at min_batch_size and, at each checkpoint boundary
+    (every checkpoint.interval_steps), grows toward the gradient noise scale B_simple,
+    in whole micro-batches at every replica count, at most doubling per boundary and
+    never shrinking, up to max_batch_size. The learning rate follows the square-root
+    rule for Adam: lr x sqrt(batch / min_batch_size).
+    """
+
+    min_batch_size: int | None = Field(None, gt=0)
+    """Sequences per step to start at. None: train.global_batch_size."""
+    max_batch_size: int | None = Field(None, gt=0)
+    """Sequences per step never to exceed (required with batch_schedule 'adaptive')."""
+    ema_decay: float = Field(0.95, gt=0.0, lt=1.0)
+    """Decay of the moving averages of the |G|^2 and tr(Sigma) estimates, per step."""
+
+
 class TrainSpec(_Section):
     """The optimisation run."""
 
     steps: int = Field(300, gt=0)
     """Optimizer steps in the whole job."""
     global_batch_size: int = Field(16, gt=0)
-    """Sequences per optimizer step, over all replicas and micro-batches."""
+    """Sequences per optimizer step, over all replicas and micro-batches. It also sets
+    the micro-batch size (global_batch_size / (parallel.micro_batches x
+    elastic.max_replicas)), under either batch_schedule."""
+    batch_schedule: Literal["fixed", "adaptive"] = "fixed"
+    """'fixed': every step trains on the batch the elastic.batch_policy gives. 'adaptive':
+    the batch grows from the gradient noise scale at checkpoint boundaries, within
+    train.adaptive's bounds (needs elastic.batch_policy 'constant' and
+    parallel.zero_stage 1)."""
+    adaptive: AdaptiveBatchSpec = Field(default_factory=AdaptiveBatchSpec)
+    """Bounds and smoothing of the adaptive schedule."""
     lr: float = Field(3e-3, gt=0.0)
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
@@ -380,6 +407,8 @@ class JobSpec(_Section):
                 f"{[d for d in range(1, e.max_replicas + 1) if slots % d == 0]}, or use "
                 "batch_policy 'scaled'"
             )
+        if self.train.batch_schedule == "adaptive":
+            self._check_adaptive()
         self._check_deepspeed_keys()
         bf = self.backfill
         if bf.enabled and p.pipeline_stages < 2:
@@ -404,6 +433,47 @@ class JobSpec(_Section):
             }
         )
         return self
+
+    def _check_adaptive(self) -> None:
+        e, p, a = self.elastic, self.parallel, self.train.adaptive
+        if e.batch_policy != "constant":
+            raise ValueError(
+                "train.batch_schedule 'adaptive' needs elastic.batch_policy 'constant' (got "
+                f"{e.batch_policy!r}): the schedule, not the replica count, sets the batch; "
+                "set batch_policy: constant, or batch_schedule: fixed"
+            )
+        if p.zero_stage != 1:
+            raise ValueError(
+                f"train.batch_schedule 'adaptive' needs parallel.zero_stage: 1 (got "
+                f"{p.zero_stage}): the noise scale reads each rank's gradient after its first "
+                "micro-batch, before ZeRO reduces it; set zero_stage: 1, or batch_schedule: fixed"
+            )
+        if _dig(self.deepspeed, ["zero_optimization", "overlap_comm"]) is True:
+            raise ValueError(
+                "deepspeed.zero_optimization.overlap_comm cannot be true with "
+                "train.batch_schedule 'adaptive': it reduces gradients during the backward, "
+                "before the noise scale reads them; remove the key, or use batch_schedule: fixed"
+            )
+        if a.max_batch_size is None:
+            raise ValueError(
+                "train.adaptive.max_batch_size is required with train.batch_schedule "
+                "'adaptive'; set it to the largest global batch (sequences) the job may grow to"
+            )
+        unit = self.batch_unit()
+        lo, hi = self.batch_bounds()
+        for name, v in (("min_batch_size", lo), ("max_batch_size", hi)):
+            if v % unit:
+                raise ValueError(
+                    f"train.adaptive.{name} ({v}) must be a multiple of {unit} (micro-batch "
+                    f"size {self.micro_batch_size()} x {unit // self.micro_batch_size()} "
+                    f"micro-batches, which every replica count in {self.replica_counts()} "
+                    f"divides); set it to {max(unit, v - v % unit)} or {v - v % unit + unit}"
+                )
+        if lo > hi:
+            raise ValueError(
+                f"train.adaptive.min_batch_size ({lo}) must be <= train.adaptive."
+                f"max_batch_size ({hi}); raise max_batch_size or lower min_batch_size"
+            )
 
     def _check_deepspeed_keys(self) -> None:
         """A `deepspeed:` key that Spotline derives from the spec must agree with it at
@@ -505,15 +575,45 @@ class JobSpec(_Section):
         return [d for d in span if slots % d == 0]
 
     def grad_accum(self, replicas: int) -> int:
-        """Micro-batches per step per replica (the 1F1B depth when pipelined)."""
+        """Micro-batches per step per replica (the 1F1B depth when pipelined; at the
+        start of an adaptive schedule)."""
         m = self.parallel.micro_batches
+        if self.train.batch_schedule == "adaptive":
+            return self.micro_batches_for(self.batch_bounds()[0], replicas)
         if self.elastic.batch_policy == "scaled":
             return m
         return m * self.elastic.max_replicas // replicas
 
     def global_batch(self, replicas: int) -> int:
-        """Sequences per optimizer step with `replicas` replicas."""
+        """Sequences per optimizer step with `replicas` replicas (at the start of an
+        adaptive schedule)."""
+        if self.train.batch_schedule == "adaptive":
+            return self.batch_bounds()[0]
         return self.micro_batch_size() * self.grad_accum(replicas) * replicas
+
+    def batch_unit(self) -> int:
+        """The step of an adaptive batch: micro-batch size x the least number of
+        micro-batches every allowed replica count divides, so the batch in force runs
+        whole micro-batches per replica at any of them."""
+        return self.micro_batch_size() * math.lcm(*self.replica_counts())
+
+    def batch_bounds(self) -> tuple[int, int]:
+        """[min, max] sequences per step of the adaptive schedule (fixed: both the
+        configured batch)."""
+        a, b = self.train.adaptive, self.train.global_batch_size
+        if self.train.batch_schedule != "adaptive":
+            return b, b
+        return (a.min_batch_size or b), (a.max_batch_size or b)
+
+    def micro_batches_for(self, batch: int, replicas: int) -> int:
+        """Micro-batches per step per replica that make a global batch of `batch`."""
+        per = self.micro_batch_size() * replicas
+        if batch % per:
+            raise ValueError(
+                f"a global batch of {batch} is not a whole number of micro-batches of "
+                f"{self.micro_batch_size()} over {replicas} replica(s)"
+            )
+        return batch // per
 
     def lr_scale(self, replicas: int) -> float:
         """Learning-rate multiplier: 1, or sqrt(D / max_replicas) for the scaled policy."""
@@ -521,34 +621,56 @@ class JobSpec(_Section):
             return math.sqrt(replicas / self.elastic.max_replicas)
         return 1.0
 
-    def topology(self, replicas: int) -> dict[str, Any]:
-        """The layout a checkpoint records, and a resume compares against."""
+    def topology(self, replicas: int, batch: int | None = None) -> dict[str, Any]:
+        """The layout a checkpoint records, and a resume compares against (`batch`: the
+        adaptive schedule's global batch in force, if any)."""
         p = self.parallel
+        micro = (
+            self.grad_accum(replicas) if batch is None else self.micro_batches_for(batch, replicas)
+        )
         return {
             "pipeline_stages": p.pipeline_stages,
             "replicas": replicas,
             "world_size": p.pipeline_stages * replicas,
             "zero_stage": p.zero_stage,
-            "micro_batches": self.grad_accum(replicas),
+            "micro_batches": micro,
             "micro_batch_size": self.micro_batch_size(),
             "precision": p.precision,
         }
 
-    def batch_record(self, replicas: int) -> dict[str, Any]:
-        """The batch policy in force at `replicas`, as every manifest records it."""
+    def batch_record(self, replicas: int, schedule: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The batch policy in force at `replicas`, as every manifest records it;
+        `schedule` is the adaptive schedule's record (`BatchSchedule.to_dict`) when the
+        job has one: its history then sets the batch."""
         rule = (
             "global batch constant; micro-batches per step = m x max_replicas / D"
             if self.elastic.batch_policy == "constant"
             else "global batch = global_batch_size x D / max_replicas; lr x sqrt(D / max_replicas)"
         )
-        return {
+        out = {
             "policy": self.elastic.batch_policy,
+            "schedule": self.train.batch_schedule,
             "rule": rule,
             "global_batch_size": self.global_batch(replicas),
             "micro_batch_size": self.micro_batch_size(),
             "micro_batches_per_step": self.grad_accum(replicas),
             "lr_scale": self.lr_scale(replicas),
         }
+        if schedule is not None:
+            batch = int(schedule["history"][-1][1])
+            start = int(schedule["history"][0][1])
+            out.update(
+                rule="global batch grows toward the gradient noise scale at checkpoint "
+                "boundaries, in whole micro-batches within train.adaptive's bounds; "
+                "lr x sqrt(batch / min_batch_size)",
+                global_batch_size=batch,
+                micro_batches_per_step=self.micro_batches_for(batch, replicas),
+                lr_scale=math.sqrt(batch / start),
+                history=schedule["history"],
+                noise=schedule["noise"],
+                estimates=schedule.get("estimates", []),
+            )
+        return out
 
     def hashed_fields(self) -> dict[str, Any]:
         """Everything that changes the training math (not where it runs, logs, or which
@@ -564,8 +686,14 @@ class JobSpec(_Section):
                 "train": True,
                 "parallel": {"precision"},
             },
-            exclude={"train": {"log_every", "steps"}, "data": data_where},
+            exclude={
+                "train": {"log_every", "steps", "batch_schedule", "adaptive"},
+                "data": data_where,
+            },
         )
+        if self.train.batch_schedule == "adaptive":  # fixed jobs keep their old hash
+            fields["train"]["batch_schedule"] = "adaptive"
+            fields["train"]["adaptive"] = self.train.adaptive.model_dump(mode="json")
         # A dataset is its index (contents, tokenizer); where it lies may change.
         fields["data"]["sources"] = [
             {"weight": s.weight, "index_sha256": s.index_sha256} for s in self.data.token_sources()

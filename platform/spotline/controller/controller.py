@@ -116,6 +116,9 @@ class Record:
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     steps_trained: int = 0
+    tokens_trained: int = 0
+    batch: dict[str, Any] | None = None
+    """The batch in force as the ranks last reported it (see Progress.batch)."""
     first_step_start: float | None = None  # wall clock, this controller's first step
     last_step_end: float | None = None
     peak_memory: dict[int, int] = field(default_factory=dict)
@@ -206,7 +209,7 @@ class Controller:
             if r.first_step_start is not None and r.last_step_end is not None
             else 0.0
         )
-        tokens = r.steps_trained * self.spec.train.global_batch_size * self.spec.model.seq_len
+        tokens = r.tokens_trained
         waiting = self.state.reason if isinstance(self.state, Waiting) else None
         return {
             "name": self.spec.name,
@@ -242,6 +245,7 @@ class Controller:
             "ledger": tel.ledger_summary(),
             "cost": tel.cost(),
             "alerts": [a.message() for a in tel.deviation.alerts],
+            "batch": self._batch_view(),
             "history": list(tel.history),
             "losses": dict(sorted(r.losses.items())),
             "attempts": [asdict(a) for a in r.attempts],
@@ -294,6 +298,7 @@ class Controller:
     _STATUS_KEYS = (
         "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
         "node_losses", "waiting", "doomed_nodes", "committed_steps", "workers", "error",
+        "batch",
     )  # fmt: skip
     _RESULT_KEYS = (
         "name", "state", "losses", "attempts", "heldout_loss", "steps_per_s", "tokens_per_s",
@@ -301,6 +306,7 @@ class Controller:
         "checkpoint_upload_s", "checkpoint_bytes", "wall_s", "error", "notices", "node_losses",
         "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
         "plan",
+        "batch",
     )  # fmt: skip
 
     def status(self, since_event: int = 0) -> dict[str, Any]:
@@ -560,7 +566,10 @@ class Controller:
         assert group is not None
         r = self.rec
         attempt = r.attempts[-1]
+        if p.batch is not None:
+            r.batch = p.batch
         for step, loss, step_s, wall in p.steps:
+            r.tokens_trained += self._batch_at(step) * self.spec.model.seq_len
             r.losses[step] = loss
             r.step_seconds.append(step_s)
             attempt.losses.append((step, loss))
@@ -617,7 +626,9 @@ class Controller:
         warm = self.clock() - self._group_started > 1.0 and len(p.steps) > 0
         if self.bubbles is not None and p.bubbles:
             on = self.backfill is not None and not self.backfill.governor.decision().paused
-            self.bubbles.add(p.bubbles, self.spec.grad_accum(group.replicas), on)
+            # The depth in force: an adaptive batch deepens the 1F1B schedule as it grows.
+            micro = (self.rec.batch or {}).get("micro_batches")
+            self.bubbles.add(p.bubbles, micro or self.spec.grad_accum(group.replicas), on)
         if self.backfill is not None:
             if p.steps:
                 self.backfill.on_chunk(len(p.steps), step_time, warm=warm)
@@ -632,6 +643,8 @@ class Controller:
             bubbles=self.bubbles.last_chunk if self.bubbles else None,
             per_rank=p.bubbles,
             lr=p.lr,
+            tokens=sum(self._batch_at(s) for s, _ in steps) * self.spec.model.seq_len,
+            batch=self._batch_view(steps[-1][0]) if steps else None,
             backfill_slowdown=self.backfill.governor.slowdown if self.backfill else None,
             data_stall_s=p.data_stall_s,
             warm=warm,
@@ -652,10 +665,31 @@ class Controller:
         for step, loss, step_s, _ in p.steps:
             if step % every == 0 or step >= t.steps:
                 sps = 1.0 / step_s if step_s else 0.0
-                tok = sps * t.global_batch_size * self.spec.model.seq_len
+                tok = sps * self._batch_at(step) * self.spec.model.seq_len
                 self._event(
                     f"step {step}/{t.steps}  loss {loss:.4f}  {sps:.2f} steps/s  {tok:,.0f} tokens/s"
                 )
+
+    def _batch_at(self, step: int) -> int:
+        """Sequences step `step` trained on: the adaptive schedule's history as the ranks
+        reported it, else what the batch policy gives the live group."""
+        hist = (self.rec.batch or {}).get("history")
+        if self.spec.train.batch_schedule == "adaptive" and hist:
+            return next((size for first, size in reversed(hist) if first <= step), hist[0][1])
+        group = self.group
+        return self.spec.global_batch(group.replicas if group else self.spec.elastic.max_replicas)
+
+    def _batch_view(self, step: int | None = None) -> dict[str, Any]:
+        """The batch of `step` (the latest step reported by default), for status and
+        metrics: schedule, global_batch_size, noise_scale, history."""
+        b = self.rec.batch or {}
+        step = self.step_count if step is None else step
+        return {
+            "schedule": self.spec.train.batch_schedule,
+            "global_batch_size": self._batch_at(step),
+            "noise_scale": b.get("noise_scale"),
+            "history": b.get("history") or [[1, self._batch_at(1)]],
+        }
 
     def _committed(self, done: Committed) -> None:
         self.rec.upload_bytes.append(done.nbytes)

@@ -78,13 +78,19 @@ class Telemetry:
         warm: bool,
         uploading: bool = False,
         data_stall_s: float = 0.0,
+        tokens: int | None = None,
+        batch: dict[str, Any] | None = None,
     ) -> None:
-        """A batch of steps the ranks reported (`seconds`: their summed step times)."""
+        """A batch of steps the ranks reported (`seconds`: their summed step times;
+        `tokens`: what they trained on, by default the batch policy's; `batch`: the
+        batch in force, global_batch_size and noise_scale)."""
         done = len(steps)
         if not done:
             return
         spec = self.spec
-        tokens = done * spec.global_batch(replicas) * spec.model.seq_len
+        if tokens is None:
+            tokens = done * spec.global_batch(replicas) * spec.model.seq_len
+        b_now = batch or {}
         b = bubbles or {}
         self.ledger.train(
             seconds,
@@ -106,6 +112,8 @@ class Telemetry:
             "lr": lr,
             "mfu": util,
             "hfu": hutil,
+            "global_batch_size": b_now.get("global_batch_size", spec.global_batch(replicas)),
+            "noise_scale": b_now.get("noise_scale"),
         }
         self.history.append({"step": step, "t": time.time(), "replicas": replicas, **self.last})
         m = self.metrics
@@ -118,6 +126,8 @@ class Telemetry:
         m.set("spotline_data_stall_fraction", self.last["data_stall_fraction"])
         m.set("spotline_mfu", util)
         m.set("spotline_hfu", hutil)
+        m.set("spotline_global_batch_size", self.last["global_batch_size"])
+        m.set("spotline_gradient_noise_scale", self.last["noise_scale"])
         m.set("spotline_replicas", replicas)
         m.set("spotline_replicas_max", spec.elastic.max_replicas)
         if b:

@@ -86,6 +86,12 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("spotline_node_losses_total", "counter", "Nodes lost without notice."),
     MetricDef("spotline_restarts_total", "counter", "Worker group restarts.", (*JOB, "why")),
     MetricDef("spotline_replicas", "gauge", "Data-parallel replicas alive."),
+    MetricDef("spotline_global_batch_size", "gauge", "Sequences per step now in force."),
+    MetricDef(
+        "spotline_gradient_noise_scale",
+        "gauge",
+        "Estimated simple gradient noise scale B_simple (sequences; adaptive batch only).",
+    ),
     MetricDef("spotline_replicas_max", "gauge", "elastic.max_replicas."),
     # Goodput and cost.
     MetricDef(

@@ -192,6 +192,7 @@ class TrainWorker:
             "uploading": self.uploader.busy,
             "bubbles": self._bubbles(),
             "lr": trainer.lr() if trainer else None,
+            "batch": trainer.batch_info() if trainer else None,
             "data_stall_s": stall - self._stall_seen,
         }
         self._stall_seen = stall
@@ -253,7 +254,9 @@ class TrainWorker:
         snap = self.trainer.snapshot()
         blocked = time.perf_counter() - t0
         local = self.staging / f"step_{step:08d}"
-        self.uploader.submit(step, local, lambda out: self._write(snap, out))
+        self.uploader.submit(
+            step, local, lambda out: self._write(snap, out), snap.meta.get("batch_schedule")
+        )
         with self._lock:
             self._buf["saves"].append((step, blocked, snap.nbytes))
 

@@ -81,6 +81,9 @@ class Progress:
     bubbles: list[dict[str, Any]] = field(default_factory=list)
     """Per rank of a pipeline: bubble figures since the last poll and its latest steps."""
     lr: float | None = None
+    batch: dict[str, Any] | None = None
+    """Rank 0's batch in force: schedule, global_batch_size, micro_batches, noise_scale
+    and the schedule's history ([[first_step, global_batch], ...])."""
     data_stall_s: float = 0.0
     """Seconds steps waited for their batches since the last poll (the slowest rank's)."""
     memory: list[dict[str, Any]] = field(default_factory=list)
@@ -375,6 +378,7 @@ class RayWorkerGroup:
             if r["rank"] == 0:
                 out.steps = r["steps"]
                 out.lr = r["lr"]
+                out.batch = r.get("batch")
             for step, blocked, nbytes in r["saves"]:
                 self._saves.setdefault(step, {})[r["rank"]] = (blocked, nbytes)
             out.uploads += r["uploads"]

@@ -98,6 +98,7 @@ _SHARED_META = (
     "lr_scheduler",
     "global_steps",
     "global_samples",
+    "batch_schedule",
 )
 _SHARED_TOPOLOGY = ("pipeline_stages", "replicas", "zero_stage")
 

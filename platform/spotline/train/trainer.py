@@ -34,6 +34,7 @@ from spotline.config.schema import JobSpec
 from spotline.data import Prefetcher, Sampler, open_dataset
 from spotline.models import build_pipeline_module, build_sequential, init_from_hf, model_def
 from spotline.train import state
+from spotline.train.adaptive import BatchSchedule, GradProbe, grow_to
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,14 @@ class Topology:
         return self.rank % self.replicas
 
 
-def lr_lambda(spec: JobSpec, replicas: int):
-    """Warm-up then cosine, times the batch policy's lr scale at this replica count."""
+def lr_lambda(spec: JobSpec, replicas: int, batch_scale=lambda: 1.0):
+    """Warm-up then cosine, times the batch policy's lr scale at this replica count and
+    the adaptive schedule's (`batch_scale()`, read at every step)."""
     t = spec.train
-    scale = spec.lr_scale(replicas)
+    policy = spec.lr_scale(replicas)
 
     def f(step: int) -> float:
+        scale = policy * batch_scale()
         if t.warmup_steps and step < t.warmup_steps:
             return scale * (step + 1) / t.warmup_steps
         span = max(1, t.steps - t.warmup_steps)
@@ -158,7 +161,13 @@ class Trainer:
         if getattr(spec.model, "init_from", None):
             init_from_hf(model, spec)  # before DeepSpeed copies the weights into its state
         opt = build_optimizer(model, spec)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec, topo.replicas))
+        self.adaptive = t.batch_schedule == "adaptive"
+        self.schedule = BatchSchedule.start(
+            spec.global_batch(topo.replicas), t.batch_schedule, t.adaptive.ema_decay
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lr_lambda(spec, topo.replicas, lambda: self.schedule.lr_scale())
+        )
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=opt,
@@ -183,6 +192,9 @@ class Trainer:
                 min_window_s=constants.SPOTLINE_BACKFILL_MIN_WINDOW_S,
             )
             self.recorder.attach(self.engine)
+        # The adaptive schedule's reading of each step's first micro-batch gradient.
+        self.probe = GradProbe(self.engine.module) if self.adaptive else None
+        self._proposal = 0  # global batch this rank proposes at this step boundary (0: none)
         _seed_everything(t.seed + topo.rank)
         self.step = 0  # optimizer steps done
 
@@ -202,22 +214,88 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step; returns the global-batch mean loss (same on every rank)."""
         host, stall = self.prefetch.get(self.step)
+        if len(host) != self.micro_batches:  # built ahead before the batch changed
+            host = self._batches(self.sampler, self.step)
         self.data_stall_s += stall
         batches = self._to_device(host)
         if self.recorder is not None:
             self.recorder.begin_step(self.step + 1)
+        if self.probe is not None:
+            self.probe.arm()
         if self.pipelined:
             loss = self.engine.train_batch(data_iter=iter(batches)).item()
         else:
             total = torch.zeros((), device=self.device)
-            for x, y in batches:
+            last = len(batches) - 1
+            for i, (x, y) in enumerate(batches):
+                # The boundary is explicit: the engine's own count of micro-steps would
+                # misplace it after the number of micro-batches per step changes.
+                self.engine.set_gradient_accumulation_boundary(i == last)
                 micro_loss = self.model_def.loss(self.engine(x), y)
                 self.engine.backward(micro_loss)
                 self.engine.step()
                 total += micro_loss.detach()
             loss = self._dp_mean(total / len(batches))
         self.step += 1
+        if self.probe is not None:
+            self._observe_noise()
         return loss
+
+    # --- the adaptive batch -------------------------------------------------------
+
+    def _observe_noise(self) -> None:
+        """Fold this step's two gradient norms into the noise scale (one 8-byte
+        all-reduce on the host group: every rank then holds the same averages), and at
+        a checkpoint boundary propose the next batch (agreed on in `agree`)."""
+        assert self.probe is not None
+        gas = self.micro_batches
+        # Every rank holds its stage's part of its replica's first micro-batch gradient,
+        # scaled by 1/gas: the sum over all ranks / replicas is the mean full-model
+        # squared norm of one micro-batch, over the replicas.
+        small = torch.tensor([self.probe.take()], dtype=torch.float64)
+        dist.all_reduce(small, group=self._control)
+        small_sq = float(small[0]) * gas * gas / self.topo.replicas
+        big = self.engine.get_global_grad_norm()
+        big_sq = float(big) ** 2 if big is not None else math.nan
+        self.schedule.noise.update(
+            small_sq, self.spec.micro_batch_size(), big_sq, self.schedule.batch
+        )
+        self._proposal = 0
+        interval = self.spec.checkpoint.interval_steps
+        if self.step % interval == 0 and self.step < self.spec.train.steps:
+            lo, hi = self.spec.batch_bounds()
+            est = self.schedule.noise.estimate()
+            self.schedule.estimates.append([self.step, est if est is not None else -1.0])
+            self._proposal = grow_to(self.schedule.batch, est, self.spec.batch_unit(), lo, hi)
+
+    def noise_scale(self) -> float | None:
+        """The current B_simple estimate (sequences), or None."""
+        return self.schedule.noise.estimate() if self.adaptive else None
+
+    def batch_info(self) -> dict[str, Any]:
+        """The batch in force, as progress reports publish it."""
+        return {
+            "schedule": self.schedule.schedule,
+            "global_batch_size": self.schedule.batch,
+            "micro_batches": self.micro_batches,
+            "noise_scale": self.noise_scale(),
+            "history": [list(h) for h in self.schedule.history],
+        }
+
+    def _set_batch(self, batch: int) -> None:
+        """Train from the next step on with a global batch of `batch`: the engine's
+        gradient accumulation, the pipeline schedule, the lr (square-root rule)."""
+        self.schedule.set_from(self.step + 1, batch)
+        self._apply_batch()
+
+    def _apply_batch(self) -> None:
+        batch = self.schedule.batch
+        self.micro_batches = self.spec.micro_batches_for(batch, self.topo.replicas)
+        if self.engine.train_batch_size() != batch:
+            self.engine.set_train_batch_size(batch)
+        if self.recorder is not None:
+            self.recorder.set_micro_batches(self.micro_batches)
+        self._sync_lr()
 
     def lr(self) -> float | None:
         groups = self.engine.optimizer.param_groups if self.engine.optimizer else []
@@ -227,10 +305,11 @@ class Trainer:
         """The largest (save_at, stop_at) any rank holds, on every rank. Collective: all
         ranks call it after every step.
 
-        One 8-byte all-reduce per step; it is how every rank agrees to save or stop at
-        the same step boundary, whichever rank (or the controller, through any rank) asked.
+        One small all-reduce per step; it is how every rank agrees to save or stop at
+        the same step boundary, whichever rank (or the controller, through any rank) asked,
+        and to which global batch an adaptive schedule grows at a checkpoint boundary.
         """
-        t = torch.tensor([save_at, stop_at], dtype=torch.int64)
+        t = torch.tensor([save_at, stop_at, self._proposal], dtype=torch.int64)
 
         def agree() -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
@@ -240,6 +319,11 @@ class Trainer:
             self.recorder.record_sync(agree)
         else:
             agree()
+        self._proposal = 0
+        if int(t[2]) > 0:
+            # The adaptive batch of the next steps rides on the same all-reduce, so
+            # every rank changes at the same boundary to the same size.
+            self._set_batch(int(t[2]))
         return int(t[0]), int(t[1])
 
     def _dp_mean(self, value: torch.Tensor) -> float:
@@ -252,11 +336,16 @@ class Trainer:
     def heldout_loss(self, n_batches: int | None = None) -> float:
         """Mean loss over the first n fixed held-out batches (the same every call)."""
         n = n_batches or self.spec.train.eval_batches
+        # The held-out set does not follow an adaptive batch: the starting batch's shape.
+        micro = self.spec.grad_accum(self.topo.replicas)
         losses = []
         for k in range(n):
-            batches = self._to_device(self._batches(self.heldout, k))
+            host = [None] * micro
+            if self.heldout is not None:
+                host = self.heldout.micro_batches(k, self.topo.replica, self.topo.replicas, micro)
+            batches = self._to_device(host)
             if self.pipelined:
-                out = self.engine.eval_batch(data_iter=iter(batches))
+                out = self.engine.eval_batch(data_iter=iter(batches), num_micro_batches=micro)
                 losses.append(float(out.item()))
             else:
                 self.engine.eval()
@@ -277,6 +366,7 @@ class Trainer:
             rng=_rng_state(),
             step=self.step,
             sampler={"next_step": self.step, "seed": self.spec.data.seed},
+            batch_schedule=self.schedule.to_dict() if self.adaptive else None,
         )
         return snap
 
@@ -324,7 +414,11 @@ class Trainer:
         else:
             # Per-rank RNG streams do not map across shapes: reseed from (seed, rank, step).
             _seed_everything(self.spec.train.seed + 7919 * fetched.step + self.topo.rank)
-        self._sync_lr()
+        saved = fetched.meta.get("batch_schedule")
+        if self.adaptive and saved:
+            # The batch in force, and the averages the next boundary decides from.
+            self.schedule = BatchSchedule.from_dict(saved)
+        self._apply_batch()
 
     def _sync_lr(self) -> None:
         """Set the optimizer's lr from this group's schedule at the loaded step.
