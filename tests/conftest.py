@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -202,6 +203,23 @@ def reference_run(ray_session, tmp_path_factory):
     spec = tiny_spec(tmp, "reference")
     result = spotline.Job(spec).run(verbose=False)
     return spec, result, tmp
+
+
+def run_killing_a_rank(spec, after_commit: int, rank: int):
+    """Run `spec` to its end while a thread SIGKILLs `rank` once `after_commit` is
+    committed and passed; returns what `wait` returns (or raises what it raises), after
+    checking the kill happened."""
+    import spotline
+
+    run = spotline.Job(spec).start()
+    killed: dict = {}
+    killer = threading.Thread(target=kill_rank_after_commit, args=(run, after_commit, rank, killed))
+    killer.start()
+    try:
+        return run.wait(verbose=False)
+    finally:
+        killer.join()
+        assert killed, "the worker was never killed"
 
 
 def kill_rank_after_commit(run, after_commit: int, rank: int, killed: dict) -> None:

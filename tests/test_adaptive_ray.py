@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import math
 import shutil
-import threading
 
 import pytest
 
 import spotline
-from conftest import kill_rank_after_commit, tiny_spec
+from conftest import run_killing_a_rank, tiny_spec
 from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
 from spotline.report import load_json, status_rows, write_report
 
@@ -80,13 +79,7 @@ def test_batch_grows_at_checkpoint_boundaries_and_is_recorded(adaptive_run, tmp_
 def test_sigkill_resume_gives_identical_losses(adaptive_run, tmp_path):
     ref_spec, ref = adaptive_run
     spec = tiny_spec(tmp_path, "adaptive-kill", **ADAPTIVE)
-    run = spotline.Job(spec).start()
-    killed: dict = {}
-    killer = threading.Thread(target=kill_rank_after_commit, args=(run, 10, 3, killed))
-    killer.start()
-    result = run.wait(verbose=False)
-    killer.join()
-    assert killed, "the worker was never killed"
+    result = run_killing_a_rank(spec, after_commit=10, rank=3)
     assert result.state == "finished" and result.failures == 1
     first, second = result.attempts
     assert "worker process died" in first["error"]

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import shutil
 import sysconfig
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import spotline
-from conftest import kill_rank_after_commit
+from conftest import run_killing_a_rank
 from spotline.checkpoint import CheckpointStore
 from spotline.config import SpecError, load_spec
 from spotline.preflight import preflight
@@ -101,13 +100,8 @@ def test_a_tiny_llama_trains_as_2_stages_x_2_replicas(reference):
 def test_sigkill_resume_gives_identical_losses(reference, prepared, tmp_path):
     ref_spec, ref, _ = reference
     spec = llama_spec(tmp_path, prepared, "llama-kill")
-    run = spotline.Job(spec).start()
-    killed: dict = {}
-    killer = threading.Thread(target=kill_rank_after_commit, args=(run, 10, 1, killed))
-    killer.start()
-    result = run.wait(verbose=False)
-    killer.join()
-    assert killed and result.failures == 1
+    result = run_killing_a_rank(spec, after_commit=10, rank=1)
+    assert result.failures == 1
     assert result.attempts[1]["restored_from"] >= 10
     assert result.losses == ref.losses
 

@@ -11,12 +11,11 @@ import json
 import math
 import os
 import shutil
-import threading
 
 import pytest
 
 import spotline
-from conftest import kill_rank_after_commit, tiny_spec
+from conftest import run_killing_a_rank, tiny_spec
 from spotline.checkpoint import CheckpointStore, hash_file
 
 pytestmark = pytest.mark.ray
@@ -64,13 +63,7 @@ def test_sigkill_mid_step_resumes_with_identical_losses(reference, tmp_path):
     ref_spec, ref, _ = reference
     spec = tiny_spec(tmp_path, "sigkill")
     assert spec.spec_hash() == ref_spec.spec_hash()
-    run = spotline.Job(spec).start()
-    killed: dict = {}
-    killer = threading.Thread(target=kill_rank_after_commit, args=(run, 10, 3, killed))
-    killer.start()
-    result = run.wait(verbose=False)
-    killer.join()
-    assert killed, "the worker was never killed"
+    result = run_killing_a_rank(spec, after_commit=10, rank=3)
     assert result.state == "finished"
     assert result.failures == 1
     first, second = result.attempts
@@ -131,13 +124,8 @@ def test_resume_on_fewer_replicas_reshards(reference, tmp_path, capsys):
 
 def test_max_failures_exhausted_is_a_clear_failure(ray_session, tmp_path):
     spec = tiny_spec(tmp_path, "nofail", **{"failure.max_failures": 0, "train.steps": 400})
-    run = spotline.Job(spec).start()
-    killed: dict = {}
-    killer = threading.Thread(target=kill_rank_after_commit, args=(run, 10, 1, killed))
-    killer.start()
     with pytest.raises(spotline.JobFailed) as info:
-        run.wait(verbose=False)
-    killer.join()
+        run_killing_a_rank(spec, after_commit=10, rank=1)
     msg = str(info.value)
     assert "failure.max_failures=0" in msg
     assert "worker process died" in msg
