@@ -118,6 +118,20 @@ def test_plan_warns_naming_the_field_for_a_big_bubble_and_a_slow_save(tmp_path) 
 
 
 @pytest.mark.unit
+def test_plan_says_an_adaptive_batch_grows(tmp_path) -> None:
+    fixed = make_plan(_spec(tmp_path))
+    assert fixed.adaptive_max_batch is None and "adaptive" not in fixed.render()
+    spec = _spec(
+        tmp_path,
+        "train.batch_schedule=adaptive",
+        "train.adaptive.max_batch_size=64",
+    )
+    plan = make_plan(spec)
+    assert plan.adaptive_max_batch == 64
+    assert "grows to at most 64 sequences" in plan.render()
+
+
+@pytest.mark.unit
 def test_plan_refuses_a_stage_that_cannot_fit_naming_the_fields(tmp_path) -> None:
     job = spotline.Job(_spec(tmp_path))
     with pytest.raises(SpecError) as ei:

@@ -351,6 +351,8 @@ class Plan:
     usd_per_1b_tokens: dict[str, float | None]
     """'spot' and 'on_demand' dollars for 1e9 tokens at the predicted step time."""
     warnings: list[str]
+    adaptive_max_batch: int | None = None
+    """train.adaptive.max_batch_size under the adaptive batch schedule."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -408,6 +410,13 @@ class Plan:
             )
         else:
             lines.append("  step time         unknown: no device FLOP/s (pass --peak-tflops)")
+        if self.adaptive_max_batch is not None:
+            lines.append(
+                f"  adaptive batch    grows to at most {self.adaptive_max_batch} sequences: "
+                "memory per device stays (the micro-batch is fixed); the step time above is "
+                f"at {self.batches[self.replicas]['global_batch']} sequences and grows with "
+                "the batch, the cost per token stays"
+            )
         lines.append(
             f"  checkpoint        {self.checkpoint_bytes / gb:,.3f} GB; the busiest rank "
             f"writes {self.save_bytes_per_rank / gb:,.3f} GB"
@@ -490,4 +499,7 @@ def make_plan(
         notices=notices,
         usd_per_1b_tokens=usd,
         warnings=warnings,
+        adaptive_max_batch=(
+            spec.train.adaptive.max_batch_size if spec.train.batch_schedule == "adaptive" else None
+        ),
     )
