@@ -24,11 +24,14 @@ ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weights
 
 
-def stage_params(spec: JobSpec, model: ModelDef | None = None) -> list[int]:
-    """Parameters held by each pipeline stage, cut as DeepSpeed cuts the layer list."""
+def stage_params(
+    spec: JobSpec, model: ModelDef | None = None, bounds: list[int] | None = None
+) -> list[int]:
+    """Parameters held by each pipeline stage, cut at `bounds` (default: as DeepSpeed's
+    uniform `type:` partition cuts the layer list)."""
     model = model or model_def(spec)
     counts = layer_param_counts(model)
-    bounds = stage_bounds(model, spec.parallel.pipeline_stages)
+    bounds = bounds or stage_bounds(model, spec.parallel.pipeline_stages)
     return [sum(counts[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -45,37 +48,53 @@ class StageMemory:
         return self.state_bytes + self.activation_bytes
 
 
-def memory_per_device(spec: JobSpec, replicas: int | None = None) -> list[StageMemory]:
+class StageMemoryModel:
+    """Predicted peak memory of one device of a stage holding any contiguous layers: what
+    `memory_per_device` reports, and what the balanced partition keeps within each
+    device's memory."""
+
+    def __init__(self, spec: JobSpec, replicas: int | None = None, model: ModelDef | None = None):
+        d = replicas or spec.replica_counts()[0]
+        p = spec.parallel
+        z = p.zero_stage
+        w = 2 if p.precision == "bf16" else 4
+        master = MASTER_BYTES if (p.precision == "bf16" or z >= 1) else 0
+        self.per_param = (
+            w / (d if z >= 3 else 1)
+            + w / (d if z >= 2 else 1)
+            + (master + ADAM_BYTES) / (d if z >= 1 else 1)
+        )
+        self.model = model or model_def(spec)
+        m = spec.model
+        b, s = spec.micro_batch_size(), m.seq_len
+        # Width and heads of the built-in kinds; a custom model is charged as if d = 1024.
+        h, heads = getattr(m, "d_model", 1024), getattr(m, "n_heads", 16)
+        self.per_layer = s * b * h * (34 + 5 * heads * s / h) * (w / 2)
+        self.logits = 2 * b * s * self.model.vocab_size * 4  # fp32 logits and their gradient
+        self.counts = layer_param_counts(self.model)
+        self.is_block = [ld.cls is self.model.block_class for ld in self.model.layers]
+        self.stages = p.pipeline_stages
+        self.micro = spec.grad_accum(d)
+
+    def stage(self, stage: int, lo: int, hi: int) -> StageMemory:
+        """One device of `stage` holding layers lo:hi."""
+        params = sum(self.counts[lo:hi])
+        in_flight = min(self.stages - stage, self.micro) if self.stages > 1 else 1
+        act = self.per_layer * sum(self.is_block[lo:hi]) * in_flight
+        if hi == len(self.counts):
+            act += self.logits
+        return StageMemory(stage, params, math.ceil(params * self.per_param), math.ceil(act))
+
+
+def memory_per_device(
+    spec: JobSpec, replicas: int | None = None, bounds: list[int] | None = None
+) -> list[StageMemory]:
     """Predicted peak memory of one device of each stage, at `replicas` (default: the
-    smallest replica count the job runs at, where ZeRO splits the least)."""
-    d = replicas or spec.replica_counts()[0]
-    p = spec.parallel
-    z = p.zero_stage
-    w = 2 if p.precision == "bf16" else 4
-    master = MASTER_BYTES if (p.precision == "bf16" or z >= 1) else 0
-    per_param = (
-        w / (d if z >= 3 else 1)
-        + w / (d if z >= 2 else 1)
-        + (master + ADAM_BYTES) / (d if z >= 1 else 1)
-    )
-    model = model_def(spec)
-    m = spec.model
-    b, s = spec.micro_batch_size(), m.seq_len
-    # Width and heads of the built-in kinds; a custom model is charged as if d = 1024.
-    h, heads = getattr(m, "d_model", 1024), getattr(m, "n_heads", 16)
-    per_layer = s * b * h * (34 + 5 * heads * s / h) * (w / 2)
-    bounds = stage_bounds(model, p.pipeline_stages)
-    is_block = [ld.cls is model.block_class for ld in model.layers]
-    micro = spec.grad_accum(d)
-    out = []
-    for stage, params in enumerate(stage_params(spec, model)):
-        in_flight = min(p.pipeline_stages - stage, micro) if p.pipeline_stages > 1 else 1
-        blocks = sum(is_block[bounds[stage] : bounds[stage + 1]])
-        act = per_layer * blocks * in_flight
-        if stage == p.pipeline_stages - 1:
-            act += 2 * b * s * model.vocab_size * 4  # fp32 logits and their gradient
-        out.append(StageMemory(stage, params, math.ceil(params * per_param), math.ceil(act)))
-    return out
+    smallest replica count the job runs at, where ZeRO splits the least), with the
+    stages cut at `bounds` (default: the uniform partition)."""
+    mem = StageMemoryModel(spec, replicas)
+    bounds = bounds or stage_bounds(mem.model, spec.parallel.pipeline_stages)
+    return [mem.stage(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
 
 
 def checkpoint_bytes(spec: JobSpec) -> int:
