@@ -68,9 +68,13 @@ class FakeGroup:
         self.nodes = [free[r % len(free)] for r in range(replicas)] if free else ["none"]
         FakeGroup.instances.append(self)
 
-    def start(self):
+    def start(self, partition=None):
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
+        self.started_partition = partition
+
+    def partition(self):
+        return {"method": "uniform", "bounds": [], "sizes": []}
 
     def restore(self, manifest):
         if manifest.step in self.script.get("corrupt_steps", ()):

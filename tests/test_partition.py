@@ -29,7 +29,8 @@ def all_bounds(n: int, p: int):
 
 def brute_force(costs, speeds, fits=None) -> float | None:
     best = None
-    for b in all_bounds(len(costs), len(speeds)):
+    n = len(costs[0]) if isinstance(costs[0], list) else len(costs)
+    for b in all_bounds(n, len(speeds)):
         if fits is not None and not all(
             fits(s, lo, hi) for s, (lo, hi) in enumerate(itertools.pairwise(b))
         ):
@@ -45,6 +46,8 @@ def test_balanced_equals_brute_force(seed):
     n = rng.randint(2, 9)
     p = rng.randint(1, min(n, 4))
     costs = [rng.choice([0.0, rng.uniform(0.1, 5.0)]) for _ in range(n)]
+    if seed % 2:  # each stage measured the layers on its own kind of device
+        costs = [[c * rng.uniform(0.3, 3.0) for c in costs] for _ in range(p)]
     speeds = [rng.uniform(0.5, 3.0) for _ in range(p)]
     b = balanced_bounds(costs, speeds)
     assert b[0] == 0 and b[-1] == n and all(hi > lo for lo, hi in itertools.pairwise(b))
@@ -79,6 +82,8 @@ def test_faster_stage_takes_more_layers():
     assert balanced_bounds(costs, [1.0, 1.0]) == [0, 3, 6]
     assert balanced_bounds(costs, [1.0, 2.0]) == [0, 2, 6]
     assert balanced_bounds(costs, [2.0, 1.0]) == [0, 4, 6]
+    # Per-stage costs: stage 1's device runs these layers twice as fast.
+    assert balanced_bounds([[1.0] * 6, [0.5] * 6], [1.0, 1.0]) == [0, 2, 6]
 
 
 def test_memory_limit_moves_layers_off_a_full_stage():

@@ -69,6 +69,9 @@ class JobResult:
     """Dollars on spot, and for the same steps on-demand (metrics.*_usd_per_device_hour)."""
     alerts: list[str] = field(default_factory=list)
     """Sustained performance deviations the controller warned about."""
+    partition: dict[str, Any] | None = None
+    """Pipelines: the stage partition in force (layer bounds, how they were chosen, the
+    measured stage compute times and their imbalance) and every re-partition."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:

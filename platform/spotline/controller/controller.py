@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from spotline import constants
-from spotline.bubbles.book import BubbleBook
+from spotline.bubbles.book import BubbleBook, stage_compute_s
 from spotline.checkpoint import (
     TRACE_ARTIFACT,
     CheckpointMismatchError,
@@ -45,6 +45,7 @@ from spotline.checkpoint import (
     StorageError,
 )
 from spotline.checkpoint.coordinator import CommitCoordinator, Committed
+from spotline.config.loader import SpecError
 from spotline.config.redact import redact
 from spotline.config.schema import JobSpec
 from spotline.controller.inbox import Inbox
@@ -53,6 +54,7 @@ from spotline.controller.policies import (
     FailurePolicy,
     GrowPolicy,
     JitPolicy,
+    RebalancePolicy,
     Resize,
     ScalingPolicy,
     Wait,
@@ -71,6 +73,7 @@ from spotline.controller.state import (
     Waiting,
 )
 from spotline.controller.telemetry import Telemetry
+from spotline.models.partition import imbalance
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.group import Progress, WorkerFailure, WorkerGroup
 
@@ -92,7 +95,11 @@ class Attempt:
     restored_from: int | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
     error: str | None = None
-    ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow", "stop"
+    ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow",
+    # "re-partition", "stop"
+    partition: dict[str, Any] = field(default_factory=dict)
+    """The stage partition it ran: bounds, how they were chosen, and the stage compute
+    time it measured (seconds per step per stage, and their imbalance)."""
 
 
 @dataclass
@@ -105,6 +112,9 @@ class Record:
     node_losses: int = 0
     notices: list[dict[str, Any]] = field(default_factory=list)
     resizes: list[dict[str, Any]] = field(default_factory=list)
+    repartitions: list[dict[str, Any]] = field(default_factory=list)
+    """Each re-partition: at which step, from and to which bounds, the imbalance measured
+    before it and predicted after (the next attempt's partition has the measured one)."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     waited_s: float = 0.0
     blocked_s: list[float] = field(default_factory=list)
@@ -140,6 +150,19 @@ class Controller:
         self.scaling_policy = ScalingPolicy(e.min_replicas, e.max_replicas, spec.replica_counts())
         self.grow_policy = GrowPolicy(self.scaling_policy)
         self.jit_policy = JitPolicy(constants.SPOTLINE_JIT_MARGIN_S)
+        p = spec.parallel
+        self.rebalance_policy = (
+            RebalancePolicy(p.rebalance_threshold, p.rebalance_window_steps)
+            if p.partition == "balanced" and p.pipeline_stages > 1
+            else None
+        )
+        # The stage bounds the next group starts with (a restart keeps the live group's,
+        # a re-partition sets new ones); None: the group chooses by parallel.partition.
+        self._partition_pin: list[int] | None = None
+        self._partition_read = False  # the newest checkpoint's recorded bounds were read
+        # (step, imbalance, per-stage compute s/step) of the live group's latest polls.
+        self._stage_window: deque[tuple[int, float, list[float]]] = deque(maxlen=256)
+        self._last_rebalance_check = 0.0
         self._lock = threading.Lock()  # everything status() reads from another thread
         self._events: list[str] = []
         self.inbox = Inbox()
@@ -238,6 +261,7 @@ class Controller:
             "attempts": [asdict(a) for a in r.attempts],
             "notices": [dict(n) for n in r.notices],
             "resizes": list(r.resizes),
+            "partition": self._partition_summary(),
             "recoveries": list(r.recoveries),
             "waited_s": r.waited_s,
             "checkpoint_blocked_s": list(r.blocked_s),
@@ -256,12 +280,14 @@ class Controller:
     _STATUS_KEYS = (
         "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
         "node_losses", "waiting", "doomed_nodes", "committed_steps", "workers", "error",
+        "partition",
     )  # fmt: skip
     _RESULT_KEYS = (
         "name", "state", "losses", "attempts", "heldout_loss", "steps_per_s", "tokens_per_s",
         "checkpoint_uri", "committed_steps", "failures", "checkpoint_blocked_s",
         "checkpoint_upload_s", "checkpoint_bytes", "wall_s", "error", "notices", "node_losses",
         "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
+        "partition",
     )  # fmt: skip
 
     def status(self, since_event: int = 0) -> dict[str, Any]:
@@ -318,7 +344,7 @@ class Controller:
                 self.state = self._handle(self.state)
         except WorkerFailure as e:
             self.state = self._on_failure(str(e), e.process_died, e.causes)
-        except (CheckpointMismatchError, CorruptCheckpointError) as e:
+        except (CheckpointMismatchError, CorruptCheckpointError, SpecError) as e:
             self.state = self._fail(str(e))
         except StorageError as e:
             # Storage unreachable while scheduling or restoring: a restart retries it.
@@ -462,7 +488,12 @@ class Controller:
         self.group = group
         attempt = Attempt(replicas=replicas, attempt=group.attempt)
         self.rec.attempts.append(attempt)
-        group.start()
+        if not self._partition_read:
+            # A resumed job trains at the bounds its checkpoint was trained at.
+            self._partition_read = True
+            self._partition_pin = self._partition_pin or self.coordinator.recorded_partition()
+        group.start(partition=self._partition_pin)
+        self._started_partition(group, attempt)
         self.telemetry.peak_flops = group.peak_flops()
         if self.bubbles is not None:
             self.bubbles.reset_ranks()
@@ -505,7 +536,7 @@ class Controller:
         grow = self._grow_decision()
         if grow is not None:
             return self._leave("grow", self.step_count + 1, f"capacity for {grow} replica(s)", grow)
-        return state
+        return self._rebalance_decision() or state
 
     def _poll(self) -> Progress:
         """One collection of the ranks' progress: losses, saves, commits, figures."""
@@ -572,6 +603,7 @@ class Controller:
         if self.bubbles is not None and p.bubbles:
             on = self.backfill is not None and not self.backfill.governor.decision().paused
             self.bubbles.add(p.bubbles, self.spec.grad_accum(group.replicas), on)
+            self._measure_stages(p.bubbles)
         if self.backfill is not None:
             if p.steps:
                 self.backfill.on_chunk(len(p.steps), step_time, warm=warm)
@@ -628,20 +660,38 @@ class Controller:
     # --- leaving a group: preemption, grow, stop -------------------------------------
 
     def _leave(
-        self, why: str, step: int, detail: str, grow_to: int = 0, deadline: float | None = None
+        self,
+        why: str,
+        step: int,
+        detail: str,
+        grow_to: int = 0,
+        deadline: float | None = None,
+        partition: list[int] | None = None,
     ) -> State:
         assert self.group is not None
         step = min(step, self.spec.train.steps)
         self.group.request(save_at=step, stop_at=step, reason=detail)
         self._event(f"checkpoint at step {step}, then {why} ({detail})")
         late = deadline if step > self.step_count + 1 else None
-        return Leaving(why=why, step=step, since=self.clock(), grow_to=grow_to, deadline=late)
+        return Leaving(
+            why=why,
+            step=step,
+            since=self.clock(),
+            grow_to=grow_to,
+            deadline=late,
+            partition=tuple(partition) if partition is not None else None,
+        )
 
     def _leaving(self, state: Leaving) -> State:
         progress = self._poll()
         if progress.finished is None:
             if state.deadline is not None:
                 return self._keep_jit_in_time(state)
+            if state.why == "rebalance" and self.step_count < state.step:
+                # Training on toward the checkpoint boundary; a stop request goes first.
+                if self.inbox.stop_reason is not None:
+                    return self._leave("stop", self.step_count + 1, self.inbox.stop_reason)
+                return replace(state, since=self.clock())
             if self.clock() - state.since > constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S:
                 raise WorkerFailure(
                     "stopping",
@@ -672,13 +722,19 @@ class Controller:
                 f"step {latest} at {self.store.uri}: submitting the job again resumes there"
             )
             return Stopped(reason=self.inbox.stop_reason or "stop requested")
-        ended = {"grow": "grow", "preemption": "preemption notice"}[state.why]
+        ended = {"grow": "grow", "preemption": "preemption notice", "rebalance": "re-partition"}[
+            state.why
+        ]
         want = state.grow_to or self._replicas_left()
-        detail = (
-            f"capacity for {state.grow_to} replica(s) (restart cost {self._restart_cost_s() or 0:.1f}s)"
-            if state.why == "grow"
-            else f"leaving node(s) {', '.join(n[:12] for n in self._doomed_here())}"
-        )
+        if state.why == "grow":
+            detail = f"capacity for {state.grow_to} replica(s) (restart cost {self._restart_cost_s() or 0:.1f}s)"
+        elif state.why == "rebalance":
+            want = self.group.replicas if self.group else want
+            self._partition_pin = list(state.partition or ())
+            self.rec.repartitions[-1].update(step=stopped, outcome="restarting")
+            detail = f"re-partition to layers per stage {_sizes(self._partition_pin)}"
+        else:
+            detail = f"leaving node(s) {', '.join(n[:12] for n in self._doomed_here())}"
         self.rec.attempts[-1].ended_by = ended
         self._restart(state.why, detail)
         return Scheduling(reason=state.why, since=self.clock(), want=want)
@@ -906,7 +962,11 @@ class Controller:
         if not jit:
             return
         self._pending_jit.extend(jit)
-        if isinstance(self.state, Running) and group is not None:
+        leaving_for_balance = isinstance(self.state, Leaving) and self.state.why == "rebalance"
+        if (isinstance(self.state, Running) or leaving_for_balance) and group is not None:
+            # A re-partition waiting for its checkpoint boundary gives way to the notice.
+            if leaving_for_balance:
+                self.rec.repartitions[-1]["outcome"] = "dropped for a preemption notice"
             self.state = self._jit(jit, group)
         # Already leaving (a grow, a stop): that checkpoint answers the notice too, and
         # the drained node gets no part of the next group.
@@ -1005,11 +1065,137 @@ class Controller:
     # --- bubbles and backfill -------------------------------------------------------
 
     def trace(self) -> dict[str, Any] | None:
-        """Chrome-trace JSON of the latest recorded steps of every stage (None for pp=1)."""
+        """Chrome-trace JSON of the latest recorded steps of every stage (None for pp=1),
+        with the stage partition in force and every re-partition in its metadata."""
         if self.bubbles is None:
             return None
         slices = self.backfill.slices() if self.backfill is not None else {}
-        return self.bubbles.trace(self.spec.name, slices)
+        out = self.bubbles.trace(self.spec.name, slices)
+        out["otherData"] = {"partition": self._partition_summary()}
+        return out
+
+    # --- stage partitions -----------------------------------------------------------
+
+    def _started_partition(self, group: WorkerGroup, attempt: Attempt) -> None:
+        """Note the partition a new group runs: the attempt's record, its manifests."""
+        info = group.partition()
+        attempt.partition = dict(info)
+        last = self.rec.repartitions[-1] if self.rec.repartitions else None
+        if last is not None and last["outcome"] == "restarting":
+            last["outcome"] = "done"
+            attempt.partition["repartition"] = len(self.rec.repartitions) - 1
+        self._stage_window.clear()
+        if not info.get("bounds"):
+            return
+        self.coordinator.partitions[group.attempt] = list(info["bounds"])
+        if self.spec.parallel.pipeline_stages < 2:
+            return
+        how = info.get("method", "?") + (" (kept from before)" if info.get("pinned") else "")
+        predicted = info.get("predicted_imbalance")
+        extra = (
+            f"; predicted stage imbalance {predicted:.1%} (uniform: "
+            f"{info['predicted_uniform_imbalance']:.1%})"
+            if predicted is not None
+            else ""
+        )
+        self._event(f"stage partition {how}: layers per stage {info['sizes']}{extra}")
+
+    def _measure_stages(self, reports: list[dict[str, Any]]) -> None:
+        """Each stage's compute seconds per step in this poll, and their imbalance."""
+        per_stage = stage_compute_s(reports)
+        pp = self.spec.parallel.pipeline_stages
+        if len(per_stage) != pp or not self.rec.attempts:
+            return
+        stage_s = [per_stage[s] for s in range(pp)]
+        steps = max(int(r.get("steps", 0)) for r in reports)
+        self._stage_window.append((self.step_count, imbalance(stage_s), stage_s))
+        part = self.rec.attempts[-1].partition
+        acc = part.setdefault("measured", {"steps": 0, "stage_s": [0.0] * pp})
+        acc["stage_s"] = [a + s * steps for a, s in zip(acc["stage_s"], stage_s, strict=True)]
+        acc["steps"] += steps
+        acc["stage_s_per_step"] = [a / acc["steps"] for a in acc["stage_s"]]
+        acc["imbalance"] = imbalance(acc["stage_s"])
+        if "repartition" in part:  # this group runs a re-partition: its imbalance after
+            self.rec.repartitions[part["repartition"]]["measured_imbalance_after"] = acc[
+                "imbalance"
+            ]
+
+    def _rebalance_decision(self) -> State | None:
+        """Leave for a re-partition at the next checkpoint boundary when the measured stage
+        imbalance stayed over parallel.rebalance_threshold and the restart pays."""
+        group = self.group
+        policy = self.rebalance_policy
+        now = self.clock()
+        if policy is None or group is None or now - self._last_rebalance_check < _GROW_CHECK_S:
+            return None
+        self._last_rebalance_check = now
+        info = self.rec.attempts[-1].partition
+        restart_s = self._restart_cost_s()
+        if restart_s is None or "layer_s" not in info or not self._stage_window:
+            return None
+        window = [(step, imb) for step, imb, _ in self._stage_window]
+        first = window[-1][0] - policy.window_steps
+        rows = [s for step, _, s in self._stage_window if step > first]
+        stage_s = [sum(col) / len(rows) for col in zip(*rows, strict=True)]
+        from spotline.plan import balanced_partition
+
+        decision = policy.decide(
+            window=window,
+            stage_s=stage_s,
+            bounds=info["bounds"],
+            layer_s=info["layer_s"],
+            cut=lambda speeds: balanced_partition(
+                self.spec, info["layer_s"], speeds, replicas=group.replicas
+            ),
+            steps_left=self.spec.train.steps - self.step_count,
+            steps_per_s=self._sps_by_replicas.get(group.replicas, 0.0),
+            restart_s=restart_s,
+            running_s=now - self._group_started,
+        )
+        if decision is None:
+            return None
+        interval = self.spec.checkpoint.interval_steps
+        boundary = (self.step_count // interval + 1) * interval
+        self.rec.repartitions.append(
+            {
+                "step": min(boundary, self.spec.train.steps),
+                "from_bounds": list(info["bounds"]),
+                "to_bounds": decision.bounds,
+                "measured_imbalance": decision.measured_imbalance,
+                "predicted_imbalance": decision.predicted_imbalance,
+                "predicted_speedup": decision.speedup,
+                "restart_cost_s": restart_s,
+                "outcome": "waiting for the checkpoint boundary",
+            }
+        )
+        return self._leave(
+            "rebalance",
+            boundary,
+            f"stage imbalance {decision.measured_imbalance:.1%} over "
+            f"{policy.window_steps} steps > parallel.rebalance_threshold "
+            f"{policy.threshold:.0%}; layers per stage {_sizes(info['bounds'])} -> "
+            f"{_sizes(decision.bounds)}, predicted imbalance {decision.predicted_imbalance:.1%}, "
+            f"{decision.speedup:.2f}x faster stages (restart cost {restart_s:.1f}s)",
+            partition=decision.bounds,
+        )
+
+    def _partition_summary(self) -> dict[str, Any] | None:
+        """The partition in force (the live or latest group's), with its measured
+        imbalance, and every re-partition so far."""
+        if not self.rec.attempts or self.spec.parallel.pipeline_stages < 2:
+            return None
+        now = self.rec.attempts[-1].partition
+        measured = now.get("measured", {})
+        return {
+            "method": now.get("method"),
+            "bounds": now.get("bounds"),
+            "sizes": now.get("sizes"),
+            "predicted_imbalance": now.get("predicted_imbalance"),
+            "predicted_uniform_imbalance": now.get("predicted_uniform_imbalance"),
+            "measured_imbalance": measured.get("imbalance"),
+            "stage_compute_s": measured.get("stage_s_per_step"),
+            "repartitions": list(self.rec.repartitions),
+        }
 
     def _write_artifacts(self, with_trace: bool = True) -> None:
         """Keep the trace, summary and ledger beside the checkpoints current, for
@@ -1046,3 +1232,7 @@ class Controller:
 
     def backfill_record(self, task_id: int) -> dict[str, Any] | None:
         return self.backfill.record(task_id) if self.backfill is not None else None
+
+
+def _sizes(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]

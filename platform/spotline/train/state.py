@@ -98,6 +98,7 @@ _SHARED_META = (
     "lr_scheduler",
     "global_steps",
     "global_samples",
+    "partition",  # the layer bounds of the stages (rank metas of older saves have none)
 )
 _SHARED_TOPOLOGY = ("pipeline_stages", "replicas", "zero_stage")
 

@@ -1,0 +1,73 @@
+"""Stage partitions on a real CPU pipeline (local Ray, DeepSpeed on gloo).
+
+The pipeline is deliberately unequal: its workers have unequal thread budgets (one
+CPU on stage 0, two on stage 1), and its head (a 4096-token vocabulary over a
+64-wide model) costs several blocks. The uniform partition splits the blocks evenly
+and leaves the head's cost on the last stage; the balanced one measures and moves
+blocks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import spotline
+from conftest import tiny_spec
+from spotline.checkpoint import CheckpointStore
+from spotline.models.partition import check_bounds
+
+pytestmark = pytest.mark.ray
+
+
+def unequal_spec(tmp_path, name, **overrides):
+    return tiny_spec(
+        tmp_path,
+        name,
+        **{
+            "model.n_layers": 6,
+            "model.d_model": 64,
+            "model.vocab_size": 4096,
+            "elastic.min_replicas": 1,
+            "elastic.max_replicas": 1,
+            "train.steps": 16,
+            "checkpoint.interval_steps": 8,
+            "resources.stages": [{"cpus": 1}, {"cpus": 2}],
+            **overrides,
+        },
+    )
+
+
+def test_balanced_partition_differs_from_uniform_and_lowers_the_imbalance(ray_session, tmp_path):
+    uniform = spotline.Job(unequal_spec(tmp_path / "u", "part-uniform")).run(verbose=False)
+    balanced_spec = unequal_spec(
+        tmp_path / "b", "part-balanced", **{"parallel.partition": "balanced"}
+    )
+    balanced = spotline.Job(balanced_spec).run(verbose=False)
+    assert uniform.state == balanced.state == "finished"
+    u, b = uniform.partition, balanced.partition
+    assert u["method"] == "uniform" and u["bounds"] == [0, 4, 8]
+    assert b["method"] == "balanced" and check_bounds(b["bounds"], 8, 2) is None
+    assert b["bounds"] != u["bounds"], (b, u)
+    # The head's cost made the uniform cut lopsided; the measured split moves blocks to
+    # stage 0, and the stages' measured compute times come closer.
+    assert b["bounds"][1] > u["bounds"][1]
+    assert b["predicted_imbalance"] < b["predicted_uniform_imbalance"]
+    assert b["measured_imbalance"] < u["measured_imbalance"], (b, u)
+    # The partition is recorded with the checkpoint: in the manifest and every rank's meta.
+    store = CheckpointStore(balanced.checkpoint_uri)
+    m = store.load_manifest(16)
+    assert m.extra["partition"] == b["bounds"]
+    metas = [f for f in m.files if f.path.endswith("meta.json")]
+    for f in metas:
+        meta = json.loads(store.read_range(16, f.path, 0, f.size))["meta"]
+        assert meta["partition"] == b["bounds"]
+    # The same job submitted again resumes at the recorded bounds without re-cutting.
+    more = unequal_spec(
+        tmp_path / "b", "part-balanced", **{"parallel.partition": "balanced", "train.steps": 20}
+    )
+    resumed = spotline.Job(more).run(verbose=False)
+    assert resumed.state == "finished"
+    assert resumed.partition["bounds"] == b["bounds"]
+    assert resumed.attempts[0]["partition"].get("pinned") is True
