@@ -62,7 +62,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,7 +74,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ranks import BenchmarkError, log_tail, spawn_ranks
+from ranks import BenchmarkError, free_port, log_tail, redirect_output, spawn_ranks
 
 MB = 1e6
 GB = 1e9
@@ -112,12 +111,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _proc_status(pid: int | str = "self") -> dict[str, int]:
@@ -172,7 +165,7 @@ def start_moto(work: Path) -> tuple[subprocess.Popen, str]:
             f"this benchmark uploads to a local moto S3 server, and moto is not installed "
             f"({e}); run: pip install 'moto[server]>=5' boto3 (or pip install -e '.[test]')"
         ) from None
-    port = _free_port()
+    port = free_port()
     log_path = work / "moto.log"
     tmp = work / "moto-tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -217,16 +210,6 @@ def stop_moto(proc: subprocess.Popen) -> None:
 
 
 # --- one rank ------------------------------------------------------------------------------
-
-
-def _redirect_output(path: Path) -> None:
-    # DeepSpeed prints from every rank; keep it out of the table, in a per-rank log.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def _manifest(spec: Any, replicas: int, step: int, attempt: str, ranks: list[dict]) -> Any:
@@ -374,7 +357,7 @@ def _rank(rank: int, cfg_json: str, results: Any) -> None:
     """One rank of a group: train a step, then save, upload and restore --repeats times.
     Rank 0 puts the group's figures on `results`."""
     cfg = json.loads(cfg_json)
-    _redirect_output(Path(cfg["work"]) / f"rank_{rank}.log")
+    redirect_output(Path(cfg["work"]) / f"rank_{rank}.log")
     import torch
     import torch.distributed as dist
 
@@ -797,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
                 "work": str(work / f"d{d}"),
                 "spec": spec.model_dump_json(),
                 "replicas": d,
-                "port": _free_port(),
+                "port": free_port(),
                 "threads": max(1, cores() // d),
                 "repeats": args.repeats,
                 "part_bytes": args.part_mb * 2**20,

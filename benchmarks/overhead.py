@@ -45,7 +45,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -55,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ranks import BenchmarkError, spawn_ranks
+from ranks import BenchmarkError, exit_now, free_port, redirect_output, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "quickstart.yaml"
@@ -107,22 +106,6 @@ class Repeat:
 # --- the direct run (no Ray) -------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _redirect_output(path: Path) -> None:
-    # DeepSpeed prints from every rank; keep it out of the table, in a per-rank log.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
 def _save_upload(trainer: Any, store: Any, local: Path, rank: int) -> None:
     """One synchronous save of this rank's share: host copy, serialization, upload."""
     shutil.rmtree(local, ignore_errors=True)
@@ -150,7 +133,7 @@ def _direct_rank(
     interval > 0: a synchronous save + upload after every interval-th step inside the
     timed loop (not after the last step, which ends the timed span, as in Spotline).
     """
-    _redirect_output(Path(workdir) / f"rank_{rank}.log")
+    redirect_output(Path(workdir) / f"rank_{rank}.log")
     import torch
     import torch.distributed as dist
 
@@ -214,16 +197,7 @@ def _direct_rank(
             )
     finally:
         dist.destroy_process_group()
-    _exit_now()
-
-
-def _exit_now() -> None:
-    """End a rank that finished cleanly without the interpreter's teardown: the data
-    prefetcher's and gloo's threads can still be live then, and a C++ thread destroyed
-    while joinable aborts the process (SIGABRT) after the figures were sent."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
 
 
 def run_direct(
@@ -243,7 +217,7 @@ def run_direct(
     args = (
         spec.model_dump_json(),
         replicas,
-        _free_port(),
+        free_port(),
         warmup,
         steps,
         interval,

@@ -4,6 +4,9 @@ script, and so this module, again."""
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +25,32 @@ def log_tail(path: Path) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redirect_output(path: Path) -> None:
+    """Send this rank's stdout and stderr to `path`: DeepSpeed prints from every rank;
+    keep it out of the table, in a per-rank log."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def exit_now() -> None:
+    """End a rank that finished cleanly without the interpreter's teardown: the data
+    prefetcher's and gloo's threads can still be live then, and a C++ thread destroyed
+    while joinable aborts the process (SIGABRT) after the figures were sent."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(
