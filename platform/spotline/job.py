@@ -192,6 +192,14 @@ class JobRun:
 
         return ray.get(self.controller.trace.remote())
 
+    def repartition(self, sizes: list[int]) -> None:
+        """Re-partition the pipeline to `sizes` layers per stage (embedding and head
+        included) at the next checkpoint boundary, through that checkpoint; the job
+        trains on at the new bounds. Returns at once."""
+        import ray
+
+        ray.get(self.controller.repartition.remote(list(sizes)))
+
     def stop(self, reason: str = "stopped from the SDK", verbose: bool = False) -> JobResult:
         """Stop at the next step boundary after committing a checkpoint there.
 

@@ -536,7 +536,7 @@ class Controller:
         grow = self._grow_decision()
         if grow is not None:
             return self._leave("grow", self.step_count + 1, f"capacity for {grow} replica(s)", grow)
-        return self._rebalance_decision() or state
+        return self._asked_partition() or self._rebalance_decision() or state
 
     def _poll(self) -> Progress:
         """One collection of the ranks' progress: losses, saves, commits, figures."""
@@ -919,6 +919,11 @@ class Controller:
                 self.doomed[node] = notice["deadline"]
         return accepted
 
+    def request_repartition(self, sizes: list[int]) -> None:
+        """Re-partition the pipeline to `sizes` layers per stage at the next checkpoint
+        boundary (through the checkpoint, as the imbalance watch does). Thread-safe."""
+        self.inbox.repartition(list(sizes))
+
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop at the next step boundary, commit a checkpoint there, and end STOPPED.
 
@@ -1154,29 +1159,63 @@ class Controller:
         )
         if decision is None:
             return None
+        return self._leave_for_partition(
+            decision.bounds,
+            f"stage imbalance {decision.measured_imbalance:.1%} over "
+            f"{policy.window_steps} steps > parallel.rebalance_threshold "
+            f"{policy.threshold:.0%}; predicted imbalance {decision.predicted_imbalance:.1%}, "
+            f"{decision.speedup:.2f}x faster stages (restart cost {restart_s:.1f}s)",
+            measured_imbalance=decision.measured_imbalance,
+            predicted_imbalance=decision.predicted_imbalance,
+            predicted_speedup=decision.speedup,
+            restart_cost_s=restart_s,
+        )
+
+    def _asked_partition(self) -> State | None:
+        """A re-partition asked for with `request_repartition`, at the next boundary."""
+        sizes = self.inbox.take_repartition()
+        group = self.group
+        if sizes is None or group is None:
+            return None
+        from spotline.models.partition import bounds_from_sizes, check_bounds
+
+        bounds = bounds_from_sizes(sizes)
+        current = self.rec.attempts[-1].partition.get("bounds") or []
+        problem = check_bounds(
+            bounds, current[-1] if current else 0, self.spec.parallel.pipeline_stages
+        )
+        if problem or bounds == current:
+            self._event(
+                f"re-partition to layers per stage {sizes} ignored: "
+                + (problem or "that is the partition in force"),
+                logging.WARNING,
+            )
+            return None
+        window = [imb for _, imb, _ in self._stage_window]
+        return self._leave_for_partition(
+            bounds, "asked for", measured_imbalance=window[-1] if window else None
+        )
+
+    def _leave_for_partition(self, bounds: list[int], why: str, **figures: Any) -> State:
+        """Save at the next checkpoint boundary, then restart the group at `bounds`."""
         interval = self.spec.checkpoint.interval_steps
-        boundary = (self.step_count // interval + 1) * interval
+        boundary = min((self.step_count // interval + 1) * interval, self.spec.train.steps)
+        before = self.rec.attempts[-1].partition.get("bounds") or []
         self.rec.repartitions.append(
             {
-                "step": min(boundary, self.spec.train.steps),
-                "from_bounds": list(info["bounds"]),
-                "to_bounds": decision.bounds,
-                "measured_imbalance": decision.measured_imbalance,
-                "predicted_imbalance": decision.predicted_imbalance,
-                "predicted_speedup": decision.speedup,
-                "restart_cost_s": restart_s,
+                "step": boundary,
+                "from_bounds": list(before),
+                "to_bounds": list(bounds),
+                "why": why,
+                **figures,
                 "outcome": "waiting for the checkpoint boundary",
             }
         )
         return self._leave(
             "rebalance",
             boundary,
-            f"stage imbalance {decision.measured_imbalance:.1%} over "
-            f"{policy.window_steps} steps > parallel.rebalance_threshold "
-            f"{policy.threshold:.0%}; layers per stage {_sizes(info['bounds'])} -> "
-            f"{_sizes(decision.bounds)}, predicted imbalance {decision.predicted_imbalance:.1%}, "
-            f"{decision.speedup:.2f}x faster stages (restart cost {restart_s:.1f}s)",
-            partition=decision.bounds,
+            f"re-partition, layers per stage {_sizes(before)} -> {_sizes(bounds)}: {why}",
+            partition=bounds,
         )
 
     def _partition_summary(self) -> dict[str, Any] | None:
