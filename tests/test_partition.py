@@ -159,3 +159,41 @@ def test_resources_per_stage():
     assert s.resources.stage(0).cpus == 1 and s.resources.stage(1).cpus == 2
     with pytest.raises(SpecError, match="resources.stages"):
         load_spec({"name": "p", "parallel": {"pipeline_stages": 2}, "resources": {"stages": [{}]}})
+
+
+# --- the re-partition rule ----------------------------------------------------------
+
+
+def _decide(**over):
+    from spotline.controller.policies import RebalancePolicy
+
+    args = {
+        "window": [(s, 0.3) for s in range(5, 31, 5)],
+        "stage_s": [4.0, 8.0],
+        "bounds": [0, 4, 8],
+        "layer_s": [1.0] * 8,
+        "cut": lambda speeds: balanced_bounds([1.0] * 8, speeds),
+        "steps_left": 1000,
+        "steps_per_s": 10.0,
+        "restart_s": 1.0,
+        "running_s": 10.0,
+    }
+    args.update(over)
+    return RebalancePolicy(threshold=0.1, window_steps=20).decide(**args)
+
+
+def test_rebalance_rule():
+    d = _decide()
+    # Stage 1 measured at half stage 0's speed: of 8 layers at speeds (1, 0.5), the
+    # slowest stage takes 6 (ties go to the earlier stage: 6 + 2, 6 s against 4 s).
+    assert d is not None and d.bounds == [0, 6, 8]
+    assert d.measured_imbalance == pytest.approx(1 / 3)
+    assert d.speedup == pytest.approx(8.0 / 6.0)
+    assert d.predicted_imbalance == pytest.approx(0.2)
+    # Not over the threshold for the whole window; a window too short; nothing to move.
+    assert _decide(window=[(5, 0.3), (15, 0.05), (30, 0.3)]) is None
+    assert _decide(window=[(25, 0.3), (30, 0.3)]) is None
+    assert _decide(stage_s=[4.0, 4.4], window=[(s, 0.05) for s in range(5, 31, 5)]) is None
+    # The grow rule's cost test: the restart must pay over the remaining steps, after a dwell.
+    assert _decide(steps_left=20) is None
+    assert _decide(running_s=1.0) is None

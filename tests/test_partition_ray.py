@@ -10,6 +10,8 @@ blocks.
 from __future__ import annotations
 
 import json
+import shutil
+import time
 
 import pytest
 
@@ -71,3 +73,38 @@ def test_balanced_partition_differs_from_uniform_and_lowers_the_imbalance(ray_se
     assert resumed.state == "finished"
     assert resumed.partition["bounds"] == b["bounds"]
     assert resumed.attempts[0]["partition"].get("pinned") is True
+
+
+def test_repartition_at_a_checkpoint_boundary_keeps_training_exact(ray_session, tmp_path):
+    spec = unequal_spec(tmp_path / "a", "part-move", **{"train.steps": 24})
+    run = spotline.Job(spec).start()
+    deadline = time.monotonic() + 300
+    while run.status()["step"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.repartition([5, 3])  # uniform is [4, 4]
+    moved = run.wait(verbose=False)
+    assert moved.state == "finished"
+    (rp,) = moved.partition["repartitions"]
+    k = rp["step"]
+    assert rp["outcome"] == "done" and rp["from_bounds"] == [0, 4, 8]
+    assert rp["to_bounds"] == [0, 5, 8] and k % 8 == 0 and k < 24
+    before, after = moved.attempts
+    assert before["ended_by"] == "re-partition" and before["partition"]["bounds"] == [0, 4, 8]
+    assert after["restored_from"] == k and after["partition"]["bounds"] == [0, 5, 8]
+    assert CheckpointStore(moved.checkpoint_uri).load_manifest(24).extra["partition"] == [0, 5, 8]
+
+    # The same job, started from that checkpoint at the new partition, uninterrupted.
+    ref_root = tmp_path / "ref"
+    shutil.copytree(tmp_path / "a" / "ckpt", ref_root / "ckpt")
+    for later in (ref_root / "ckpt").rglob("step_*"):
+        if later.is_dir() and int(later.name.removeprefix("step_")) > k:
+            shutil.rmtree(later)
+    ref_spec = unequal_spec(
+        ref_root, "part-move", **{"train.steps": 24, "parallel.partition": [5, 3]}
+    )
+    ref = spotline.Job(ref_spec).run(verbose=False)
+    assert ref.attempts[0]["restored_from"] == k
+    assert ref.partition["bounds"] == [0, 5, 8]
+    after_k = list(range(k + 1, 25))
+    assert sorted(ref.losses) == after_k
+    assert [moved.losses[s] for s in after_k] == [ref.losses[s] for s in after_k]
