@@ -143,8 +143,10 @@ class ParallelSpec(_Section):
     speed and every layer's forward + backward time are measured, and the layers are cut
     so that the slowest stage is as fast as it can be within each device's memory; while
     the job runs, a stage imbalance above rebalance_threshold re-partitions it at a
-    checkpoint boundary when the restart pays for itself. A list: layers per stage, e.g.
-    [3, 3] (pinned: never re-partitioned)."""
+    checkpoint boundary when the restart pays for itself; a resume keeps the bounds its
+    checkpoint recorded. A list: layers per stage, e.g. [3, 3] (never re-partitioned by
+    itself). Every checkpoint records the bounds it was trained at; any checkpoint loads
+    at any partition."""
     rebalance_threshold: float = Field(0.10, gt=0.0)
     """Re-partition a 'balanced' pipeline when the slowest stage's compute time exceeds the
     mean stage's by more than this fraction (max / mean - 1) for rebalance_window_steps."""

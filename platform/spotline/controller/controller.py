@@ -488,8 +488,9 @@ class Controller:
         self.group = group
         attempt = Attempt(replicas=replicas, attempt=group.attempt)
         self.rec.attempts.append(attempt)
-        if not self._partition_read:
-            # A resumed job trains at the bounds its checkpoint was trained at.
+        if not self._partition_read and self.spec.parallel.partition == "balanced":
+            # A resumed balanced job trains at the bounds its checkpoint was trained at (a
+            # uniform or explicit partition is the spec's own, whatever was recorded).
             self._partition_read = True
             self._partition_pin = self._partition_pin or self.coordinator.recorded_partition()
         group.start(partition=self._partition_pin)
@@ -731,7 +732,7 @@ class Controller:
         elif state.why == "rebalance":
             want = self.group.replicas if self.group else want
             self._partition_pin = list(state.partition or ())
-            self.rec.repartitions[-1].update(step=stopped, outcome="restarting")
+            self._update_repartition(-1, step=stopped, outcome="restarting")
             detail = f"re-partition to layers per stage {_sizes(self._partition_pin)}"
         else:
             detail = f"leaving node(s) {', '.join(n[:12] for n in self._doomed_here())}"
@@ -971,7 +972,7 @@ class Controller:
         if (isinstance(self.state, Running) or leaving_for_balance) and group is not None:
             # A re-partition waiting for its checkpoint boundary gives way to the notice.
             if leaving_for_balance:
-                self.rec.repartitions[-1]["outcome"] = "dropped for a preemption notice"
+                self._update_repartition(-1, outcome="dropped for a preemption notice")
             self.state = self._jit(jit, group)
         # Already leaving (a grow, a stop): that checkpoint answers the notice too, and
         # the drained node gets no part of the next group.
@@ -1084,11 +1085,12 @@ class Controller:
     def _started_partition(self, group: WorkerGroup, attempt: Attempt) -> None:
         """Note the partition a new group runs: the attempt's record, its manifests."""
         info = group.partition()
-        attempt.partition = dict(info)
+        part = dict(info)
         last = self.rec.repartitions[-1] if self.rec.repartitions else None
         if last is not None and last["outcome"] == "restarting":
-            last["outcome"] = "done"
-            attempt.partition["repartition"] = len(self.rec.repartitions) - 1
+            self._update_repartition(-1, outcome="done")
+            part["repartition"] = len(self.rec.repartitions) - 1
+        attempt.partition = part
         self._stage_window.clear()
         if not info.get("bounds"):
             return
@@ -1114,16 +1116,26 @@ class Controller:
         stage_s = [per_stage[s] for s in range(pp)]
         steps = max(int(r.get("steps", 0)) for r in reports)
         self._stage_window.append((self.step_count, imbalance(stage_s), stage_s))
-        part = self.rec.attempts[-1].partition
-        acc = part.setdefault("measured", {"steps": 0, "stage_s": [0.0] * pp})
-        acc["stage_s"] = [a + s * steps for a, s in zip(acc["stage_s"], stage_s, strict=True)]
-        acc["steps"] += steps
-        acc["stage_s_per_step"] = [a / acc["steps"] for a in acc["stage_s"]]
-        acc["imbalance"] = imbalance(acc["stage_s"])
-        if "repartition" in part:  # this group runs a re-partition: its imbalance after
-            self.rec.repartitions[part["repartition"]]["measured_imbalance_after"] = acc[
-                "imbalance"
-            ]
+        attempt = self.rec.attempts[-1]
+        # New dicts, never changed in place: status() reads them from another thread.
+        old = attempt.partition.get("measured", {"steps": 0, "stage_s": [0.0] * pp})
+        total = [a + s * steps for a, s in zip(old["stage_s"], stage_s, strict=True)]
+        n = old["steps"] + steps
+        measured = {
+            "steps": n,
+            "stage_s": total,
+            "stage_s_per_step": [a / n for a in total],
+            "imbalance": imbalance(total),
+        }
+        attempt.partition = {**attempt.partition, "measured": measured}
+        if "repartition" in attempt.partition:  # a re-partitioned group: the imbalance after
+            self._update_repartition(
+                attempt.partition["repartition"], measured_imbalance_after=measured["imbalance"]
+            )
+
+    def _update_repartition(self, index: int, **fields: Any) -> None:
+        """Replace (never change in place: status() reads from another thread)."""
+        self.rec.repartitions[index] = {**self.rec.repartitions[index], **fields}
 
     def _rebalance_decision(self) -> State | None:
         """Leave for a re-partition at the next checkpoint boundary when the measured stage
