@@ -120,7 +120,13 @@ class TrainWorker:
 
         if constants.SPOTLINE_PIN_CORES:
             pin_process(self.topo.rank)
-        return probe(self.spec, self.topo.rank, self._threads(), layers=self.topo.replica == 0)
+        return probe(
+            self.spec,
+            self.topo.rank,
+            self._threads(),
+            layers=self.topo.replica == 0,
+            replicas=self.topo.replicas,
+        )
 
     def setup(
         self, master_addr: str, master_port: int, bounds: list[int] | None = None

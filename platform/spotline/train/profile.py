@@ -9,6 +9,7 @@ pipeline stage runs it. Nothing here touches a checkpoint or a process group.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,9 +24,13 @@ def layer_costs(
     device: str | torch.device = "cpu",
     repeats: int = 5,
     threads: int | None = None,
+    micro_batches: int = 1,
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
 ) -> list[float]:
-    """Seconds of forward + backward of one micro-batch through each layer: the best of
-    `repeats` timed runs after one warm-up (the fastest is the least disturbed)."""
+    """Seconds each layer costs one training step: `micro_batches` x its forward +
+    backward of one micro-batch, plus one step of `optimizer` (built on the layer alone)
+    over its parameters. Each part is the best of `repeats` timed runs after one warm-up
+    (the fastest is the least disturbed)."""
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     prev_threads = torch.get_num_threads()
@@ -42,7 +47,8 @@ def layer_costs(
         last = len(model.layers) - 1
         for i, ld in enumerate(model.layers):
             layer = ld.build().to(device).train()
-            best = float("inf")
+            opt = optimizer(layer) if optimizer is not None else None
+            best = best_opt = float("inf")
             for k in range(repeats + 1):
                 inp = x.detach().requires_grad_(x.is_floating_point())
                 sync()
@@ -53,7 +59,14 @@ def layer_costs(
                 sync()
                 if k:  # the first run warms up kernels and allocations
                     best = min(best, time.perf_counter() - t0)
-            costs.append(best)
+                if opt is not None and any(p.grad is not None for p in layer.parameters()):
+                    t0 = time.perf_counter()
+                    opt.step()
+                    sync()
+                    if k:
+                        best_opt = min(best_opt, time.perf_counter() - t0)
+                    opt.zero_grad(set_to_none=False)
+            costs.append(micro_batches * best + (best_opt if best_opt < float("inf") else 0.0))
             x = out.detach()
             del layer, out, loss
     finally:
@@ -63,12 +76,16 @@ def layer_costs(
     return costs
 
 
-def probe(spec: JobSpec, rank: int, threads: int, layers: bool) -> dict[str, Any]:
+def probe(
+    spec: JobSpec, rank: int, threads: int, layers: bool, replicas: int | None = None
+) -> dict[str, Any]:
     """One worker's figures for the balanced partition: `flops`, a matmul's FLOP/s at its
     thread budget on its device (the MFU probe's measurement); `memory_bytes`, its GPU's
     memory (None on CPU); and with `layers`, `layer_s`: each layer's cost on this worker
-    (`layer_costs`)."""
+    of one training step at `replicas` (its micro-batches and the job's optimizer step,
+    see `layer_costs`)."""
     from spotline.metrics.flops import measure_matmul_flops
+    from spotline.train.trainer import build_optimizer
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
@@ -81,6 +98,11 @@ def probe(spec: JobSpec, rank: int, threads: int, layers: bool) -> dict[str, Any
     }
     if layers:
         out["layer_s"] = layer_costs(
-            model_def(spec), spec.micro_batch_size(), device, threads=threads
+            model_def(spec),
+            spec.micro_batch_size(),
+            device,
+            threads=threads,
+            micro_batches=spec.grad_accum(replicas or spec.replica_counts()[0]),
+            optimizer=lambda layer: build_optimizer(layer, spec),
         )
     return out
