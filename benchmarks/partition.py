@@ -19,7 +19,7 @@ to the end of the per-step agreement of all ranks (where a worker's next step st
 over the N steps (the StepRecorder's forward, backward, micro-batch load and optimizer
 instructions), max / mean - 1. The table shows medians with [min-max] over repeats.
 
-    python benchmarks/partition.py --json /tmp/partition.json     # about 3 minutes on 2 cores
+    python benchmarks/partition.py --json /tmp/partition.json     # about 1 minute on 2 cores
 """
 
 from __future__ import annotations

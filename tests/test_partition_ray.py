@@ -1,10 +1,13 @@
 """Stage partitions on a real CPU pipeline (local Ray, DeepSpeed on gloo).
 
-The pipeline is deliberately unequal: its workers have unequal thread budgets (one
-CPU on stage 0, two on stage 1), and its head (a 4096-token vocabulary over a
-64-wide model) costs several blocks. The uniform partition splits the blocks evenly
-and leaves the head's cost on the last stage; the balanced one measures and moves
-blocks.
+The pipeline is deliberately unequal: its workers have unequal thread budgets (two
+CPUs on stage 0, one on stage 1), and its head (a 16384-token vocabulary over a
+64-wide model) costs more than all 6 blocks together. The uniform partition splits
+the blocks evenly and leaves the head's cost on the last stage; the balanced one
+measures and moves blocks. The head is that heavy on purpose: on a host with fewer
+cores than the job's threads (CI has 2), a 2-thread worker measured alone looks
+faster than it trains beside its peers, and only an inequality larger than that
+keeps the test's outcome the same on every run.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ def unequal_spec(tmp_path, name, **overrides):
         **{
             "model.n_layers": 6,
             "model.d_model": 64,
-            "model.vocab_size": 4096,
+            "model.vocab_size": 16384,
             "elastic.min_replicas": 1,
             "elastic.max_replicas": 1,
             "train.steps": 16,
             "checkpoint.interval_steps": 8,
-            "resources.stages": [{"cpus": 1}, {"cpus": 2}],
+            "resources.stages": [{"cpus": 2}, {"cpus": 1}],
             **overrides,
         },
     )

@@ -604,7 +604,9 @@ class Controller:
         if self.bubbles is not None and p.bubbles:
             on = self.backfill is not None and not self.backfill.governor.decision().paused
             self.bubbles.add(p.bubbles, self.spec.grad_accum(group.replicas), on)
-            self._measure_stages(p.bubbles)
+            if p.steps and p.steps[0][0] > self.rec.attempts[-1].start_step + 1:
+                # A group's first step allocates and warms up: not the stages' pace.
+                self._measure_stages(p.bubbles)
         if self.backfill is not None:
             if p.steps:
                 self.backfill.on_chunk(len(p.steps), step_time, warm=warm)
