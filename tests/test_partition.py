@@ -197,3 +197,22 @@ def test_rebalance_rule():
     # The grow rule's cost test: the restart must pay over the remaining steps, after a dwell.
     assert _decide(steps_left=20) is None
     assert _decide(running_s=1.0) is None
+
+
+@pytest.mark.parametrize("n_layers", [1, 2, 3, 5, 8, 12])
+def test_uniform_bounds_are_deepspeeds_type_partition(n_layers):
+    # Spotline always hands DeepSpeed explicit bounds; uniform must cut where DeepSpeed's
+    # `type:<block>` partition cut before, so earlier jobs resume at the same stages.
+    from deepspeed.runtime import utils as ds_utils
+
+    for stages in range(1, min(n_layers, 4) + 1):
+        s = load_spec(
+            {
+                "name": "p",
+                "model": {"n_layers": n_layers, "d_model": 32, "n_heads": 2, "seq_len": 32},
+                "parallel": {"pipeline_stages": stages},
+            }
+        )
+        model = model_def(s)
+        weights = [int(ld.cls is model.block_class) for ld in model.layers]
+        assert stage_bounds(model, stages) == ds_utils.partition_balanced(weights, stages)
