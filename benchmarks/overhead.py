@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ranks import BenchmarkError, free_port, redirect_output, spawn_ranks
+from ranks import BenchmarkError, exit_now, free_port, redirect_output, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "quickstart.yaml"
@@ -197,16 +197,7 @@ def _direct_rank(
             )
     finally:
         dist.destroy_process_group()
-    _exit_now()
-
-
-def _exit_now() -> None:
-    """End a rank that finished cleanly without the interpreter's teardown: the data
-    prefetcher's and gloo's threads can still be live then, and a C++ thread destroyed
-    while joinable aborts the process (SIGABRT) after the figures were sent."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
 
 
 def run_direct(

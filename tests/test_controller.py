@@ -68,9 +68,39 @@ class FakeGroup:
         self.nodes = [free[r % len(free)] for r in range(replicas)] if free else ["none"]
         FakeGroup.instances.append(self)
 
-    def start(self):
+    def start(self, partition=None):
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
+        self.started_partition = partition
+        layers = self.spec.model.n_layers + 2
+        pp = self.spec.parallel.pipeline_stages
+        self.bounds = list(partition) if partition else [layers * s // pp for s in range(pp + 1)]
+
+    def partition(self):
+        # What the start-up measurement saw: every layer costs the same on every stage.
+        layers = self.spec.model.n_layers + 2
+        sizes = [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
+        return {
+            "method": "balanced",
+            "bounds": self.bounds,
+            "sizes": sizes,
+            "layer_s": [1.0] * layers,
+        }
+
+    def _stage_reports(self, steps):
+        """Each stage's compute time per step: its layers at the stage's true speed (the
+        script's `stage_speed`, which the start-up measurement did not see)."""
+        speeds = self.script.get("stage_speed")
+        if not speeds or not steps:
+            return []
+        out = []
+        for s, (a, b) in enumerate(zip(self.bounds, self.bounds[1:], strict=False)):
+            busy = steps * (b - a) * 0.01 / speeds[s]
+            out.append(
+                {"stage": s, "replica": 0, "rank": s, "steps": steps, "compute_s": busy}
+                | {"step_s": busy, "wait_s": 0.0}
+            )
+        return out
 
     def restore(self, manifest):
         if manifest.step in self.script.get("corrupt_steps", ()):
@@ -108,12 +138,16 @@ class FakeGroup:
                     self.cluster.nodes.discard(lost)
                 cause = self.script.pop("cause", None)
                 if cause is not None:  # one rank raised; its peers saw the collective break
-                    raise WorkerFailure(
+                    failure = WorkerFailure(
                         "training",
                         {f"{type(cause).__name__}: {cause}": [0], "gloo: peer closed": [1, 2, 3]},
                         causes=[cause, RuntimeError("gloo: peer closed")],
                     )
-                raise WorkerFailure("training", {PROCESS_DIED: [3]}, {3: "node-1"})
+                else:
+                    failure = WorkerFailure("training", {PROCESS_DIED: [3]}, {3: "node-1"})
+                # As the real group: what the living ranks published in this poll.
+                failure.progress = out
+                raise failure
             self.step += 1
             slow_from, slow_s = self.script.get("slow_from", (None, 0.0))
             took = slow_s if slow_from is not None and self.step >= slow_from else 0.05
@@ -135,6 +169,7 @@ class FakeGroup:
             if stop or s >= self.target:
                 self.running = False
                 self.finished = {"stopped_at": s, "reason": self.reason if stop else "target"}
+        out.bubbles = self._stage_reports(len(out.steps))
         if not self.running and self.finished is not None:
             out.finished = self.finished
         return out
@@ -322,6 +357,17 @@ def test_worker_failure_restarts_from_latest_commit(tmp_path):
     assert [s for s, _ in res["attempts"][1]["losses"]][0] == 11
     assert "worker process died" in res["attempts"][0]["error"]
     assert "[ranks 3@node-1]" in res["attempts"][0]["error"]
+
+
+def test_steps_reported_in_the_poll_that_failed_are_kept(tmp_path):
+    # Step 12 is saved and its receipts land in storage, then a rank dies in the same
+    # poll: the restart commits 12 from the receipts and resumes after it, so steps 11
+    # and 12 are never trained again. Their losses come from the failing poll's report.
+    ctl, _ = make(tmp_path, script={"kill_at": 12}, **{"checkpoint.interval_steps": 4})
+    res = ctl.run()
+    assert res["state"] == "finished" and res["failures"] == 1
+    assert res["attempts"][1]["restored_from"] == 12
+    assert sorted(res["losses"]) == list(range(1, 26))
 
 
 def test_max_failures_exhausted_fails_with_clear_message(tmp_path):
@@ -835,3 +881,80 @@ def test_states_are_what_they_carry():
     assert s.name == "checkpointing" and not s.terminal and s.grow_to == 2
     assert Finished().terminal and Failed(error="x").error == "x" and Stopped().terminal
     assert Finishing().name == "finishing"
+
+
+# --- stage partitions -------------------------------------------------------------
+
+
+def _unequal(tmp_path, speeds, **over):
+    return make(
+        tmp_path,
+        script={"stage_speed": speeds},
+        capacity=1,
+        **{
+            "model.n_layers": 6,
+            "elastic.max_replicas": 1,
+            "parallel.partition": "balanced",
+            "parallel.rebalance_window_steps": 10,
+            "train.steps": 400,
+            "checkpoint.interval_steps": 50,
+            **over,
+        },
+    )
+
+
+def test_sustained_imbalance_repartitions_at_the_next_checkpoint_boundary(tmp_path):
+    ctl, store = _unequal(tmp_path, [1.0, 0.5])  # stage 1 runs at half the speed measured
+    res = ctl.run()
+    assert res["state"] == "finished"
+    first, second = FakeGroup.instances
+    assert first.bounds == [0, 4, 8] and second.started_partition == second.bounds
+    assert second.bounds[1] > 4  # layers moved off the slow stage
+    rp = res["partition"]["repartitions"]
+    assert len(rp) == 1 and rp[0]["outcome"] == "done"
+    # At a checkpoint boundary, through that checkpoint: the new group restored it.
+    assert rp[0]["step"] % 50 == 0 and second.restored == [rp[0]["step"]]
+    assert rp[0]["measured_imbalance"] == pytest.approx(1 / 3)
+    assert rp[0]["measured_imbalance_after"] < rp[0]["measured_imbalance"]
+    assert res["partition"]["bounds"] == second.bounds
+    assert res["partition"]["measured_imbalance"] == rp[0]["measured_imbalance_after"]
+    assert res["attempts"][0]["ended_by"] == "re-partition"
+    assert store.load_manifest(400).extra["partition"] == second.bounds
+    assert any("re-partition" in e for e in ctl.status()["events"])
+    assert ctl.trace() is None or ctl.trace()["otherData"]["partition"]["bounds"] == second.bounds
+
+
+def test_balanced_stages_are_left_alone(tmp_path):
+    ctl, _ = _unequal(tmp_path, [1.0, 1.0])
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert len(FakeGroup.instances) == 1
+    assert res["partition"]["measured_imbalance"] == pytest.approx(0.0)
+    assert res["partition"]["repartitions"] == []
+
+
+def test_no_repartition_when_the_restart_would_not_pay(tmp_path):
+    ctl, _ = _unequal(tmp_path, [1.0, 0.5])
+    run_until(ctl, lambda: ctl.step_count >= 5)
+    ctl._restart_s = 1e6  # a restart that costs more than the rest of the job
+    res = ctl.run()
+    assert len(FakeGroup.instances) == 1 and res["partition"]["repartitions"] == []
+
+
+def test_below_the_threshold_no_repartition(tmp_path):
+    # 1/3 imbalance, but the threshold is higher.
+    ctl, _ = _unequal(tmp_path, [1.0, 0.5], **{"parallel.rebalance_threshold": 0.5})
+    res = ctl.run()
+    assert len(FakeGroup.instances) == 1 and res["partition"]["repartitions"] == []
+
+
+def test_asked_repartition_happens_at_the_next_boundary(tmp_path):
+    ctl, _ = _unequal(tmp_path, [1.0, 1.0], **{"parallel.partition": "uniform"})
+    run_until(ctl, lambda: ctl.step_count >= 5)
+    ctl.request_repartition([3, 9])  # not 8 layers: ignored with a warning
+    ctl.step()
+    assert any("ignored" in e for e in ctl.status()["events"])
+    ctl.request_repartition([3, 5])
+    ctl.run()
+    assert [g.bounds for g in FakeGroup.instances] == [[0, 4, 8], [0, 3, 8]]
+    assert FakeGroup.instances[1].restored == [50]

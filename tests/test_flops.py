@@ -14,7 +14,7 @@ from spotline.config import GptModelSpec, load_spec
 from spotline.metrics import gpu
 from spotline.metrics.flops import (
     DEVICE_PEAK_FLOPS,
-    measure_cpu_matmul_peak,
+    measure_matmul_flops,
     mfu,
     model_flops_per_token,
     peak_flops,
@@ -137,11 +137,11 @@ def test_mfu_arithmetic() -> None:
         mfu(1000, 1e9, 0, 1e12)
 
 
-def test_measure_cpu_matmul_peak() -> None:
-    peak = measure_cpu_matmul_peak(n=128, repeats=3)
+def test_measure_matmul_flops() -> None:
+    peak = measure_matmul_flops(n=128, repeats=3)
     assert peak > 1e8
     before = torch.get_num_threads()
-    assert measure_cpu_matmul_peak(n=64, repeats=2, threads=1) > 1e8
+    assert measure_matmul_flops(n=64, repeats=2, threads=1) > 1e8
     assert torch.get_num_threads() == before
 
 

@@ -76,6 +76,9 @@ class JobResult:
     batch: dict[str, Any] | None = None
     """The global batch at the end: schedule, global_batch_size, noise_scale (adaptive),
     and history ([[first_step, global_batch], ...])."""
+    partition: dict[str, Any] | None = None
+    """Pipelines: the stage partition in force (layer bounds, how they were chosen, the
+    measured stage compute times and their imbalance) and every re-partition."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:
@@ -113,7 +116,7 @@ class JobResult:
         )
 
     def _plan_lines(self) -> list[str]:
-        if not self.plan:
+        if not self.plan or not self.plan.get("predicted"):
             return []
         pred, meas = self.plan["predicted"], self.plan["measured"]
 
@@ -217,6 +220,14 @@ class JobRun:
         import ray
 
         return ray.get(self.controller.trace.remote())
+
+    def repartition(self, sizes: list[int]) -> None:
+        """Re-partition the pipeline to `sizes` layers per stage (embedding and head
+        included) at the next checkpoint boundary, through that checkpoint; the job
+        trains on at the new bounds. Returns at once."""
+        import ray
+
+        ray.get(self.controller.repartition.remote(list(sizes)))
 
     def stop(self, reason: str = "stopped from the SDK", verbose: bool = False) -> JobResult:
         """Stop at the next step boundary after committing a checkpoint there.

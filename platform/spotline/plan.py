@@ -39,11 +39,14 @@ ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weights
 
 
-def stage_params(spec: JobSpec, model: ModelDef | None = None) -> list[int]:
-    """Parameters held by each pipeline stage, cut as DeepSpeed cuts the layer list."""
+def stage_params(
+    spec: JobSpec, model: ModelDef | None = None, bounds: list[int] | None = None
+) -> list[int]:
+    """Parameters held by each pipeline stage, cut at `bounds` (default: as DeepSpeed's
+    uniform `type:` partition cuts the layer list)."""
     model = model or model_def(spec)
     counts = layer_param_counts(model)
-    bounds = stage_bounds(model, spec.parallel.pipeline_stages)
+    bounds = bounds or stage_bounds(model, spec.parallel.pipeline_stages)
     return [sum(counts[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -71,43 +74,61 @@ class StageMemory:
         return self.state_bytes + self.activation_bytes
 
 
-def memory_per_device(spec: JobSpec, replicas: int | None = None) -> list[StageMemory]:
-    """Predicted peak memory of one device of each stage, at `replicas` (default: the
-    smallest replica count the job runs at, where ZeRO splits the least)."""
-    d = replicas or spec.replica_counts()[0]
-    p = spec.parallel
-    z = p.zero_stage
-    w = 2 if p.precision == "bf16" else 4
-    master = MASTER_BYTES if (p.precision == "bf16" or z >= 1) else 0
-    model = model_def(spec)
-    m = spec.model
-    b, s = spec.micro_batch_size(), m.seq_len
-    # Width of the built-in kinds; a custom model is charged as if d = 1024.
-    h = getattr(m, "d_model", 1024)
-    per_layer = 34 * s * b * h * (w / 2)
-    bounds = stage_bounds(model, p.pipeline_stages)
-    is_block = [ld.cls is model.block_class for ld in model.layers]
-    micro = spec.grad_accum(d)
-    out = []
-    for stage, params in enumerate(stage_params(spec, model)):
-        in_flight = min(p.pipeline_stages - stage, micro) if p.pipeline_stages > 1 else 1
-        blocks = sum(is_block[bounds[stage] : bounds[stage + 1]])
-        act = per_layer * blocks * in_flight
-        if stage == p.pipeline_stages - 1:
-            act += 2 * b * s * model.vocab_size * 4  # fp32 logits and their gradient
-        out.append(
-            StageMemory(
-                stage,
-                params,
-                weight_bytes=math.ceil(params * w / (d if z >= 3 else 1)),
-                grad_bytes=math.ceil(params * w / (d if z >= 2 else 1)),
-                optimizer_bytes=math.ceil(params * (master + ADAM_BYTES) / (d if z >= 1 else 1)),
-                bucket_bytes=_bucket_bytes(spec, params),
-                activation_bytes=math.ceil(act),
-                micro_batches_in_flight=in_flight,
-            )
+class StageMemoryModel:
+    """Predicted peak memory of one device of a stage holding any contiguous layers: what
+    `memory_per_device` reports, and what the balanced partition keeps within each
+    device's memory."""
+
+    def __init__(self, spec: JobSpec, replicas: int | None = None, model: ModelDef | None = None):
+        self.spec = spec
+        d = replicas or spec.replica_counts()[0]
+        p = spec.parallel
+        z = p.zero_stage
+        w = 2 if p.precision == "bf16" else 4
+        master = MASTER_BYTES if (p.precision == "bf16" or z >= 1) else 0
+        self.weight = w / (d if z >= 3 else 1)
+        self.grad = w / (d if z >= 2 else 1)
+        self.optimizer = (master + ADAM_BYTES) / (d if z >= 1 else 1)
+        self.model = model or model_def(spec)
+        m = spec.model
+        b, s = spec.micro_batch_size(), m.seq_len
+        # Width of the built-in kinds; a custom model is charged as if d = 1024.
+        h = getattr(m, "d_model", 1024)
+        self.per_layer = 34 * s * b * h * (w / 2)
+        self.logits = 2 * b * s * self.model.vocab_size * 4  # fp32 logits and their gradient
+        self.counts = layer_param_counts(self.model)
+        self.is_block = [ld.cls is self.model.block_class for ld in self.model.layers]
+        self.stages = p.pipeline_stages
+        self.micro = spec.grad_accum(d)
+
+    def stage(self, stage: int, lo: int, hi: int) -> StageMemory:
+        """One device of `stage` holding layers lo:hi."""
+        params = sum(self.counts[lo:hi])
+        in_flight = min(self.stages - stage, self.micro) if self.stages > 1 else 1
+        act = self.per_layer * sum(self.is_block[lo:hi]) * in_flight
+        if hi == len(self.counts):
+            act += self.logits
+        return StageMemory(
+            stage,
+            params,
+            weight_bytes=math.ceil(params * self.weight),
+            grad_bytes=math.ceil(params * self.grad),
+            optimizer_bytes=math.ceil(params * self.optimizer),
+            bucket_bytes=_bucket_bytes(self.spec, params),
+            activation_bytes=math.ceil(act),
+            micro_batches_in_flight=in_flight,
         )
-    return out
+
+
+def memory_per_device(
+    spec: JobSpec, replicas: int | None = None, bounds: list[int] | None = None
+) -> list[StageMemory]:
+    """Predicted peak memory of one device of each stage, at `replicas` (default: the
+    smallest replica count the job runs at, where ZeRO splits the least), with the
+    stages cut at `bounds` (default: the uniform partition)."""
+    mem = StageMemoryModel(spec, replicas)
+    bounds = bounds or stage_bounds(mem.model, spec.parallel.pipeline_stages)
+    return [mem.stage(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
 
 
 def _bucket_bytes(spec: JobSpec, params: int) -> int:
@@ -146,7 +167,9 @@ def memory_problem(spec: JobSpec, capacity: int, source: str) -> str | None:
 # --- step time and bubble -------------------------------------------------------------
 
 
-def stage_flops_per_token(spec: JobSpec, model: ModelDef | None = None) -> list[float]:
+def stage_flops_per_token(
+    spec: JobSpec, model: ModelDef | None = None, bounds: list[int] | None = None
+) -> list[float]:
     """Training FLOPs per token of each pipeline stage: 6 x the weights of each layer's
     matrix multiplications (nn.Linear: embeddings are gathers), plus 12·T·d of attention
     per block, scaled so the stages add up to the provider's own `flops_per_token`."""
@@ -163,7 +186,7 @@ def stage_flops_per_token(spec: JobSpec, model: ModelDef | None = None) -> list[
             attention = 12.0 * model.seq_len * d if ld.cls is model.block_class else 0.0
             raw.append(6.0 * linear + attention)
     scale = model.flops_per_token / sum(raw) if sum(raw) > 0 else 0.0
-    bounds = stage_bounds(model, spec.parallel.pipeline_stages)
+    bounds = bounds or stage_bounds(model, spec.parallel.pipeline_stages)
     return [scale * sum(raw[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -186,14 +209,16 @@ def predict_step(
     replicas: int,
     flops_per_s: float | None = None,
     peak_flops: float | None = None,
+    bounds: list[int] | None = None,
 ) -> StepPrediction:
     """One step at `replicas`, each device running `flops_per_s` (the relative stage
-    costs alone give the bubble when no rate is known)."""
+    costs alone give the bubble when no rate is known), the stages cut at `bounds`
+    (default: the uniform partition)."""
     from spotline.bubbles.detector import bubble_fraction
     from spotline.bubbles.schedule import simulate, theory_fraction
 
     p, m = spec.parallel.pipeline_stages, spec.grad_accum(replicas)
-    stage = stage_flops_per_token(spec)
+    stage = stage_flops_per_token(spec, bounds=bounds)
     tokens = spec.micro_batch_size() * spec.model.seq_len
     rate = flops_per_s or 1.0
     micro_s = [f * tokens / rate for f in stage]
@@ -503,3 +528,101 @@ def make_plan(
             spec.train.adaptive.max_batch_size if spec.train.batch_schedule == "adaptive" else None
         ),
     )
+
+
+# --- stage partitions ------------------------------------------------------------------
+
+
+def balanced_partition(
+    spec: JobSpec,
+    layer_s: list[list[float]] | list[float],
+    stage_speeds: list[float],
+    capacities: list[float | None] | None = None,
+    replicas: int | None = None,
+) -> list[int]:
+    """The layer bounds whose slowest stage is fastest, with stage s running layer l in
+    layer_s[s][l] / stage_speeds[s] seconds (one list: the same for every stage), holding at most capacities[s] bytes (None:
+    unchecked) under `StageMemoryModel`. SpecError naming the fields when none fits."""
+    from spotline.config.loader import SpecError
+    from spotline.models.partition import NoPartitionFits, balanced_bounds
+
+    mem = StageMemoryModel(spec, replicas)
+    caps = capacities or [None] * len(stage_speeds)
+
+    def fits(stage: int, lo: int, hi: int) -> bool:
+        cap = caps[stage]
+        return cap is None or mem.stage(stage, lo, hi).total_bytes <= cap
+
+    try:
+        return balanced_bounds(layer_s, stage_speeds, fits)
+    except NoPartitionFits:
+        have = ", ".join("?" if c is None else f"{c / 1e9:.1f} GB" for c in caps)
+        raise SpecError(
+            f"parallel.partition: no contiguous split of the {len(mem.counts)} layers over "
+            f"{len(stage_speeds)} stages fits the devices' memory ({have} per stage); add "
+            "parallel.pipeline_stages, raise parallel.zero_stage, use parallel.precision: "
+            "bf16, lower train.global_batch_size, or give the stages more memory "
+            "(resources.stages[].device_memory_gb)"
+        ) from None
+
+
+def choose_partition(
+    spec: JobSpec,
+    replicas: int,
+    probes: list[dict[str, Any]] | None = None,
+    pinned: list[int] | None = None,
+) -> dict[str, Any]:
+    """The stage partition a group of `replicas` runs, and what it was chosen from.
+
+    `pinned` (a resumed job's recorded bounds, or a re-partition) wins; then an explicit
+    parallel.partition; then, for 'balanced', the cut of the measured `probes` (one per
+    rank, rank = stage x replicas + replica, from `spotline.train.profile.probe`): stage
+    s's layer costs are those its replica 0 measured on its own device, its speed its
+    slowest replica's matmul speed over replica 0's (devices of a stage may differ too),
+    its memory the smallest device of the stage (or resources.stages[s].device_memory_gb). Else the uniform cut. SpecError naming
+    parallel.partition when the bounds do not partition the model's layers.
+    """
+    from spotline.config.loader import SpecError
+    from spotline.models.partition import (
+        bounds_from_sizes,
+        check_bounds,
+        imbalance,
+        stage_times,
+    )
+
+    p = spec.parallel
+    pp = p.pipeline_stages
+    model = model_def(spec)
+    uniform = stage_bounds(model, pp)
+    out: dict[str, Any] = {"method": p.partition if isinstance(p.partition, str) else "explicit"}
+    if pinned is not None:
+        bounds, out["pinned"] = list(pinned), True
+    elif isinstance(p.partition, list):
+        bounds = bounds_from_sizes(p.partition)
+    else:
+        bounds = uniform
+    if probes:
+        layer_s: list[list[float]] = []
+        speeds: list[float] = []
+        caps: list[float | None] = []
+        for stage in range(pp):
+            mine = [probes[stage * replicas + r] for r in range(replicas)]
+            layer_s.append(mine[0]["layer_s"])
+            speeds.append(min(q["flops"] for q in mine) / mine[0]["flops"])
+            given = spec.resources.stage(stage).device_memory_gb
+            held = [q.get("memory_bytes") for q in mine]
+            caps.append(given * 1e9 if given else (None if None in held else min(held)))
+        if pinned is None:
+            bounds = balanced_partition(spec, layer_s, speeds, caps, replicas)
+        out.update(
+            layer_s=layer_s,
+            stage_speeds=speeds,
+            worker_flops=[q["flops"] for q in probes],
+            predicted_imbalance=imbalance(stage_times(layer_s, speeds, bounds)),
+            predicted_uniform_imbalance=imbalance(stage_times(layer_s, speeds, uniform)),
+        )
+    problem = check_bounds(bounds, len(model.layers), pp)
+    if problem:
+        raise SpecError(f"parallel.partition: {problem}; fix the layers per stage")
+    out.update(bounds=bounds, sizes=[b - a for a, b in zip(bounds, bounds[1:], strict=False)])
+    return out

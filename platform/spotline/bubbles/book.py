@@ -14,7 +14,7 @@ from typing import Any
 from spotline.bubbles.schedule import theory_fraction
 from spotline.bubbles.trace import chrome_trace
 
-_KEYS = ("steps", "step_s", "wait_s", "window_s", "windows", "filled_s", "overrun_s")
+_KEYS = ("steps", "step_s", "wait_s", "compute_s", "window_s", "windows", "filled_s", "overrun_s")
 
 
 class BubbleBook:
@@ -69,6 +69,17 @@ class BubbleBook:
     def trace(self, job: str, slices: dict[int, list] | None = None) -> dict[str, Any]:
         ranks = [dict(r, slices=(slices or {}).get(rank, [])) for rank, r in self.latest.items()]
         return chrome_trace(ranks, job)
+
+
+def stage_compute_s(reports: list[dict[str, Any]]) -> dict[int, float]:
+    """Compute seconds per step of each stage in one poll's reports: the slowest replica
+    of the stage (it sets the stage's pace)."""
+    out: dict[int, float] = {}
+    for r in reports:
+        if r.get("steps"):
+            per_step = r.get("compute_s", 0.0) / r["steps"]
+            out[r["stage"]] = max(out.get(r["stage"], 0.0), per_step)
+    return dict(sorted(out.items()))
 
 
 def _fractions(acc: dict[str, float]) -> dict[str, float]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from spotline.bubbles.channel import WindowChannel
 from spotline.bubbles.detector import Forecast, windows
-from spotline.bubbles.schedule import WAITS, Instr, program
+from spotline.bubbles.schedule import COMPUTE, WAITS, Instr, program
 
 
 class StepRecorder:
@@ -43,7 +43,14 @@ class StepRecorder:
         self.forecast = Forecast()
         self.recent: deque[tuple[int, float, list[Instr]]] = deque(maxlen=history)
         """(step, start on CLOCK_MONOTONIC, timeline) of the last steps."""
-        self._totals = {"steps": 0, "step_s": 0.0, "wait_s": 0.0, "window_s": 0.0, "windows": 0}
+        self._totals = {
+            "steps": 0,
+            "step_s": 0.0,
+            "wait_s": 0.0,
+            "compute_s": 0.0,
+            "window_s": 0.0,
+            "windows": 0,
+        }
         self._step: int | None = None
         self._t0 = 0.0
         self._instrs: list[Instr] = []
@@ -120,6 +127,8 @@ class StepRecorder:
             t["steps"] += 1
             t["step_s"] += timeline[-1].end if timeline else 0.0
             t["wait_s"] += sum(i.seconds for i in timeline if i.name in WAITS)
+            # What the stage's own layers cost: the stage partition balances this.
+            t["compute_s"] += sum(i.seconds for i in timeline if i.name in COMPUTE)
             t["windows"] += len(usable)
             t["window_s"] += sum(w.seconds for w in usable)
             self.recent.append((self._step, self._t0, timeline))
@@ -142,7 +151,7 @@ class StepRecorder:
             return list(self.recent)
 
     def take_totals(self) -> dict[str, float]:
-        """Sums since the last call: steps, step_s, wait_s, windows, window_s."""
+        """Sums since the last call: steps, step_s, wait_s, compute_s, windows, window_s."""
         with self._lock:
             out, self._totals = self._totals, dict.fromkeys(self._totals, 0)
         out["bubble_fraction"] = out["wait_s"] / out["step_s"] if out["step_s"] else 0.0

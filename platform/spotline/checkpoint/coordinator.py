@@ -74,6 +74,8 @@ class CommitCoordinator:
         self.committed: list[int] = []
         self._pending: dict[tuple[int, str], _Pending] = {}
         self._retention_due = False
+        self.partitions: dict[str, list[int]] = {}
+        """Per group (attempt): the layer bounds of its stages, recorded in its manifests."""
 
     # --- saves and receipts -----------------------------------------------------------
 
@@ -152,7 +154,9 @@ class CommitCoordinator:
     def _commit(
         self, step: int, attempt: str, world: int, results: list[UploadResult]
     ) -> Committed | None:
-        manifest = build_manifest(self.spec, step, attempt, world, results)
+        manifest = build_manifest(
+            self.spec, step, attempt, world, results, self.partitions.get(attempt)
+        )
         try:
             self.store.commit(manifest)
         except (StorageError, CorruptCheckpointError) as e:
@@ -193,6 +197,20 @@ class CommitCoordinator:
         self.committed = [s for s in self.committed if s not in deleted]
 
     # --- restore --------------------------------------------------------------------
+
+    def recorded_partition(self) -> list[int] | None:
+        """The stage bounds the newest committed checkpoint was trained at, when it has
+        the job's number of stages (a resume keeps them); None otherwise."""
+        try:
+            steps = self.store.committed_steps()
+            if not steps:
+                return None
+            m = self.store.load_manifest(max(steps))
+        except (StorageError, CorruptCheckpointError, FileNotFoundError):
+            return None  # the restore that follows reports what is wrong
+        bounds = m.extra.get("partition")
+        same = m.topology.get("pipeline_stages") == self.spec.parallel.pipeline_stages
+        return list(bounds) if same and isinstance(bounds, list) else None
 
     def check_owner(self) -> None:
         self.store.check_owner(self.spec)
@@ -289,9 +307,15 @@ class CommitCoordinator:
 
 
 def build_manifest(
-    spec: JobSpec, step: int, attempt: str, world: int, results: list[UploadResult]
+    spec: JobSpec,
+    step: int,
+    attempt: str,
+    world: int,
+    results: list[UploadResult],
+    partition: list[int] | None = None,
 ) -> Manifest:
-    """The manifest of `step` from every rank's upload result of group `attempt`."""
+    """The manifest of `step` from every rank's upload result of group `attempt`, whose
+    stages held the layers `partition` bounds (when known)."""
     replicas = world // spec.parallel.pipeline_stages
     # Every rank saved the same schedule (their metas must agree to load): rank 0's.
     ranked = sorted(results, key=lambda r: r.rank)
@@ -313,5 +337,6 @@ def build_manifest(
             "spec": spec.hashed_fields(),  # so a refused resume can say what differs
             "vocab_size": spec.vocab_size(),
             "index": index,
+            **({"partition": list(partition)} if partition is not None else {}),
         },
     )

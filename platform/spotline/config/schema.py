@@ -136,6 +136,38 @@ class ParallelSpec(_Section):
     """ZeRO stage. Pipelines allow 0 or 1; pp=1 allows 0-3."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Training precision. bf16 keeps fp32 master weights in the optimizer."""
+    partition: Literal["uniform", "balanced"] | list[int] = "uniform"
+    """Which layers each pipeline stage holds (the layer list counts the embedding and the
+    head too: a GPT of n_layers blocks has n_layers + 2). 'uniform': blocks split evenly,
+    as DeepSpeed's `type:` partition cuts them. 'balanced': at start-up every worker's
+    speed and every layer's forward + backward time are measured, and the layers are cut
+    so that the slowest stage is as fast as it can be within each device's memory; while
+    the job runs, a stage imbalance above rebalance_threshold re-partitions it at a
+    checkpoint boundary when the restart pays for itself; a resume keeps the bounds its
+    checkpoint recorded. A list: layers per stage, e.g. [3, 3] (never re-partitioned by
+    itself). Every checkpoint records the bounds it was trained at; any checkpoint loads
+    at any partition."""
+    rebalance_threshold: float = Field(0.10, gt=0.0)
+    """Re-partition a 'balanced' pipeline when the slowest stage's compute time exceeds the
+    mean stage's by more than this fraction (max / mean - 1) for rebalance_window_steps."""
+    rebalance_window_steps: int = Field(20, gt=0)
+    """Steps the imbalance must stay above rebalance_threshold before re-partitioning."""
+
+    @field_validator("partition", mode="before")
+    @classmethod
+    def _partition_sizes(cls, v: Any) -> Any:
+        listed = isinstance(v, list) and all(isinstance(n, int) for n in v)
+        if not listed and v not in ("uniform", "balanced"):
+            raise ValueError(
+                f"parallel.partition must be 'uniform', 'balanced' or a list of layers per "
+                f"stage such as [3, 3] (got {v!r})"
+            )
+        if listed and (not v or any(n < 1 for n in v)):
+            raise ValueError(
+                f"parallel.partition {v} must list at least one layer per stage, e.g. [3, 3]; "
+                "or use 'uniform' or 'balanced'"
+            )
+        return v
 
 
 class ElasticSpec(_Section):
@@ -263,6 +295,24 @@ class FailureSpec(_Section):
     """Restarts allowed before the job fails; -1 means unlimited."""
 
 
+class StageResourcesSpec(_Section):
+    """What the workers of one pipeline stage ask Ray for, when the stages differ (a replica
+    may mix device types: its first stage on one kind, its last on another)."""
+
+    cpus: float | None = Field(None, ge=0.0)
+    """CPUs per worker of this stage (default resources.cpus_per_worker); on CPU also the
+    worker's torch thread budget."""
+    accelerator_type: str | None = Field(None, min_length=1)
+    """Ray accelerator type this stage's devices must be, e.g. 'A100' or 'H100' (the
+    `accelerator_type:<name>` resource Ray gives nodes with such devices)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources (node labels) each worker of this stage needs, e.g.
+    {"fast_nvme": 0.01}."""
+    device_memory_gb: float | None = Field(None, gt=0.0)
+    """Memory of one device of this stage (default resources.device_memory_gb): the
+    balanced partition keeps each stage within it."""
+
+
 class ResourcesSpec(_Section):
     """What each worker (one per pipeline stage per replica) asks Ray for."""
 
@@ -275,6 +325,20 @@ class ResourcesSpec(_Section):
     """Memory of one device, for the preflight's check that the model fits. None: the
     driver's own GPU when it has one, the host's RAM for CPU workers of a local cluster,
     otherwise unchecked."""
+    stages: list[StageResourcesSpec] = Field(default_factory=list)
+    """Per pipeline stage, what differs from the fields above (one entry per stage, or
+    none): e.g. [{cpus: 1}, {cpus: 2}], or [{accelerator_type: A100},
+    {accelerator_type: H100}]."""
+
+    def stage(self, stage: int) -> StageResourcesSpec:
+        """The resources of `stage`'s workers, the defaults filled in."""
+        own = self.stages[stage] if self.stages else StageResourcesSpec()
+        return own.model_copy(
+            update={
+                "cpus": self.cpus_per_worker if own.cpus is None else own.cpus,
+                "device_memory_gb": own.device_memory_gb or self.device_memory_gb,
+            }
+        )
 
 
 class RuntimeEnvSpec(_Section):
@@ -381,6 +445,27 @@ class JobSpec(_Section):
             raise ValueError(
                 f"model.vocab_size ({given}) is smaller than the tokenizer's vocabulary "
                 f"({known}); raise model.vocab_size or leave it out to take the tokenizer's"
+            )
+        if isinstance(p.partition, list):
+            layers = n_layers + 2 if n_layers is not None else None  # embedding and head
+            if len(p.partition) != p.pipeline_stages or (
+                layers is not None and sum(p.partition) != layers
+            ):
+                raise ValueError(
+                    f"parallel.partition {p.partition} must give the layers of each of the "
+                    f"{p.pipeline_stages} pipeline stage(s)"
+                    + (
+                        f", summing to the model's {layers} layers (embedding, model.n_layers "
+                        f"blocks, head)"
+                        if layers is not None
+                        else ""
+                    )
+                    + "; fix the list, or use 'uniform' or 'balanced'"
+                )
+        if self.resources.stages and len(self.resources.stages) != p.pipeline_stages:
+            raise ValueError(
+                f"resources.stages has {len(self.resources.stages)} entries but "
+                f"parallel.pipeline_stages is {p.pipeline_stages}: give one per stage, or none"
             )
         if p.pipeline_stages > 1 and p.zero_stage > 1:
             raise ValueError(

@@ -66,6 +66,9 @@ class ControllerActor:
     def stop(self, reason: str = "stop requested") -> None:
         self.controller.request_stop(reason)
 
+    def repartition(self, sizes: list[int]) -> None:
+        self.controller.request_repartition(sizes)
+
     def status(self, since_event: int = 0) -> dict[str, Any]:
         return self.controller.status(since_event)
 

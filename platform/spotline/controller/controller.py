@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from spotline import constants
-from spotline.bubbles.book import BubbleBook
+from spotline.bubbles.book import BubbleBook, stage_compute_s
 from spotline.checkpoint import (
     TRACE_ARTIFACT,
     CheckpointMismatchError,
@@ -45,6 +45,7 @@ from spotline.checkpoint import (
     StorageError,
 )
 from spotline.checkpoint.coordinator import CommitCoordinator, Committed
+from spotline.config.loader import SpecError
 from spotline.config.redact import redact
 from spotline.config.schema import JobSpec
 from spotline.controller.inbox import Inbox
@@ -53,6 +54,7 @@ from spotline.controller.policies import (
     FailurePolicy,
     GrowPolicy,
     JitPolicy,
+    RebalancePolicy,
     Resize,
     ScalingPolicy,
     Wait,
@@ -71,6 +73,7 @@ from spotline.controller.state import (
     Waiting,
 )
 from spotline.controller.telemetry import Telemetry
+from spotline.models.partition import imbalance
 from spotline.plan import memory_per_device, predict_step
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.group import Progress, WorkerFailure, WorkerGroup
@@ -93,7 +96,11 @@ class Attempt:
     restored_from: int | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
     error: str | None = None
-    ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow", "stop"
+    ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow",
+    # "re-partition", "stop"
+    partition: dict[str, Any] = field(default_factory=dict)
+    """The stage partition it ran: bounds, how they were chosen, and the stage compute
+    time it measured (seconds per step per stage, and their imbalance)."""
 
 
 @dataclass
@@ -106,6 +113,9 @@ class Record:
     node_losses: int = 0
     notices: list[dict[str, Any]] = field(default_factory=list)
     resizes: list[dict[str, Any]] = field(default_factory=list)
+    repartitions: list[dict[str, Any]] = field(default_factory=list)
+    """Each re-partition: at which step, from and to which bounds, the imbalance measured
+    before it and predicted after (the next attempt's partition has the measured one)."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     waited_s: float = 0.0
     blocked_s: list[float] = field(default_factory=list)
@@ -150,6 +160,19 @@ class Controller:
         self.scaling_policy = ScalingPolicy(e.min_replicas, e.max_replicas, spec.replica_counts())
         self.grow_policy = GrowPolicy(self.scaling_policy)
         self.jit_policy = JitPolicy(constants.SPOTLINE_JIT_MARGIN_S)
+        p = spec.parallel
+        self.rebalance_policy = (
+            RebalancePolicy(p.rebalance_threshold, p.rebalance_window_steps)
+            if p.partition == "balanced" and p.pipeline_stages > 1
+            else None
+        )
+        # The stage bounds the next group starts with (a restart keeps the live group's,
+        # a re-partition sets new ones); None: the group chooses by parallel.partition.
+        self._partition_pin: list[int] | None = None
+        self._partition_read = False  # the newest checkpoint's recorded bounds were read
+        # (step, imbalance, per-stage compute s/step) of the live group's latest polls.
+        self._stage_window: deque[tuple[int, float, list[float]]] = deque(maxlen=256)
+        self._last_rebalance_check = 0.0
         self._lock = threading.Lock()  # everything status() reads from another thread
         self._events: list[str] = []
         self.inbox = Inbox()
@@ -182,6 +205,8 @@ class Controller:
         self._pending_jit: list[dict[str, Any]] = []  # notices the next leave answers
         self._jit_fit_checked = False  # the check from the first measured save is done
         self._predictions: dict[tuple, dict[str, Any]] = {}  # the plan's, by shape
+        self._plan_ready = threading.Event()
+        threading.Thread(target=self._warm_plan, name="spotline-plan", daemon=True).start()
 
     @property
     def store(self) -> CheckpointStore:
@@ -195,7 +220,7 @@ class Controller:
         with self._lock:
             self._events.append(text)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, wait_for_plan: bool = False) -> dict[str, Any]:
         """Everything the job knows about itself, once: status, result and summary are
         projections of it. Safe to call from any thread."""
         group = self.group
@@ -241,7 +266,7 @@ class Controller:
             "eval": tel.evals[-1] if tel.evals else None,
             "evals": list(tel.evals),
             "bubbles": self.bubbles.summary() if self.bubbles else None,
-            "plan": self._plan_vs_run(group.replicas if group else None),
+            "plan": self._plan_vs_run(group.replicas if group else None, wait_for_plan),
             "ledger": tel.ledger_summary(),
             "cost": tel.cost(),
             "alerts": [a.message() for a in tel.deviation.alerts],
@@ -251,6 +276,7 @@ class Controller:
             "attempts": [asdict(a) for a in r.attempts],
             "notices": [dict(n) for n in r.notices],
             "resizes": list(r.resizes),
+            "partition": self._partition_summary(),
             "recoveries": list(r.recoveries),
             "waited_s": r.waited_s,
             "checkpoint_blocked_s": list(r.blocked_s),
@@ -266,16 +292,30 @@ class Controller:
             "updated_at": time.time(),
         }
 
-    def _plan_vs_run(self, replicas: int | None) -> dict[str, Any]:
+    def _warm_plan(self) -> None:
+        """Load what the plan's predictions need (the 1F1B schedule comes from DeepSpeed,
+        the model's layers are built on the meta device) off the controller's loop:
+        importing them there would stall it for seconds at the job's start."""
+        try:
+            predict_step(self.spec, self.spec.replica_counts()[0])
+        except Exception:  # noqa: BLE001 - the predictions are a report, never a reason to fail
+            log.warning("the plan's predictions are not available", exc_info=True)
+        finally:
+            self._plan_ready.set()
+
+    def _plan_vs_run(self, replicas: int | None, wait: bool = False) -> dict[str, Any]:
         """The plan's predictions beside what the run measured, at the replica count
         of the measurement (memory: of the first group; step time, MFU, bubble: of the
-        live group)."""
+        live group). Predictions are None until `_warm_plan` is done, unless `wait`."""
+        if not self._plan_ready.wait(60 if wait else 0):
+            return {"replicas": replicas, "predicted": None, "measured": None}
         tel, r = self.telemetry, self.rec
         d = r.peak_memory_replicas or replicas or self.spec.replica_counts()[0]
-        key = (d, replicas or d, tel.peak_flops)
+        bounds = (r.attempts[-1].partition.get("bounds") or None) if r.attempts else None
+        key = (d, replicas or d, tel.peak_flops, tuple(bounds or ()))
         if key not in self._predictions:  # arithmetic on the spec: once per shape
-            mem = memory_per_device(self.spec, d)
-            step = predict_step(self.spec, key[1], tel.peak_flops, tel.peak_flops)
+            mem = memory_per_device(self.spec, d, bounds)
+            step = predict_step(self.spec, key[1], tel.peak_flops, tel.peak_flops, bounds)
             self._predictions[key] = {
                 "memory_bytes": {m.stage: m.total_bytes for m in mem},
                 "bubble_fraction": step.bubble_fraction,
@@ -299,6 +339,7 @@ class Controller:
         "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
         "node_losses", "waiting", "doomed_nodes", "committed_steps", "workers", "error",
         "batch",
+        "partition",
     )  # fmt: skip
     _RESULT_KEYS = (
         "name", "state", "losses", "attempts", "heldout_loss", "steps_per_s", "tokens_per_s",
@@ -307,6 +348,7 @@ class Controller:
         "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
         "plan",
         "batch",
+        "partition",
     )  # fmt: skip
 
     def status(self, since_event: int = 0) -> dict[str, Any]:
@@ -322,7 +364,7 @@ class Controller:
         }
 
     def result(self) -> dict[str, Any]:
-        snap = self.snapshot()
+        snap = self.snapshot(wait_for_plan=True)
         losses = snap["losses"]
         last = max(losses) if losses else None
         return {
@@ -362,8 +404,15 @@ class Controller:
             if not self.state.terminal:
                 self.state = self._handle(self.state)
         except WorkerFailure as e:
+            if e.progress is not None and self.group is not None:
+                # What the living ranks published in the failing poll (steps, finished
+                # uploads) happened: a commit made from it must keep its steps' losses.
+                try:
+                    self._ingest(e.progress, self.clock() - t0)
+                except Exception:  # noqa: BLE001 - the failure below is what to act on
+                    log.exception("could not take in the last report of the failed group")
             self.state = self._on_failure(str(e), e.process_died, e.causes)
-        except (CheckpointMismatchError, CorruptCheckpointError) as e:
+        except (CheckpointMismatchError, CorruptCheckpointError, SpecError) as e:
             self.state = self._fail(str(e))
         except StorageError as e:
             # Storage unreachable while scheduling or restoring: a restart retries it.
@@ -508,7 +557,13 @@ class Controller:
         self.group = group
         attempt = Attempt(replicas=replicas, attempt=group.attempt)
         self.rec.attempts.append(attempt)
-        group.start()
+        if not self._partition_read and self.spec.parallel.partition == "balanced":
+            # A resumed balanced job trains at the bounds its checkpoint was trained at (a
+            # uniform or explicit partition is the spec's own, whatever was recorded).
+            self._partition_read = True
+            self._partition_pin = self._partition_pin or self.coordinator.recorded_partition()
+        group.start(partition=self._partition_pin)
+        self._started_partition(group, attempt)
         self.telemetry.peak_flops = group.peak_flops()
         if self.bubbles is not None:
             self.bubbles.reset_ranks()
@@ -551,7 +606,7 @@ class Controller:
         grow = self._grow_decision()
         if grow is not None:
             return self._leave("grow", self.step_count + 1, f"capacity for {grow} replica(s)", grow)
-        return state
+        return self._asked_partition() or self._rebalance_decision() or state
 
     def _poll(self) -> Progress:
         """One collection of the ranks' progress: losses, saves, commits, figures."""
@@ -629,6 +684,9 @@ class Controller:
             # The depth in force: an adaptive batch deepens the 1F1B schedule as it grows.
             micro = (self.rec.batch or {}).get("micro_batches")
             self.bubbles.add(p.bubbles, micro or self.spec.grad_accum(group.replicas), on)
+            if p.steps and p.steps[0][0] > self.rec.attempts[-1].start_step + 1:
+                # A group's first step allocates and warms up: not the stages' pace.
+                self._measure_stages(p.bubbles)
         if self.backfill is not None:
             if p.steps:
                 self.backfill.on_chunk(len(p.steps), step_time, warm=warm)
@@ -708,20 +766,38 @@ class Controller:
     # --- leaving a group: preemption, grow, stop -------------------------------------
 
     def _leave(
-        self, why: str, step: int, detail: str, grow_to: int = 0, deadline: float | None = None
+        self,
+        why: str,
+        step: int,
+        detail: str,
+        grow_to: int = 0,
+        deadline: float | None = None,
+        partition: list[int] | None = None,
     ) -> State:
         assert self.group is not None
         step = min(step, self.spec.train.steps)
         self.group.request(save_at=step, stop_at=step, reason=detail)
         self._event(f"checkpoint at step {step}, then {why} ({detail})")
         late = deadline if step > self.step_count + 1 else None
-        return Leaving(why=why, step=step, since=self.clock(), grow_to=grow_to, deadline=late)
+        return Leaving(
+            why=why,
+            step=step,
+            since=self.clock(),
+            grow_to=grow_to,
+            deadline=late,
+            partition=tuple(partition) if partition is not None else None,
+        )
 
     def _leaving(self, state: Leaving) -> State:
         progress = self._poll()
         if progress.finished is None:
             if state.deadline is not None:
                 return self._keep_jit_in_time(state)
+            if state.why == "rebalance" and self.step_count < state.step:
+                # Training on toward the checkpoint boundary; a stop request goes first.
+                if self.inbox.stop_reason is not None:
+                    return self._leave("stop", self.step_count + 1, self.inbox.stop_reason)
+                return replace(state, since=self.clock())
             if self.clock() - state.since > constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S:
                 raise WorkerFailure(
                     "stopping",
@@ -752,13 +828,19 @@ class Controller:
                 f"step {latest} at {self.store.uri}: submitting the job again resumes there"
             )
             return Stopped(reason=self.inbox.stop_reason or "stop requested")
-        ended = {"grow": "grow", "preemption": "preemption notice"}[state.why]
+        ended = {"grow": "grow", "preemption": "preemption notice", "rebalance": "re-partition"}[
+            state.why
+        ]
         want = state.grow_to or self._replicas_left()
-        detail = (
-            f"capacity for {state.grow_to} replica(s) (restart cost {self._restart_cost_s() or 0:.1f}s)"
-            if state.why == "grow"
-            else f"leaving node(s) {', '.join(n[:12] for n in self._doomed_here())}"
-        )
+        if state.why == "grow":
+            detail = f"capacity for {state.grow_to} replica(s) (restart cost {self._restart_cost_s() or 0:.1f}s)"
+        elif state.why == "rebalance":
+            want = self.group.replicas if self.group else want
+            self._partition_pin = list(state.partition or ())
+            self._update_repartition(-1, step=stopped, outcome="restarting")
+            detail = f"re-partition to layers per stage {_sizes(self._partition_pin)}"
+        else:
+            detail = f"leaving node(s) {', '.join(n[:12] for n in self._doomed_here())}"
         self.rec.attempts[-1].ended_by = ended
         self._restart(state.why, detail)
         return Scheduling(reason=state.why, since=self.clock(), want=want)
@@ -943,6 +1025,11 @@ class Controller:
                 self.doomed[node] = notice["deadline"]
         return accepted
 
+    def request_repartition(self, sizes: list[int]) -> None:
+        """Re-partition the pipeline to `sizes` layers per stage at the next checkpoint
+        boundary (through the checkpoint, as the imbalance watch does). Thread-safe."""
+        self.inbox.repartition(list(sizes))
+
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop at the next step boundary, commit a checkpoint there, and end STOPPED.
 
@@ -986,7 +1073,11 @@ class Controller:
         if not jit:
             return
         self._pending_jit.extend(jit)
-        if isinstance(self.state, Running) and group is not None:
+        leaving_for_balance = isinstance(self.state, Leaving) and self.state.why == "rebalance"
+        if (isinstance(self.state, Running) or leaving_for_balance) and group is not None:
+            # A re-partition waiting for its checkpoint boundary gives way to the notice.
+            if leaving_for_balance:
+                self._update_repartition(-1, outcome="dropped for a preemption notice")
             self.state = self._jit(jit, group)
         # Already leaving (a grow, a stop): that checkpoint answers the notice too, and
         # the drained node gets no part of the next group.
@@ -1085,11 +1176,182 @@ class Controller:
     # --- bubbles and backfill -------------------------------------------------------
 
     def trace(self) -> dict[str, Any] | None:
-        """Chrome-trace JSON of the latest recorded steps of every stage (None for pp=1)."""
+        """Chrome-trace JSON of the latest recorded steps of every stage (None for pp=1),
+        with the stage partition in force and every re-partition in its metadata."""
         if self.bubbles is None:
             return None
         slices = self.backfill.slices() if self.backfill is not None else {}
-        return self.bubbles.trace(self.spec.name, slices)
+        out = self.bubbles.trace(self.spec.name, slices)
+        out["otherData"] = {"partition": self._partition_summary()}
+        return out
+
+    # --- stage partitions -----------------------------------------------------------
+
+    def _started_partition(self, group: WorkerGroup, attempt: Attempt) -> None:
+        """Note the partition a new group runs: the attempt's record, its manifests."""
+        info = group.partition()
+        part = dict(info)
+        last = self.rec.repartitions[-1] if self.rec.repartitions else None
+        if last is not None and last["outcome"] == "restarting":
+            self._update_repartition(-1, outcome="done")
+            part["repartition"] = len(self.rec.repartitions) - 1
+        attempt.partition = part
+        self._stage_window.clear()
+        if not info.get("bounds"):
+            return
+        self.coordinator.partitions[group.attempt] = list(info["bounds"])
+        if self.spec.parallel.pipeline_stages < 2:
+            return
+        how = info.get("method", "?") + (" (kept from before)" if info.get("pinned") else "")
+        predicted = info.get("predicted_imbalance")
+        extra = (
+            f"; predicted stage imbalance {predicted:.1%} (uniform: "
+            f"{info['predicted_uniform_imbalance']:.1%})"
+            if predicted is not None
+            else ""
+        )
+        self._event(f"stage partition {how}: layers per stage {info['sizes']}{extra}")
+
+    def _measure_stages(self, reports: list[dict[str, Any]]) -> None:
+        """Each stage's compute seconds per step in this poll, and their imbalance."""
+        per_stage = stage_compute_s(reports)
+        pp = self.spec.parallel.pipeline_stages
+        if len(per_stage) != pp or not self.rec.attempts:
+            return
+        stage_s = [per_stage[s] for s in range(pp)]
+        steps = max(int(r.get("steps", 0)) for r in reports)
+        self._stage_window.append((self.step_count, imbalance(stage_s), stage_s))
+        attempt = self.rec.attempts[-1]
+        # New dicts, never changed in place: status() reads them from another thread.
+        old = attempt.partition.get("measured", {"steps": 0, "stage_s": [0.0] * pp})
+        total = [a + s * steps for a, s in zip(old["stage_s"], stage_s, strict=True)]
+        n = old["steps"] + steps
+        measured = {
+            "steps": n,
+            "stage_s": total,
+            "stage_s_per_step": [a / n for a in total],
+            "imbalance": imbalance(total),
+        }
+        attempt.partition = {**attempt.partition, "measured": measured}
+        if "repartition" in attempt.partition:  # a re-partitioned group: the imbalance after
+            self._update_repartition(
+                attempt.partition["repartition"], measured_imbalance_after=measured["imbalance"]
+            )
+
+    def _update_repartition(self, index: int, **fields: Any) -> None:
+        """Replace (never change in place: status() reads from another thread)."""
+        self.rec.repartitions[index] = {**self.rec.repartitions[index], **fields}
+
+    def _rebalance_decision(self) -> State | None:
+        """Leave for a re-partition at the next checkpoint boundary when the measured stage
+        imbalance stayed over parallel.rebalance_threshold and the restart pays."""
+        group = self.group
+        policy = self.rebalance_policy
+        now = self.clock()
+        if policy is None or group is None or now - self._last_rebalance_check < _GROW_CHECK_S:
+            return None
+        self._last_rebalance_check = now
+        info = self.rec.attempts[-1].partition
+        restart_s = self._restart_cost_s()
+        if restart_s is None or "layer_s" not in info or not self._stage_window:
+            return None
+        window = [(step, imb) for step, imb, _ in self._stage_window]
+        first = window[-1][0] - policy.window_steps
+        rows = [s for step, _, s in self._stage_window if step > first]
+        stage_s = [sum(col) / len(rows) for col in zip(*rows, strict=True)]
+        from spotline.plan import balanced_partition
+
+        decision = policy.decide(
+            window=window,
+            stage_s=stage_s,
+            bounds=info["bounds"],
+            layer_s=info["layer_s"],
+            cut=lambda speeds: balanced_partition(
+                self.spec, info["layer_s"], speeds, replicas=group.replicas
+            ),
+            steps_left=self.spec.train.steps - self.step_count,
+            steps_per_s=self._sps_by_replicas.get(group.replicas, 0.0),
+            restart_s=restart_s,
+            running_s=now - self._group_started,
+        )
+        if decision is None:
+            return None
+        return self._leave_for_partition(
+            decision.bounds,
+            f"stage imbalance {decision.measured_imbalance:.1%} over "
+            f"{policy.window_steps} steps > parallel.rebalance_threshold "
+            f"{policy.threshold:.0%}; predicted imbalance {decision.predicted_imbalance:.1%}, "
+            f"{decision.speedup:.2f}x faster stages (restart cost {restart_s:.1f}s)",
+            measured_imbalance=decision.measured_imbalance,
+            predicted_imbalance=decision.predicted_imbalance,
+            predicted_speedup=decision.speedup,
+            restart_cost_s=restart_s,
+        )
+
+    def _asked_partition(self) -> State | None:
+        """A re-partition asked for with `request_repartition`, at the next boundary."""
+        sizes = self.inbox.take_repartition()
+        group = self.group
+        if sizes is None or group is None:
+            return None
+        from spotline.models.partition import bounds_from_sizes, check_bounds
+
+        bounds = bounds_from_sizes(sizes)
+        current = self.rec.attempts[-1].partition.get("bounds") or []
+        problem = check_bounds(
+            bounds, current[-1] if current else 0, self.spec.parallel.pipeline_stages
+        )
+        if problem or bounds == current:
+            self._event(
+                f"re-partition to layers per stage {sizes} ignored: "
+                + (problem or "that is the partition in force"),
+                logging.WARNING,
+            )
+            return None
+        window = [imb for _, imb, _ in self._stage_window]
+        return self._leave_for_partition(
+            bounds, "asked for", measured_imbalance=window[-1] if window else None
+        )
+
+    def _leave_for_partition(self, bounds: list[int], why: str, **figures: Any) -> State:
+        """Save at the next checkpoint boundary, then restart the group at `bounds`."""
+        interval = self.spec.checkpoint.interval_steps
+        boundary = min((self.step_count // interval + 1) * interval, self.spec.train.steps)
+        before = self.rec.attempts[-1].partition.get("bounds") or []
+        self.rec.repartitions.append(
+            {
+                "step": boundary,
+                "from_bounds": list(before),
+                "to_bounds": list(bounds),
+                "why": why,
+                **figures,
+                "outcome": "waiting for the checkpoint boundary",
+            }
+        )
+        return self._leave(
+            "rebalance",
+            boundary,
+            f"re-partition, layers per stage {_sizes(before)} -> {_sizes(bounds)}: {why}",
+            partition=bounds,
+        )
+
+    def _partition_summary(self) -> dict[str, Any] | None:
+        """The partition in force (the live or latest group's), with its measured
+        imbalance, and every re-partition so far."""
+        if not self.rec.attempts or self.spec.parallel.pipeline_stages < 2:
+            return None
+        now = self.rec.attempts[-1].partition
+        measured = now.get("measured", {})
+        return {
+            "method": now.get("method"),
+            "bounds": now.get("bounds"),
+            "sizes": now.get("sizes"),
+            "predicted_imbalance": now.get("predicted_imbalance"),
+            "predicted_uniform_imbalance": now.get("predicted_uniform_imbalance"),
+            "measured_imbalance": measured.get("imbalance"),
+            "stage_compute_s": measured.get("stage_s_per_step"),
+            "repartitions": list(self.rec.repartitions),
+        }
 
     def _write_artifacts(self, with_trace: bool = True) -> None:
         """Keep the trace, summary and ledger beside the checkpoints current, for
@@ -1126,3 +1388,7 @@ class Controller:
 
     def backfill_record(self, task_id: int) -> dict[str, Any] | None:
         return self.backfill.record(task_id) if self.backfill is not None else None
+
+
+def _sizes(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]

@@ -1,4 +1,5 @@
-"""What other threads tell the controller: preemption notices and stop requests.
+"""What other threads tell the controller: preemption notices, stop and re-partition
+requests.
 
 Node watchers and the SDK call in from other threads of the controller actor at any
 moment; the state machine takes everything out at the start of each iteration, in
@@ -21,6 +22,7 @@ class Inbox:
     _seen: set[tuple] = field(default_factory=set)
     _notices: list[dict[str, Any]] = field(default_factory=list)
     _stop: str | None = None
+    _repartition: list[int] | None = None
 
     def notify(self, notice: dict[str, Any], clock: float) -> bool:
         key = (notice["source"], notice.get("node_id"), notice["deadline"])
@@ -33,6 +35,15 @@ class Inbox:
     def stop(self, reason: str) -> None:
         with self._lock:
             self._stop = self._stop or reason
+
+    def repartition(self, sizes: list[int]) -> None:
+        with self._lock:
+            self._repartition = sizes
+
+    def take_repartition(self) -> list[int] | None:
+        with self._lock:
+            sizes, self._repartition = self._repartition, None
+            return sizes
 
     def take(self) -> tuple[list[dict[str, Any]], str | None]:
         with self._lock:

@@ -207,13 +207,86 @@ class GrowPolicy:
         measured: dict[int, float] | None = None,
     ) -> Resize | None:
         target = self.scaling.fit(capacity) or 0
-        if target <= replicas or steps_per_s <= 0 or running_s < 2 * restart_s:
+        if target <= replicas:
             return None
         faster = (measured or {}).get(target) or steps_per_s * target / replicas
-        saved_s = steps_left / steps_per_s - steps_left / faster
-        if saved_s <= 2 * restart_s:
+        if not restart_pays(steps_left, steps_per_s, faster, restart_s, running_s):
             return None
         return Resize(target)
+
+
+def restart_pays(
+    steps_left: int, steps_per_s: float, faster: float, restart_s: float, running_s: float
+) -> bool:
+    """The cost rule of a restart that makes the job faster (a grow, a re-partition): the
+    group has run for 2 x restart_s (a minimum dwell, so flickering capacity or noisy
+    figures cause no restart storm), and running the remaining steps at `faster` steps
+    per second instead of `steps_per_s` saves more than twice the restart's cost."""
+    if steps_per_s <= 0 or faster <= steps_per_s or running_s < 2 * restart_s:
+        return False
+    saved_s = steps_left / steps_per_s - steps_left / faster
+    return saved_s > 2 * restart_s
+
+
+@dataclass(frozen=True)
+class Repartition:
+    """Restart the group at the next checkpoint boundary with these stage bounds."""
+
+    bounds: list[int]
+    measured_imbalance: float
+    predicted_imbalance: float
+    speedup: float
+
+
+class RebalancePolicy:
+    """Whether to re-partition a pipeline whose stages take unequal compute time.
+
+    The imbalance (slowest stage / mean - 1, see `spotline.models.partition.imbalance`)
+    must have stayed above `threshold` over the latest `window_steps` steps. Each stage's
+    speed is then what its measured compute time says it is: the measured cost of its
+    layers / its measured seconds. `cut(speeds)` gives the bounds that balance those
+    speeds (memory included); the step is expected to speed up by the slowest stage's
+    time now over the slowest stage's predicted time, and the restart must pay for
+    itself under `restart_pays`, the same rule a grow obeys.
+    """
+
+    def __init__(self, threshold: float, window_steps: int):
+        self.threshold = threshold
+        self.window_steps = window_steps
+
+    def decide(
+        self,
+        *,
+        window: list[tuple[int, float]],
+        stage_s: list[float],
+        bounds: list[int],
+        layer_s: list[list[float]] | list[float],
+        cut,
+        steps_left: int,
+        steps_per_s: float,
+        restart_s: float,
+        running_s: float,
+    ) -> Repartition | None:
+        """`window`: (step, imbalance) of the latest polls, oldest first; `stage_s`: each
+        stage's measured compute seconds per step over that window."""
+        from spotline.models.partition import cost_rows, imbalance, stage_times
+
+        if not window or window[-1][0] - window[0][0] < self.window_steps:
+            return None
+        recent = [imb for step, imb in window if step > window[-1][0] - self.window_steps]
+        if min(recent) <= self.threshold or min(stage_s) <= 0:
+            return None
+        rows = cost_rows(layer_s, len(stage_s))
+        work = [sum(rows[s][a:b]) for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
+        speeds = [w / t for w, t in zip(work, stage_s, strict=True)]
+        new = list(cut(speeds))
+        if new == list(bounds):
+            return None
+        predicted = stage_times(layer_s, speeds, new)
+        speedup = max(stage_s) / max(predicted)
+        if not restart_pays(steps_left, steps_per_s, steps_per_s * speedup, restart_s, running_s):
+            return None
+        return Repartition(new, imbalance(stage_s), imbalance(predicted), speedup)
 
 
 class JitPolicy:

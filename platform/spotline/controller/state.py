@@ -51,14 +51,16 @@ class Running(State):
 @dataclass(frozen=True)
 class Leaving(State):
     """The group was asked to save and stop at `step` (a just-in-time checkpoint before a
-    preemption, a grow, or a stop request); it leaves once that step is committed."""
+    preemption, a grow, a re-partition at the next checkpoint boundary, or a stop
+    request); it leaves once that step is committed."""
 
     name: ClassVar[str] = "checkpointing"
-    why: str = "preemption"  # "preemption" | "grow" | "stop"
+    why: str = "preemption"  # "preemption" | "grow" | "stop" | "rebalance"
     step: int = 0
     since: float = 0.0
     grow_to: int = 0
     deadline: float | None = None  # wall clock: the notice's, while `step` is a late one
+    partition: tuple[int, ...] | None = None  # rebalance: the next group's stage bounds
 
 
 @dataclass(frozen=True)

@@ -136,34 +136,40 @@ def peak_flops(device_name: str, dtype: str | torch.dtype) -> float | None:
     return DEVICE_PEAK_FLOPS[key].get(dt)
 
 
-def measure_cpu_matmul_peak(
+def measure_matmul_flops(
     dtype: torch.dtype = torch.float32,
     n: int = 1024,
     repeats: int = 5,
     threads: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> float:
-    """Measured FLOP/s of an n x n x n matmul on this CPU: the stand-in peak on CPU.
+    """Measured FLOP/s of an n x n x n matmul on `device`: the stand-in peak on CPU, and
+    how fast a worker's device is against its peers (the balanced stage partition).
 
     One warm-up matmul, then the best (fastest) of `repeats` timed ones, each counted as
     2*n^3 FLOPs. `threads` sets torch's intra-op thread count for the measurement (and
     restores it afterwards); None uses the current setting, which should match the
-    training process's so the MFU denominator is what the run could reach.
+    training process's so the figure is what the run could reach.
     """
     if n < 1 or repeats < 1:
         raise ValueError(f"n ({n}) and repeats ({repeats}) must be >= 1")
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     prev_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(0)
-        a = torch.randn(n, n, generator=gen).to(dtype)
-        b = torch.randn(n, n, generator=gen).to(dtype)
-        out = torch.empty(n, n, dtype=dtype)
+        a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+        b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+        out = torch.empty(n, n, dtype=dtype, device=device)
         torch.mm(a, b, out=out)  # warm-up: thread pool, kernel selection, page faults
+        sync()
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
             torch.mm(a, b, out=out)
+            sync()
             best = min(best, time.perf_counter() - t0)
     finally:
         if threads is not None:
@@ -196,4 +202,4 @@ def device_peak(precision: str, threads: int | None = None) -> tuple[str, float 
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         return name, peak_flops(name, "bf16" if precision == "bf16" else "fp32")
-    return "cpu", measure_cpu_matmul_peak(n=512, repeats=3, threads=threads)
+    return "cpu", measure_matmul_flops(n=512, repeats=3, threads=threads)

@@ -4,9 +4,10 @@ A provider turns a validated config into a `ModelDef`: a flat list of layers, th
 loss, and the FLOPs per token. Spotline builds everything else from it, for any
 architecture:
 
-- **Pipelines.** DeepSpeed's `PipelineModule` cuts the list into stages, splitting the
-  `block_class` layers evenly (the first stage also takes what comes before the first
-  block, the last what comes after the last one). At pp=1 the list is a plain
+- **Pipelines.** DeepSpeed's `PipelineModule` holds the list cut into contiguous
+  stages: by default the `block_class` layers split evenly (the first stage also takes
+  what comes before the first block, the last what comes after the last one), or at the
+  bounds the balanced partition measured (`spotline.models.partition`). At pp=1 the list is a plain
   `nn.Sequential`. Each layer maps one tensor to one tensor: token ids to hidden
   states, hidden states to hidden states, hidden states to logits.
 - **Stable parameter names.** A parameter is named `<layer index>.<name inside the
@@ -100,16 +101,25 @@ def build_sequential(model: ModelDef) -> nn.Sequential:
     return seq
 
 
-def build_pipeline_module(model: ModelDef, num_stages: int):
-    """A DeepSpeed PipelineModule of `num_stages` stages, blocks split evenly; only this
+def build_pipeline_module(model: ModelDef, num_stages: int, bounds: list[int] | None = None):
+    """A DeepSpeed PipelineModule of `num_stages` stages, stage s holding layers
+    bounds[s]:bounds[s+1] (default: `stage_bounds`, blocks split evenly); only this
     stage's layers are built."""
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    return PipelineModule(
+    parts = list(bounds) if bounds is not None else stage_bounds(model, num_stages)
+
+    class ExplicitPipelineModule(PipelineModule):
+        # DeepSpeed cuts by a named method; Spotline decides the cut itself.
+        def _partition_layers(self, method: str = "uniform") -> None:
+            self.parts = parts
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=parts[stage], stop=parts[stage + 1])
+
+    return ExplicitPipelineModule(
         layers=[LayerSpec(ld.cls, *ld.args, **ld.kwargs) for ld in model.layers],
         num_stages=num_stages,
         loss_fn=model.loss,
-        partition_method=f"type:{model.block_class.__name__}",
         activation_checkpoint_interval=0,
     )
 

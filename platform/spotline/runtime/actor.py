@@ -110,19 +110,43 @@ class TrainWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+    def _threads(self) -> int:
+        """This worker's torch thread budget: its stage's CPUs."""
+        return max(1, int(self.spec.resources.stage(self.topo.stage).cpus))
+
+    def probe(self) -> dict[str, Any]:
+        """This worker's speed and memory, and on replica 0 of each stage each layer's
+        cost on this device: what the balanced stage partition is cut by. Runs before
+        the process group exists."""
+        from spotline.train.profile import probe
+
+        if constants.SPOTLINE_PIN_CORES:
+            pin_process(self.topo.rank)
+        return probe(
+            self.spec,
+            self.topo.rank,
+            self._threads(),
+            layers=self.topo.replica == 0,
+            replicas=self.topo.replicas,
+        )
+
+    def setup(
+        self, master_addr: str, master_port: int, bounds: list[int] | None = None
+    ) -> dict[str, Any]:
         if constants.SPOTLINE_PIN_CORES:
             pin_process(self.topo.rank)
         # This node's disk, checked before the first step rather than at the first save.
         check_local_dir(self.staging, "checkpoint.staging_dir")
         self._clean_staging()
         backend = init_distributed(self.topo, master_addr, master_port)
-        threads = max(1, int(self.spec.resources.cpus_per_worker))
+        threads = self._threads()
         if self.spec.backfill.enabled:
             self.channel = WindowChannel(
                 channel_path(self.spec, self.attempt, self.topo.rank), create=True
             )
-        self.trainer = Trainer(self.spec, self.topo, threads=threads, window_channel=self.channel)
+        self.trainer = Trainer(
+            self.spec, self.topo, threads=threads, window_channel=self.channel, bounds=bounds
+        )
         self.metrics = Metrics(self.spec.name)
         name, peak = device_peak(self.spec.parallel.precision, threads)
         return {"backend": backend, "device": name, "peak_flops": peak}

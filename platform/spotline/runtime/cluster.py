@@ -44,7 +44,8 @@ def worker_slots(spec: JobSpec, device: str, resources: dict[str, float]) -> int
     """How many workers of this job fit in `resources`."""
     if device == "gpu":
         return int(resources.get("GPU", 0) + 1e-9)
-    per = spec.resources.cpus_per_worker
+    pp = spec.parallel.pipeline_stages
+    per = sum(spec.resources.stage(s).cpus for s in range(pp)) / pp  # stages may differ
     return int(resources.get("CPU", 0) / per + 1e-9) if per > 0 else 10**6
 
 

@@ -45,6 +45,9 @@ class WorkerFailure(RuntimeError):
         self.ranks_by_error = ranks_by_error
         self.nodes = nodes or {}
         self.causes = causes or []
+        self.progress: Progress | None = None
+        """What the ranks that still answered published in the same poll: their steps
+        and finished uploads must not be lost with the failure."""
         super().__init__(self._render())
 
     @property
@@ -99,7 +102,8 @@ class WorkerGroup(Protocol):
     replicas: int
     attempt: str
 
-    def start(self) -> None: ...
+    def start(self, partition: list[int] | None = None) -> None: ...
+    def partition(self) -> dict[str, Any]: ...
     def restore(self, manifest: Manifest) -> int: ...
     def run(self, target: int) -> None: ...
     def poll(self, timeout_s: float) -> Progress: ...
@@ -130,10 +134,16 @@ def resolve_device(spec: JobSpec) -> str:
     return "gpu" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
 
 
-def worker_bundle(spec: JobSpec, device: str) -> dict[str, float]:
-    bundle = {"CPU": spec.resources.cpus_per_worker}
+def worker_bundle(spec: JobSpec, device: str, stage: int = 0) -> dict[str, float]:
+    """What one worker of `stage` asks Ray for: CPUs, a GPU, an accelerator type (Ray's
+    `accelerator_type:<name>` node resource) and custom resources (node labels)."""
+    r = spec.resources.stage(stage)
+    bundle = {"CPU": r.cpus}
     if device == "gpu":
         bundle["GPU"] = 1.0
+    if r.accelerator_type:
+        bundle[f"accelerator_type:{r.accelerator_type}"] = 0.001
+    bundle.update(r.resources)
     return {k: v for k, v in bundle.items() if v > 0}
 
 
@@ -161,6 +171,7 @@ class RayWorkerGroup:
         self.sidecars: list[Any] = []  # one per rank, when a sidecar factory is given
         self._info: list[dict[str, Any]] = []
         self._devices: list[dict[str, Any]] = []  # per rank: device name and peak FLOP/s
+        self._partition: dict[str, Any] = {}  # the stage partition in force, and why
         self._runs: list[Any] = []  # each rank's run() ref
         self._finished: dict[int, dict[str, Any]] = {}
         self._polls: dict[int, Any] = {}  # rank -> its progress() ref still out
@@ -173,9 +184,10 @@ class RayWorkerGroup:
     # --- helpers ------------------------------------------------------------------
 
     def _call_all(
-        self, what: str, method: str, *args: Any, per_rank_args=None, timeout_s=None
+        self, what: str, method: str, *args: Any, per_rank_args=None, timeout_s=None, ranks=None
     ) -> list[Any]:
-        """Call `method` on every rank and wait; any dead or raising rank -> WorkerFailure.
+        """Call `method` on every rank (or on `ranks`, in that order) and wait; any dead or
+        raising rank -> WorkerFailure.
 
         Waits with ray.wait rather than ray.get: when one rank dies, its peers block in
         a collective, and the dead rank must be seen without waiting on the others.
@@ -183,10 +195,11 @@ class RayWorkerGroup:
         import ray
 
         futures = []
-        for rank, actor in enumerate(self.actors):
+        called = list(range(len(self.actors))) if ranks is None else list(ranks)
+        for rank in called:
             a = per_rank_args[rank] if per_rank_args else args
-            futures.append(getattr(actor, method).remote(*a))
-        rank_of = {f: r for r, f in enumerate(futures)}
+            futures.append(getattr(self.actors[rank], method).remote(*a))
+        rank_of = {f: r for r, f in zip(called, futures, strict=True)}
         results: dict[int, Any] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(futures)
@@ -204,7 +217,7 @@ class RayWorkerGroup:
                 raise WorkerFailure(
                     what, {f"no answer within {timeout_s:.0f}s": late}, self._nodes()
                 )
-        return [results[r] for r in range(len(futures))]
+        return [results[r] for r in called]
 
     def _raise_failure(self, what, first_rank, first_exc, futures, rank_of) -> None:
         import ray
@@ -228,17 +241,21 @@ class RayWorkerGroup:
 
     # --- start-up ---------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, partition: list[int] | None = None) -> None:
+        """Place and start the ranks. `partition`: the layer bounds to run at (a resumed
+        job's recorded ones, or a re-partition); None: parallel.partition decides."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from spotline.runtime.actor import TrainWorker
 
-        bundle = worker_bundle(self.spec, self.device)
         # Bundle i = (replica i // pp, stage i % pp): a replica's stages stay adjacent.
+        bundles = [
+            worker_bundle(self.spec, self.device, i % self.pp) for i in range(self.world_size)
+        ]
         self.pg = placement_group(
-            [dict(bundle) for _ in range(self.world_size)],
+            bundles,
             strategy="PACK",
             name=f"spotline:{self.spec.name}:{self.attempt}",
         )
@@ -248,24 +265,28 @@ class RayWorkerGroup:
             raise WorkerFailure(
                 "placement",
                 {
-                    f"{self.world_size} workers of {bundle} could not be placed within {timeout:.0f}s "
-                    f"(cluster has {ray.available_resources()} free); add nodes or lower "
-                    "elastic.min_replicas / resources.cpus_per_worker": list(range(self.world_size))
+                    f"{self.world_size} workers of {_distinct(bundles)} could not be placed within "
+                    f"{timeout:.0f}s (cluster has {ray.available_resources()} free); add nodes or "
+                    "lower elastic.min_replicas / resources.cpus_per_worker / resources.stages": list(
+                        range(self.world_size)
+                    )
                 },
             )
         spec_json = self.spec.model_dump_json()
         cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         # With a sidecar the worker leaves a fraction of its GPU to it; both are in the
         # same bundle, so Ray gives them the same physical device.
-        gpus = bundle.get("GPU", 0) * (1 - self.sidecar_gpu_fraction)
         for rank in range(self.world_size):
             topo = Topology(self.pp, self.replicas, rank)
             idx = topo.replica * self.pp + topo.stage
+            bundle = bundles[idx]
+            gpus = bundle.get("GPU", 0) * (1 - self.sidecar_gpu_fraction)
             where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=idx)
             self.actors.append(
                 cls.options(
                     num_cpus=bundle.get("CPU", 0),
                     num_gpus=gpus,
+                    resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
                     name=f"spotline:{self.spec.name}:{worker_name(topo)}:{self.attempt}",
                     scheduling_strategy=where,
                     max_restarts=0,
@@ -277,7 +298,33 @@ class RayWorkerGroup:
         # Rank 0 hosts the torch.distributed store: its node and a port free there.
         addr = self._info[0]["ip"]
         port = ray.get(self.actors[0].free_port.remote(), timeout=timeout)
-        self._devices = self._call_all("rendezvous", "setup", addr, port, timeout_s=timeout)
+        self._partition = self._choose_partition(partition, timeout)
+        bounds = self._partition["bounds"]
+        self._devices = self._call_all("rendezvous", "setup", addr, port, bounds, timeout_s=timeout)
+
+    def _choose_partition(self, pinned: list[int] | None, timeout: float) -> dict[str, Any]:
+        """The layer bounds of the stages, and what they were chosen from (see
+        `spotline.plan.choose_partition`). A balanced job measures first: every worker's
+        matmul speed (one rank at a time on CPU, where workers share the host's cores;
+        all at once on GPUs), and on replica 0 of each stage every layer's forward +
+        backward time."""
+        from spotline.plan import choose_partition
+
+        probes = None
+        if self.spec.parallel.partition == "balanced" and self.pp > 1:
+            if self.device == "gpu":
+                probes = self._call_all("probe", "probe", timeout_s=timeout)
+            else:
+                probes = [
+                    self._call_all("probe", "probe", timeout_s=timeout, ranks=[r])[0]
+                    for r in range(self.world_size)
+                ]
+        return choose_partition(self.spec, self.replicas, probes, pinned)
+
+    def partition(self) -> dict[str, Any]:
+        """The stage partition in force: bounds, layers per stage, and (balanced) the
+        measured layer times and stage speeds it was cut by."""
+        return dict(self._partition)
 
     def restore(self, manifest: Manifest) -> int:
         """Two phases. `fetch_checkpoint`: each rank reads what it needs and verifies every
@@ -341,6 +388,7 @@ class RayWorkerGroup:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         ready_set = set(ready)
         reports: list[dict[str, Any]] = []
+        failed: tuple[int, BaseException] | None = None
         for rank, ref in list(self._polls.items()):
             if ref in ready_set:
                 del self._polls[rank]
@@ -348,10 +396,17 @@ class RayWorkerGroup:
                     self._drained.add(rank)
                 try:
                     reports.append(ray.get(ref))
-                except Exception as e:  # noqa: BLE001 - grouped and re-raised
-                    self._raise_failure("training", rank, e, list(self._runs), self._rank_of())
-        self._check_runs()
-        return self._fold(reports)
+                except Exception as e:  # noqa: BLE001 - grouped and re-raised below
+                    failed = failed or (rank, e)
+        progress = self._fold(reports)
+        try:
+            if failed is not None:
+                self._raise_failure("training", *failed, list(self._runs), self._rank_of())
+            self._check_runs()
+        except WorkerFailure as e:
+            e.progress = progress  # the living ranks' losses and uploads still count
+            raise
+        return progress
 
     def _rank_of(self) -> dict[Any, int]:
         return {ref: r for r, ref in enumerate(self._runs)}
@@ -446,6 +501,14 @@ class RayWorkerGroup:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
             self.pg = None
+
+
+def _distinct(bundles: list[dict[str, float]]) -> str:
+    kinds = []
+    for b in bundles:
+        if b not in kinds:
+            kinds.append(b)
+    return " / ".join(str(b) for b in kinds)
 
 
 def _cause(e: BaseException) -> BaseException:

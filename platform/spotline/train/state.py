@@ -99,6 +99,7 @@ _SHARED_META = (
     "global_steps",
     "global_samples",
     "batch_schedule",
+    "partition",  # the layer bounds of the stages (rank metas of older saves have none)
 )
 _SHARED_TOPOLOGY = ("pipeline_stages", "replicas", "zero_stage")
 

@@ -32,7 +32,13 @@ from spotline.bubbles.recorder import StepRecorder
 from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.config.schema import JobSpec
 from spotline.data import Prefetcher, Sampler, open_dataset
-from spotline.models import build_pipeline_module, build_sequential, init_from_hf, model_def
+from spotline.models import (
+    build_pipeline_module,
+    build_sequential,
+    init_from_hf,
+    model_def,
+    stage_bounds,
+)
 from spotline.train import state
 from spotline.train.adaptive import BatchSchedule, GradProbe, grow_to
 
@@ -132,6 +138,7 @@ class Trainer:
         topo: Topology,
         threads: int | None = None,
         window_channel: WindowChannel | None = None,
+        bounds: list[int] | None = None,
     ):
         import deepspeed
 
@@ -154,8 +161,12 @@ class Trainer:
         self.prefetch = Prefetcher(lambda k: self._batches(self.sampler, k), spec.data.prefetch)
         self.data_stall_s = 0.0  # seconds steps waited for their batches
         self.model_def = model_def(spec)
+        # The layers each stage holds (layer-index bounds); recorded with every save.
+        self.bounds = bounds or stage_bounds(self.model_def, spec.parallel.pipeline_stages)
         if self.pipelined:
-            model = build_pipeline_module(self.model_def, spec.parallel.pipeline_stages)
+            model = build_pipeline_module(
+                self.model_def, spec.parallel.pipeline_stages, self.bounds
+            )
         else:
             model = build_sequential(self.model_def)
         if getattr(spec.model, "init_from", None):
@@ -367,6 +378,7 @@ class Trainer:
             step=self.step,
             sampler={"next_step": self.step, "seed": self.spec.data.seed},
             batch_schedule=self.schedule.to_dict() if self.adaptive else None,
+            partition=list(self.bounds),
         )
         return snap
 
