@@ -222,6 +222,22 @@ def run_killing_a_rank(spec, after_commit: int, rank: int):
         assert killed, "the worker was never killed"
 
 
+def assert_resumed_exactly(result, ref, after_commit: int) -> None:
+    """`result` lost one worker after `after_commit` was committed, resumed from that
+    commit or a newer one, and every step either group trained equals the uninterrupted
+    `ref`, bit for bit."""
+    assert result.state == "finished"
+    assert result.failures == 1
+    first, second = result.attempts
+    assert "worker process died" in first["error"]
+    resumed_from = second["restored_from"]
+    assert resumed_from is not None and resumed_from >= after_commit
+    assert second["losses"][0][0] == resumed_from + 1
+    for step, loss in [*first["losses"], *second["losses"]]:
+        assert loss == ref.losses[step], (step, loss, ref.losses[step])
+    assert result.losses == ref.losses
+
+
 def kill_rank_after_commit(run, after_commit: int, rank: int, killed: dict) -> None:
     """SIGKILL `rank`'s process once `after_commit` is committed and the job is past it
     (run on a thread beside `run.wait()`); what was killed goes into `killed`."""

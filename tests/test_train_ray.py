@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 import spotline
-from conftest import run_killing_a_rank, tiny_spec
+from conftest import assert_resumed_exactly, run_killing_a_rank, tiny_spec
 from spotline.checkpoint import CheckpointStore, hash_file
 
 pytestmark = pytest.mark.ray
@@ -64,19 +64,7 @@ def test_sigkill_mid_step_resumes_with_identical_losses(reference, tmp_path):
     spec = tiny_spec(tmp_path, "sigkill")
     assert spec.spec_hash() == ref_spec.spec_hash()
     result = run_killing_a_rank(spec, after_commit=10, rank=3)
-    assert result.state == "finished"
-    assert result.failures == 1
-    first, second = result.attempts
-    assert "worker process died" in first["error"]
-    resumed_from = second["restored_from"]
-    assert resumed_from is not None and resumed_from >= 10
-    assert second["losses"][0][0] == resumed_from + 1
-    # Every step after the checkpoint equals the uninterrupted run, bit for bit.
-    for step, loss in second["losses"]:
-        assert loss == ref.losses[step], (step, loss, ref.losses[step])
-    for step, loss in first["losses"]:
-        assert loss == ref.losses[step]
-    assert result.losses == ref.losses
+    assert_resumed_exactly(result, ref, after_commit=10)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(reference, tmp_path, capsys):

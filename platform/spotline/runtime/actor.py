@@ -62,6 +62,11 @@ class _Requests:
     reason: str = ""
 
 
+def _empty_report() -> dict[str, Any]:
+    """What a rank publishes between two progress() calls, before anything happened."""
+    return {"steps": [], "saves": [], "notices": [], "memory": None}
+
+
 class TrainWorker:
     def __init__(self, spec_json: str, topo: Topology, store: CheckpointStore, attempt: str):
         install_log_redaction()
@@ -79,7 +84,7 @@ class TrainWorker:
         self.channel: WindowChannel | None = None
         self._lock = threading.Lock()  # the control thread and the training thread
         self._req = _Requests()
-        self._buf: dict[str, Any] = {"steps": [], "saves": [], "notices": [], "memory": None}
+        self._buf = _empty_report()
         self._steps_run = 0  # steps this process trained (its peak memory is taken once)
         self._stall_seen = 0.0
         self._filled_seen = (0, 0)  # (filled_ns, overrun_ns) already reported
@@ -206,7 +211,7 @@ class TrainWorker:
     def progress(self) -> dict[str, Any]:
         """What happened since the last call; never waits for the training thread."""
         with self._lock:
-            buf, self._buf = self._buf, {"steps": [], "saves": [], "notices": [], "memory": None}
+            buf, self._buf = self._buf, _empty_report()
         trainer = self.trainer
         stall = trainer.data_stall_s if trainer else 0.0
         out = {
