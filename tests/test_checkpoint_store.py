@@ -309,6 +309,18 @@ def test_retention_keeps_last_k_and_removes_abandoned_but_not_in_flight(
     assert store.apply_retention(keep_last=2) == []
 
 
+def test_retention_keeps_pinned_steps_past_keep_last(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    for step in (100, 200, 300):
+        save_step(store, step, tmp_path)
+    assert store.apply_retention(keep_last=1, pinned={100}) == [200]
+    assert store.committed_steps() == [100, 300]
+    assert store.load_manifest(100).step == 100
+    assert store.apply_retention(keep_last=1) == [100]
+    assert store.committed_steps() == [300]
+
+
 def test_retention_with_nothing_committed_deletes_nothing(
     store: CheckpointStore, tmp_path: Path
 ) -> None:

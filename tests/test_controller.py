@@ -524,11 +524,11 @@ def test_a_retention_error_does_not_restart_the_group(tmp_path, monkeypatch):
     calls = {"n": 0}
     real = store.apply_retention
 
-    def flaky(keep_last):
+    def flaky(keep_last, pinned=()):
         calls["n"] += 1
         if calls["n"] == 1:
             raise StorageError("throttled")
-        return real(keep_last)
+        return real(keep_last, pinned)
 
     monkeypatch.setattr(store, "apply_retention", flaky)
     res = ctl.run()
@@ -536,6 +536,19 @@ def test_a_retention_error_does_not_restart_the_group(tmp_path, monkeypatch):
     assert len(FakeGroup.instances) == 1
     assert any("retention deferred" in e for e in ctl.status()["events"])
     assert store.committed_steps() == [20, 25]  # retried at the next commit
+
+
+def test_retention_keeps_a_step_a_reader_pins_and_deletes_it_once_released(tmp_path):
+    ctl, store = make(tmp_path, **{"checkpoint.keep_last": 1, "checkpoint.interval_steps": 5})
+    pins = {5}
+    ctl.coordinator.pinned = lambda: set(pins)
+    run_until(ctl, lambda: ctl.step_count >= 16 and 15 in store.committed_steps())
+    assert store.committed_steps() == [5, 15]  # 10 went; 5 is still read
+    assert store.load_manifest(5).step == 5
+    pins.clear()
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert store.committed_steps() == [25]  # released, then retained away
 
 
 def test_an_artifact_write_error_does_not_restart_the_group(tmp_path, monkeypatch):

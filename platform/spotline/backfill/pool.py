@@ -248,6 +248,16 @@ class BackfillPool:
         for ex in executors:
             ex.configure.remote(decision.paused, decision.margin, self._free_run)
 
+    def pinned_steps(self) -> set[int]:
+        """The committed steps that queued and running tasks will read: retention keeps
+        them until the tasks are done."""
+        with self._lock:
+            return {
+                r.manifest.step
+                for r in self.records.values()
+                if r.state in ("queued", "running") and r.manifest is not None
+            }
+
     def pending(self) -> int:
         with self._lock:
             return len(self._queue) + len(self._running)

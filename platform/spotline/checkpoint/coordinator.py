@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -76,6 +76,8 @@ class CommitCoordinator:
         self._retention_due = False
         self.partitions: dict[str, list[int]] = {}
         """Per group (attempt): the layer bounds of its stages, recorded in its manifests."""
+        self.pinned: Callable[[], Iterable[int]] = tuple
+        """The committed steps a reader (a backfill task) still uses: retention keeps them."""
 
     # --- saves and receipts -----------------------------------------------------------
 
@@ -185,16 +187,19 @@ class CommitCoordinator:
             self._event(f"could not sweep step {step}'s abandoned uploads: {e}", logging.WARNING)
 
     def retain(self) -> None:
-        """Apply checkpoint.keep_last; a storage error is reported and retried later."""
+        """Apply checkpoint.keep_last, keeping pinned steps; a storage error is reported
+        and retried later, and so is a pinned step past keep_last once it is released."""
         if not self._retention_due:
             return
+        pinned = set(self.pinned())
         try:
-            deleted = self.store.apply_retention(self.spec.checkpoint.keep_last)
+            deleted = self.store.apply_retention(self.spec.checkpoint.keep_last, pinned)
         except StorageError as e:
             self._event(f"retention deferred: {e}", logging.WARNING)
             return
-        self._retention_due = False
         self.committed = [s for s in self.committed if s not in deleted]
+        held = self.committed[: -self.spec.checkpoint.keep_last]
+        self._retention_due = bool(held)
 
     # --- restore --------------------------------------------------------------------
 

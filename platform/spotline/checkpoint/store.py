@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -1097,12 +1097,14 @@ class CheckpointStore:
 
     # --- housekeeping -----------------------------------------------------------------
 
-    def apply_retention(self, keep_last: int) -> list[int]:
+    def apply_retention(self, keep_last: int, pinned: Iterable[int] = ()) -> list[int]:
         """Delete all but the newest ``keep_last`` committed steps, and abandoned uploads.
 
-        An uncommitted step older than the newest commit is abandoned and deleted;
-        one newer than it may still be uploading and is left alone. A committed
-        step loses its manifest before its files. Returns the deleted steps.
+        A committed step in ``pinned`` (one a reader still uses) is kept past
+        ``keep_last`` until a later call no longer pins it. An uncommitted step older
+        than the newest commit is abandoned and deleted; one newer than it may still
+        be uploading and is left alone. A committed step loses its manifest before its
+        files. Returns the deleted steps.
         """
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1 (got {keep_last})")
@@ -1111,7 +1113,8 @@ class CheckpointStore:
         if not committed:
             return []
         newest = committed[-1]
-        expired = committed[:-keep_last]
+        held = set(pinned)
+        expired = [s for s in committed[:-keep_last] if s not in held]
         committed_set = set(committed)
         abandoned = [s for s in all_steps if s not in committed_set and s < newest]
         for step in expired:

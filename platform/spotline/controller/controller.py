@@ -183,6 +183,7 @@ class Controller:
         self.backfill = backfill
         if backfill is not None:
             backfill.bind(self._event, self._backfill_result)
+            self.coordinator.pinned = backfill.pinned_steps
         self.state: State = Pending()
         self.group: WorkerGroup | None = None
         self.step_count = 0  # the latest step the live group reported
