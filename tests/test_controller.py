@@ -551,6 +551,27 @@ def test_retention_keeps_a_step_a_reader_pins_and_deletes_it_once_released(tmp_p
     assert store.committed_steps() == [25]  # released, then retained away
 
 
+def test_a_held_step_outlives_keep_last_and_a_controller_restart(tmp_path):
+    from spotline.checkpoint.coordinator import CommitCoordinator
+
+    ctl, store = make(tmp_path, **{"checkpoint.keep_last": 1, "checkpoint.interval_steps": 5})
+    assert ctl.hold_latest() is None  # nothing committed yet
+    run_until(ctl, lambda: 5 in store.committed_steps())
+    assert ctl.hold_latest() == {"step": 5, "uri": store.uri}
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert store.committed_steps() == [5, 25]  # 10, 15 and 20 went; 5 is held
+    # A restarted controller of the job reads the hold back; an ended hold goes.
+    again = CommitCoordinator(ctl.spec, store, lambda *a, **k: None)
+    again._load_holds()
+    assert set(again._holds) == {5}
+    again.committed = [5, 25]
+    again._holds = {5: time.time() - 1}
+    again._retention_due = True
+    again.retain()
+    assert store.committed_steps() == [25]
+
+
 def test_an_artifact_write_error_does_not_restart_the_group(tmp_path, monkeypatch):
     ctl, store = make(tmp_path)
 

@@ -122,7 +122,9 @@ def test_every_file_spotline_writes_is_safetensors_or_json() -> None:
     offenders = []
     for path in src.rglob("*.py"):
         text = path.read_text()
-        for needle in ("weights_only=False", "pickle.load", "torch.save(", "save_checkpoint("):
+        # (".save_checkpoint(": DeepSpeed's engine method pickles; Tune's hook of the same
+        # name, defined by the sweep trial, writes JSON.)
+        for needle in ("weights_only=False", "pickle.load", "torch.save(", ".save_checkpoint("):
             if needle in text:
                 offenders.append(f"{path.relative_to(src)}: {needle}")
     assert not offenders, offenders
@@ -296,9 +298,11 @@ def test_another_jobs_checkpoints_are_refused_before_anything_is_written(
     assert "model.d_model: 32 there, 64 here" in msg
     assert "Nothing was written there" in msg and "checkpoint.uri" in msg
     assert _snapshot(tmp_path / "ckpt") == before
-    # The same job name with another spec is refused the same way.
+    # The same job name with another spec is refused the same way...
     with pytest.raises(SpecError, match="was written with spec hash"):
-        preflight(_local(tmp_path, name="theirs", **{"train.lr": 0.01}))
+        preflight(_local(tmp_path, name="theirs", **{"train.seed": 7}))
+    # ...but a retuned optimizer hyperparameter may resume (it is applied from the spec).
+    preflight(_local(tmp_path, name="theirs", **{"train.lr": 0.01, "train.warmup_steps": 3}))
     # A job that only left a summary (it failed before its first commit) owns it too.
     only_summary = tmp_path / "other"
     CheckpointStore(f"file://{only_summary}").write_artifact(
@@ -306,6 +310,63 @@ def test_another_jobs_checkpoints_are_refused_before_anything_is_written(
     )
     with pytest.raises(SpecError, match="belongs to job 'theirs'"):
         preflight(_local(tmp_path, name="ours", **{"checkpoint.uri": f"file://{only_summary}"}))
+
+
+def _commit_step(spec, step: int, tmp_path: Path) -> None:
+    store = CheckpointStore(spec.resolved_checkpoint_uri())
+    f = tmp_path / f"rank{step}.json"
+    f.write_text("{}")
+    entry = store.upload_file(f, step, "spotline/rank_00000.json")
+    store.commit(
+        Manifest(
+            step=step,
+            files=[entry],
+            topology=spec.topology(1),
+            data_position={"next_step": step},
+            spec_hash=spec.spec_hash(),
+            created_at=1.0,
+            extra={"job": spec.name, "spec": spec.hashed_fields()},
+        )
+    )
+
+
+def test_resume_from_is_checked_before_anything_starts(no_worker_starts, tmp_path: Path) -> None:
+    donor = _local(tmp_path, name="donor", **{"checkpoint.uri": f"file://{tmp_path}/donor"})
+    _commit_step(donor, 10, tmp_path)
+    _commit_step(donor, 20, tmp_path)
+    src = donor.resolved_checkpoint_uri()
+
+    def ours(**over: Any):
+        return _local(tmp_path, name="ours", **{"checkpoint.resume_from.uri": src, **over})
+
+    preflight(ours(**{"train.lr": 1e-4, "train.weight_decay": 0.0}))  # newest step, retuned
+    preflight(ours(**{"checkpoint.resume_from.step": 10}))
+    with pytest.raises(SpecError) as ei:
+        preflight(ours(**{"checkpoint.resume_from.step": 15}))
+    assert "checkpoint.resume_from: step 15 is not committed" in str(ei.value)
+    assert "[10, 20]" in str(ei.value)
+    with pytest.raises(SpecError) as ei:
+        preflight(ours(**{"model.d_model": 64}))
+    msg = str(ei.value)
+    assert msg.startswith("checkpoint.resume_from: step 20") and "model.d_model" in msg
+    assert "train.lr" in msg  # says what may change
+    with pytest.raises(SpecError, match="holds no committed step"):
+        preflight(ours(**{"checkpoint.resume_from.uri": f"file://{tmp_path}/empty"}))
+
+
+def test_retuned_fields_are_exactly_the_optimizer_hyperparameters(tmp_path: Path) -> None:
+    base = _local(tmp_path)
+    theirs = base.hashed_fields()
+    assert base.retuned_fields(base.spec_hash(), theirs) == []
+    lr = _local(tmp_path, **{"train.lr": 1e-4, "train.grad_clip": 0.5})
+    assert lr.retuned_fields(base.spec_hash(), theirs) == [
+        "train.grad_clip: 1.0 -> 0.5",
+        "train.lr: 0.003 -> 0.0001",
+    ]
+    for field, value in (("train.seed", 1), ("model.d_model", 64), ("data.seed", 9)):
+        other = _local(tmp_path, **{field: value})
+        assert other.retuned_fields(base.spec_hash(), theirs) is None, field
+    assert lr.retuned_fields(base.spec_hash(), None) is None  # no record: the hash decides
 
 
 def test_the_controller_refuses_too_and_overwrites_no_summary(tmp_path: Path) -> None:

@@ -22,7 +22,9 @@ from spotline.preflight import preflight
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (REPO / "configs").rglob("*") if p.suffix in (".yaml", ".yml"))
+_YAMLS = sorted(p for p in (REPO / "configs").rglob("*") if p.suffix in (".yaml", ".yml"))
+SWEEPS = [p for p in _YAMLS if "\nparam_space:" in p.read_text()]  # `spotline sweep` files
+CONFIGS = [p for p in _YAMLS if p not in SWEEPS]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 

@@ -1,4 +1,4 @@
-"""`spotline` command line: run, validate, plan, submit, status, report, trace.
+"""`spotline` command line: run, validate, plan, submit, sweep, status, report, trace.
 
 Every way a command can fail ends in one line on stderr that says what happened and
 what to do, and a non-zero exit: 2 for bad input (spec, URI, file, arguments), 1 for a
@@ -193,6 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     train_tok.add_argument("--vocab-size", type=int, default=8192)
     train_tok.add_argument("--out", required=True, help="directory for tokenizer.json & co")
 
+    sweep = sub.add_parser(
+        "sweep", help="sweep job fields with Ray Tune (ASHA, PBT); every trial is a job"
+    )
+    sweep.add_argument("sweep_file", help="a sweep YAML (see configs/sweep.yaml)")
+    sweep.add_argument(
+        "--resume", action="store_true", help="continue the interrupted sweep of this file"
+    )
+    sweep.add_argument("--address", default=None, help="Ray cluster address (as for run)")
+    sweep.add_argument("--json", metavar="PATH", help="also write the trials as JSON")
+
     export = sub.add_parser(
         "export", help="write a committed checkpoint as a Hugging Face model directory"
     )
@@ -240,6 +250,57 @@ def _explain(e: Exception) -> tuple[int, str]:
         f"unexpected error: {type(e).__name__}: {e}. This is a Spotline bug; rerun with "
         "--debug for the traceback"
     )
+
+
+def _sweep(args) -> int:
+    from pathlib import Path
+
+    from spotline.config.sweep import load_sweep
+    from spotline.job import Job
+    from spotline.tune import Tuner, from_sweep_spec
+
+    sweep, here = load_sweep(args.sweep_file)
+    if isinstance(sweep.job, str):
+        job = Job.from_yaml(here / sweep.job, sweep.overrides)
+    else:
+        job = Job.from_dict(sweep.job, sweep.overrides)
+    tuner = from_sweep_spec(sweep, job)  # every check, before anything starts
+    connect_ray(args.address)
+    if args.resume:
+        exp = Path(tuner.run_config.storage_path) / tuner.run_config.name
+        tuner = Tuner.restore(exp, job, sweep.param_space)
+    grid = tuner.fit()
+    metric, mode = sweep.scheduler.metric, sweep.scheduler.mode
+    rows = [_trial_row(r, metric) for r in grid]
+    for row in rows:
+        print(
+            f"{row['trial']}: {row['state']} at step {row['step']}, {row['metric']} "
+            f"{row['value']}, {row['config']}"
+        )
+    try:
+        best = grid.get_best_result(metric, mode)
+        print(f"best: {best.config} ({metric} {best.metrics.get(metric)}) at {best.path}")
+    except RuntimeError:
+        print("best: no trial reported a result")
+    print(f"sweep state: {Path(tuner.run_config.storage_path) / tuner.run_config.name}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2, default=str)
+    return 0 if not grid.errors else 1
+
+
+def _trial_row(result, metric: str) -> dict:
+    m = result.metrics or {}
+    return {
+        "trial": m.get("trial_id"),
+        "state": "error" if result.error else ("finished" if m.get("finished") else "stopped"),
+        "step": m.get("step"),
+        "metric": metric,
+        "value": m.get(metric),
+        "config": result.config,
+        "checkpoint_uri": m.get("checkpoint_uri"),
+        "error": str(result.error) if result.error else None,
+    }
 
 
 def _one_line(text: str) -> str:
@@ -332,6 +393,8 @@ def _dispatch(args) -> int:
         path = train_bpe(inputs, args.out, vocab_size=args.vocab_size)
         print(f"wrote {path}; use it with tokenizer: {{kind: huggingface, path: {args.out}}}")
         return 0
+    if args.cmd == "sweep":
+        return _sweep(args)
     if args.cmd == "export":
         from spotline.checkpoint import CheckpointStore
         from spotline.export import export_hf

@@ -14,11 +14,16 @@ import json
 import sys
 from pathlib import Path
 
-from spotline.checkpoint import CheckpointMismatchError, CheckpointStore
+from spotline.checkpoint import (
+    CheckpointMismatchError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    StorageError,
+)
 from spotline.checkpoint.staging import GB, check_local_dir
 from spotline.config.backfill import SpeculativeTaskSpec
 from spotline.config.loader import SpecError
-from spotline.config.schema import JobSpec
+from spotline.config.schema import RETUNABLE_FIELDS, JobSpec
 from spotline.data import open_dataset
 from spotline.plan import checkpoint_bytes, memory_problem
 
@@ -228,6 +233,40 @@ def check_offline(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
     return store
 
 
+def check_resume_from(spec: JobSpec, store: CheckpointStore) -> None:
+    """checkpoint.resume_from, when the job has no checkpoint of its own to resume: the
+    step is committed there, and this spec may go on from it (reads one manifest)."""
+    source_spec = spec.checkpoint.resume_from
+    if source_spec is None or store.committed_steps():
+        return
+    field = "checkpoint.resume_from"
+    try:
+        source = store.sibling(source_spec.uri)
+        steps = source.committed_steps()
+    except (ValueError, StorageError) as e:
+        raise SpecError(f"{field}.uri: {e}") from None
+    step = source_spec.step or (steps[-1] if steps else None)
+    if step not in steps:
+        have = f"its committed steps are {steps}" if steps else "it holds no committed step"
+        raise SpecError(
+            f"{field}: step {step or '(newest)'} is not committed at {source.uri} ({have}); "
+            f"set {field}.step to one of them, or fix {field}.uri"
+        )
+    try:
+        m = source.load_manifest(step)
+    except (CorruptCheckpointError, FileNotFoundError) as e:
+        raise SpecError(f"{field}: step {step} at {source.uri} does not load: {e}") from None
+    if spec.retuned_fields(m.spec_hash, m.extra.get("spec")) is None:
+        ours = spec.hashed_fields()
+        theirs = m.extra.get("spec") or {}
+        diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+        raise SpecError(
+            f"{field}: step {step} at {source.uri} was trained with another model, data or "
+            f"batch (differs in {', '.join(diff[:6]) or 'its spec hash'}); only "
+            f"{', '.join(sorted(RETUNABLE_FIELDS))} may change when resuming from it"
+        )
+
+
 def preflight(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
     """All checks, in order: the tokenizer and dataset indexes (resolved into the spec),
     the offline ones, whose URI it is (read-only), that the storage is writable (a probe
@@ -240,6 +279,7 @@ def preflight(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
     except CheckpointMismatchError as e:
         raise SpecError(str(e)) from None
     store.check_writable()
+    check_resume_from(spec, store)
     if spec.data.kind == "text":  # a small corpus read whole; a token dataset's index was
         open_dataset(spec)  # read above, and its shards are read by the workers only
     return store

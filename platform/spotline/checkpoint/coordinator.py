@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ from spotline.config.schema import JobSpec
 
 Event = Callable[..., None]
 
+HOLDS_ARTIFACT = "holds.json"
+"""Committed steps held from retention for readers outside the job: step -> until (epoch s)."""
+
 
 class Restorable(Protocol):
     """What a restore needs of a worker group."""
@@ -44,7 +48,7 @@ class Restorable(Protocol):
     replicas: int
     attempt: str
 
-    def restore(self, manifest: Manifest) -> int: ...
+    def restore(self, manifest: Manifest, source: str | None = None) -> int: ...
 
 
 @dataclass
@@ -78,6 +82,8 @@ class CommitCoordinator:
         """Per group (attempt): the layer bounds of its stages, recorded in its manifests."""
         self.pinned: Callable[[], Iterable[int]] = tuple
         """The committed steps a reader (a backfill task) still uses: retention keeps them."""
+        self._holds: dict[int, float] = {}  # step held for a reader outside the job -> until
+        self._holds_lock = threading.Lock()
 
     # --- saves and receipts -----------------------------------------------------------
 
@@ -191,7 +197,10 @@ class CommitCoordinator:
         and retried later, and so is a pinned step past keep_last once it is released."""
         if not self._retention_due:
             return
-        pinned = set(self.pinned())
+        now = time.time()
+        with self._holds_lock:
+            self._holds = {s: t for s, t in self._holds.items() if t > now}
+            pinned = set(self.pinned()) | set(self._holds)
         try:
             deleted = self.store.apply_retention(self.spec.checkpoint.keep_last, pinned)
         except StorageError as e:
@@ -200,6 +209,31 @@ class CommitCoordinator:
         self.committed = [s for s in self.committed if s not in deleted]
         held = self.committed[: -self.spec.checkpoint.keep_last]
         self._retention_due = bool(held)
+
+    def hold_latest(self, seconds: float) -> int | None:
+        """Keep the newest committed step past keep_last for `seconds`, for a reader
+        outside this job (a sweep trial that will continue from it); the step, or None
+        when nothing is committed. Safe to call from any thread."""
+        with self._holds_lock:
+            if not self.committed:
+                return None
+            step = self.committed[-1]
+            self._holds[step] = max(self._holds.get(step, 0.0), time.time() + seconds)
+            self._retention_due = True  # retained away once the hold ends
+            holds = dict(self._holds)
+        # Stored, so that a restarted controller of this job keeps them too.
+        self.write_artifact(HOLDS_ARTIFACT, json.dumps(holds).encode())
+        return step
+
+    def _load_holds(self) -> None:
+        raw = self.read_artifact(HOLDS_ARTIFACT)
+        try:
+            stored = {int(k): float(v) for k, v in json.loads(raw).items()} if raw else {}
+        except (ValueError, AttributeError, TypeError):
+            stored = {}  # unreadable: it only delays retention, never loads anything
+        now = time.time()
+        with self._holds_lock:
+            self._holds.update({k: v for k, v in stored.items() if v > now})
 
     # --- restore --------------------------------------------------------------------
 
@@ -226,8 +260,11 @@ class CommitCoordinator:
         """Load the newest committed step that verifies into `group`: (step, manifest), or
         (0, None) when nothing is committed. CorruptCheckpointError when every step fails."""
         self.commit_from_storage()
+        self._load_holds()
         steps = sorted(self.store.committed_steps(), reverse=True)
         self.committed = sorted(steps)
+        if not steps and self.spec.checkpoint.resume_from is not None:
+            return self._restore_resume_from(group, sleep)
         for i, step in enumerate(steps):
             older = steps[i + 1] if i + 1 < len(steps) else None
             then = f"falling back to step {older}" if older is not None else "no older step to try"
@@ -258,12 +295,51 @@ class CommitCoordinator:
             )
         return 0, None
 
-    def _load(self, group: Restorable, manifest: Manifest, sleep: Callable[[float], None]) -> int:
+    def _restore_resume_from(
+        self, group: Restorable, sleep: Callable[[float], None]
+    ) -> tuple[int, Manifest]:
+        """Load checkpoint.resume_from's step (this job has committed nothing yet). There is
+        no fallback: the spec names what to start from, so a missing or corrupt step
+        fails the start (CorruptCheckpointError)."""
+        source_spec = self.spec.checkpoint.resume_from
+        assert source_spec is not None
+        source = self.store.sibling(source_spec.uri)
+        step = source_spec.step or max(source.committed_steps(), default=0)
+        try:
+            if not step:
+                raise FileNotFoundError(source.uri)
+            manifest = source.load_manifest(step)
+            self._check_compatible(manifest, source)
+            restored = self._load(group, manifest, sleep, source.uri)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                step,
+                "*",
+                "not committed",
+                uri=source.uri,
+                message=f"checkpoint.resume_from: {source.uri} holds no committed step "
+                f"{step or '(none at all)'} (deleted by its job's retention, or never "
+                "committed); name a committed step, or remove checkpoint.resume_from",
+            ) from None
+        self._event(
+            f"started from checkpoint step {manifest.step} of {source.uri} "
+            f"(checkpoint.resume_from, job {manifest.extra.get('job')!r})"
+        )
+        return restored, manifest
+
+    def _load(
+        self,
+        group: Restorable,
+        manifest: Manifest,
+        sleep: Callable[[float], None],
+        source: str | None = None,
+    ) -> int:
         """group.restore, retried when it fails for a reason other than corruption or a
-        dead worker (those go up: fall back, or restart the group)."""
+        dead worker (those go up: fall back, or restart the group). `source`: the root
+        URI the step lies under, when it is not this job's own (checkpoint.resume_from)."""
         for attempt in range(self.load_retries + 1):
             try:
-                return group.restore(manifest)
+                return group.restore(manifest, source) if source else group.restore(manifest)
             except (CorruptCheckpointError, StorageError):
                 raise
             except Exception as e:  # noqa: BLE001 - a load error: bounded retries
@@ -277,12 +353,26 @@ class CommitCoordinator:
                 sleep(1.0)
         raise AssertionError("unreachable")
 
-    def _check_compatible(self, m: Manifest) -> None:
-        if m.spec_hash != self.spec.spec_hash() or m.extra.get("job") != self.spec.name:
+    def _check_compatible(self, m: Manifest, source: CheckpointStore | None = None) -> None:
+        """Refuse a step this spec must not resume: another job's (unless it is the
+        checkpoint.resume_from `source`), or another model, data or batch. A step that
+        differs only in RETUNABLE_FIELDS loads, with those taken from this spec."""
+        store = source or self.store
+        retuned = self.spec.retuned_fields(m.spec_hash, m.extra.get("spec"))
+        if retuned is None or (source is None and m.extra.get("job") != self.spec.name):
             raise CheckpointMismatchError(
-                self.store.describe_mismatch(
-                    self.spec, m.extra.get("job"), m.spec_hash, m.extra.get("spec"), m.step
+                store.describe_mismatch(
+                    self.spec,
+                    None if source else m.extra.get("job"),
+                    m.spec_hash,
+                    m.extra.get("spec"),
+                    m.step,
                 )
+            )
+        if retuned:
+            self._event(
+                f"checkpoint step {m.step} was trained with other hyperparameters; going on "
+                f"with this spec's: {'; '.join(retuned)}"
             )
         if "index" not in m.extra:
             raise CheckpointMismatchError(

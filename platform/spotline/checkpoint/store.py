@@ -727,6 +727,18 @@ class CheckpointStore:
             )
         return value.encode()
 
+    def sibling(self, uri: str) -> CheckpointStore:
+        """A store at another root URI with this one's endpoint, storage options and
+        signing key (a checkpoint.resume_from source)."""
+        b = self._backend
+        return CheckpointStore(
+            uri,
+            b.endpoint_url,
+            b.options,
+            multipart_chunksize=self._multipart_chunksize,
+            signing_key_env=self.signing_key_env,
+        )
+
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r})"
 
@@ -1018,19 +1030,22 @@ class CheckpointStore:
 
     def check_owner(self, spec: Any) -> None:
         """Raise CheckpointMismatchError when this URI holds another job's checkpoints, or
-        this job's with a different model/data/train spec. Reads only; writes nothing.
+        this job's with a different model/data/train spec (beyond RETUNABLE_FIELDS). Reads
+        only; writes nothing.
 
         The newest manifest that parses decides; with none committed, the stored job
         summary does (a job that failed before its first commit still owns its URI).
         """
-        mine = spec.spec_hash()
         for step in reversed(self.committed_steps()):
             try:
                 m = self.load_manifest(step)
             except (CorruptCheckpointError, FileNotFoundError):
                 continue
             job = m.extra.get("job")
-            if job == spec.name and m.spec_hash == mine:
+            if (
+                job == spec.name
+                and spec.retuned_fields(m.spec_hash, m.extra.get("spec")) is not None
+            ):
                 return
             raise CheckpointMismatchError(
                 self.describe_mismatch(spec, job, m.spec_hash, m.extra.get("spec"), step)

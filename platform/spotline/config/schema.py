@@ -242,6 +242,16 @@ class TrainSpec(_Section):
     """Held-out batches evaluated for the final held-out loss."""
 
 
+class ResumeFromSpec(_Section):
+    """A committed checkpoint of another job (or another URI) to start this job from."""
+
+    uri: str
+    """Checkpoint root URI of the source (the source job's resolved checkpoint.uri),
+    read with this job's endpoint_url and storage_options."""
+    step: int | None = Field(None, gt=0)
+    """The committed step to start from; None: the newest committed step there."""
+
+
 class CheckpointSpec(_Section):
     """Where and how often checkpoints are committed."""
 
@@ -270,6 +280,11 @@ class CheckpointSpec(_Section):
     not verify, before it reads any file: whoever can write the bucket but not read the
     key cannot make the job load their files. The key itself never goes into the spec
     or the bucket; set the variable on every node (and in the driver)."""
+    resume_from: ResumeFromSpec | None = None
+    """Start from this committed checkpoint when checkpoint.uri holds none of its own (a
+    branch of a run, or a PBT exploit): weights, optimizer state, step and data position
+    come from it; the model, tokenizer and data must be the same (the spec hash), and
+    only `RETUNABLE_FIELDS` may differ. Once this job commits, it resumes from its own."""
 
     @field_validator("endpoint_url")
     @classmethod
@@ -788,12 +803,41 @@ class JobSpec(_Section):
             fields["elastic"]["max_replicas"] = self.elastic.max_replicas
         return _flatten(fields)
 
+    def retuned_fields(self, their_hash: str | None, theirs: Any) -> list[str] | None:
+        """How this spec differs from the one a checkpoint was written with (`theirs`: the
+        manifest's recorded `hashed_fields`): [] when the hashes match, "field: old ->
+        new" for each changed field when only `RETUNABLE_FIELDS` changed, None when the
+        checkpoint must not be resumed by this spec."""
+        if their_hash == self.spec_hash():
+            return []
+        if not isinstance(theirs, dict):
+            return None
+        ours = self.hashed_fields()
+        changed = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+        if not changed or any(k not in RETUNABLE_FIELDS for k in changed):
+            return None
+        return [f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed]
+
     def spec_hash(self) -> str:
         """Hash of `hashed_fields`. A checkpoint is only resumed by a job with the same
         hash, so a resumed run cannot silently train a different model."""
         blob = json.dumps(self.hashed_fields(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+
+RETUNABLE_FIELDS = frozenset(
+    {
+        "train.lr",
+        "train.min_lr_ratio",
+        "train.warmup_steps",
+        "train.weight_decay",
+        "train.grad_clip",
+    }
+)
+"""Optimizer hyperparameters a resumed job may change (Population Based Training mutates
+them). Each is applied from the spec, never from the checkpoint: the peak lr and the
+schedule's shape, AdamW's weight decay and the gradient clip. The model, tokenizer, data,
+batch and seed must stay the same."""
 
 _ABSENT = object()
 # deepspeed: keys Spotline derives, and the spec field each comes from (None: Spotline

@@ -66,6 +66,9 @@ class ControllerActor:
     def stop(self, reason: str = "stop requested") -> None:
         self.controller.request_stop(reason)
 
+    def hold_latest(self, seconds: float = 900.0) -> dict[str, Any] | None:
+        return self.controller.hold_latest(seconds)
+
     def repartition(self, sizes: list[int]) -> None:
         self.controller.request_repartition(sizes)
 

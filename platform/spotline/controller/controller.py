@@ -259,7 +259,10 @@ class Controller:
             "heldout_loss": r.heldout_loss,
             "error": r.error,
             "restarts": max(0, len(r.attempts) - 1),
-            "train_loss": tel.last.get("train_loss"),
+            # A resumed controller that has not trained yet: the last loss it stored.
+            "train_loss": tel.last.get(
+                "train_loss", tel.history[-1].get("train_loss") if tel.history else None
+            ),
             "mfu": tel.last.get("mfu"),
             "hfu": tel.last.get("hfu"),
             "data_stall_fraction": tel.last.get("data_stall_fraction"),
@@ -340,7 +343,8 @@ class Controller:
         "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
         "node_losses", "waiting", "doomed_nodes", "committed_steps", "workers", "error",
         "batch",
-        "partition",
+        "partition", "train_loss", "tokens_per_s", "eval", "last_checkpoint", "ledger",
+        "heldout_loss",
     )  # fmt: skip
     _RESULT_KEYS = (
         "name", "state", "losses", "attempts", "heldout_loss", "steps_per_s", "tokens_per_s",
@@ -1030,6 +1034,13 @@ class Controller:
         """Re-partition the pipeline to `sizes` layers per stage at the next checkpoint
         boundary (through the checkpoint, as the imbalance watch does). Thread-safe."""
         self.inbox.repartition(list(sizes))
+
+    def hold_latest(self, seconds: float = 900.0) -> dict[str, Any] | None:
+        """Keep the newest committed step from retention for `seconds`, for a reader
+        outside the job (a sweep trial that will continue from it); {"step", "uri"}, or
+        None when nothing is committed yet. Thread-safe."""
+        step = self.coordinator.hold_latest(seconds)
+        return None if step is None else {"step": step, "uri": self.store.uri}
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop at the next step boundary, commit a checkpoint there, and end STOPPED.

@@ -167,17 +167,17 @@ class TrainWorker:
 
     # --- restore: read everything first, then load ----------------------------------
 
-    def fetch_checkpoint(self, manifest_json: str) -> dict[str, Any]:
-        """Read (ranged, sha256-verified) just what this rank needs of a committed step;
-        raises CorruptCheckpointError before anything is loaded."""
+    def fetch_checkpoint(self, manifest_json: str, source: str | None = None) -> dict[str, Any]:
+        """Read (ranged, sha256-verified) just what this rank needs of a committed step
+        (under `source`, a root URI, when it is not the job's own); raises
+        CorruptCheckpointError before anything is loaded."""
         assert self.trainer is not None
         manifest = Manifest.from_json(manifest_json)
+        store = self.store.sibling(source) if source else self.store
         try:
-            self._restored = self.trainer.fetch(manifest, self.store)
+            self._restored = self.trainer.fetch(manifest, store)
         except CheckpointFormatError as e:
-            raise CorruptCheckpointError(
-                manifest.step, e.path, e.reason, uri=self.store.uri
-            ) from None
+            raise CorruptCheckpointError(manifest.step, e.path, e.reason, uri=store.uri) from None
         return {"rank": self.topo.rank, "bytes_read": self._restored.bytes_read}
 
     def load_checkpoint(self) -> int:

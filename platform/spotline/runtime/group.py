@@ -104,7 +104,7 @@ class WorkerGroup(Protocol):
 
     def start(self, partition: list[int] | None = None) -> None: ...
     def partition(self) -> dict[str, Any]: ...
-    def restore(self, manifest: Manifest) -> int: ...
+    def restore(self, manifest: Manifest, source: str | None = None) -> int: ...
     def run(self, target: int) -> None: ...
     def poll(self, timeout_s: float) -> Progress: ...
     def request(self, save_at: int = 0, stop_at: int = 0, reason: str = "") -> None: ...
@@ -326,8 +326,9 @@ class RayWorkerGroup:
         measured layer times and stage speeds it was cut by."""
         return dict(self._partition)
 
-    def restore(self, manifest: Manifest) -> int:
-        """Two phases. `fetch_checkpoint`: each rank reads what it needs and verifies every
+    def restore(self, manifest: Manifest, source: str | None = None) -> int:
+        """Two phases (`source`: the root URI the step lies under, when it is not the
+        job's own checkpoint.uri). `fetch_checkpoint`: each rank reads what it needs and verifies every
         byte before it changes its engine's tensors. `load_checkpoint`, only once every
         rank's fetch succeeded: step, RNG and lr. A corrupt file found by any rank raises
         CorruptCheckpointError before any rank trains on the step; the controller then
@@ -336,7 +337,10 @@ class RayWorkerGroup:
         corrupt too."""
         self._corrupt_or_failure(
             lambda: self._call_all(
-                f"read of checkpoint step {manifest.step}", "fetch_checkpoint", manifest.to_json()
+                f"read of checkpoint step {manifest.step}",
+                "fetch_checkpoint",
+                manifest.to_json(),
+                source,
             )
         )
         steps = self._corrupt_or_failure(

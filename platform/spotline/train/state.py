@@ -835,7 +835,11 @@ def load(engine, topo, index: list[dict], meta: dict, read: Reader) -> dict:
         lay.finish_load()
     sched = engine.lr_scheduler
     if sched is not None and meta.get("lr_scheduler") is not None:
+        # The position in the schedule is the checkpoint's; the peak lr is this job's
+        # (a resume with a retuned train.lr, e.g. a PBT exploit, must not undo it).
+        base_lrs = list(sched.base_lrs)
         sched.load_state_dict(meta["lr_scheduler"])
+        sched.base_lrs = base_lrs
     engine.global_steps = meta["global_steps"]
     engine.global_samples = meta["global_samples"]
     return _public(stats)

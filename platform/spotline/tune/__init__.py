@@ -1,0 +1,6 @@
+"""Sweeps with Ray Tune whose trials are whole Spotline jobs (see `tuner`)."""
+
+from spotline.tune.space import check_space
+from spotline.tune.tuner import Tuner, default_concurrency, from_sweep_spec
+
+__all__ = ["Tuner", "check_space", "default_concurrency", "from_sweep_spec"]
