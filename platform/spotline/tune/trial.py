@@ -80,7 +80,8 @@ class SpotlineTrial(tune.Trainable):
     # --- the job -----------------------------------------------------------------
 
     def _job_name(self) -> str:
-        return f"{self._sweep}-{self.trial_id}"[:63]
+        tid = self.trial_id  # unique within the sweep: never cut
+        return f"{self._sweep[: 62 - len(tid)]}-{tid}"
 
     def _start(self) -> None:
         import ray

@@ -93,6 +93,7 @@ class Tuner:
         checkpoint_uri: str | None = None,
         storage_path: str = "./spotline-runs/sweeps",
         max_failures: int = 2,
+        seed: int | None = None,
         _restore_from: str | None = None,
     ):
         from ray import tune
@@ -125,6 +126,7 @@ class Tuner:
                 "the trials' checkpoints go to checkpoint_uri, which may be s3://"
             )
         self._restore_from = _restore_from
+        self.seed = seed
 
     def _trainable(self) -> Any:
         from ray import tune
@@ -152,6 +154,13 @@ class Tuner:
         cfg = self.tune_config
         if cfg.max_concurrent_trials is None:
             cfg.max_concurrent_trials = default_concurrency(self.spec)
+        if self.seed is not None and cfg.search_alg is None:
+            from ray.tune.search.basic_variant import BasicVariantGenerator
+
+            # (Tune applies max_concurrent_trials to a Searcher only: this one takes it.)
+            cfg.search_alg = BasicVariantGenerator(
+                random_state=self.seed, max_concurrent=cfg.max_concurrent_trials
+            )
         cfg.reuse_actors = False  # a trial's driver holds its job; never hand it on
         exp = Path(self.run_config.storage_path) / self.run_config.name
         exp.mkdir(parents=True, exist_ok=True)
@@ -217,16 +226,10 @@ def from_sweep_spec(sweep: SweepSpec, job: Any) -> Tuner:
         )
     else:
         scheduler = FIFOScheduler()
-    search = None
-    if sweep.seed is not None:
-        from ray.tune.search.basic_variant import BasicVariantGenerator
-
-        search = BasicVariantGenerator(random_state=sweep.seed)
     cfg = tune.TuneConfig(
         metric=s.metric,
         mode=s.mode,
         scheduler=scheduler,
-        search_alg=search,
         num_samples=sweep.num_samples,
         max_concurrent_trials=sweep.max_concurrent_trials,
     )
@@ -238,4 +241,5 @@ def from_sweep_spec(sweep: SweepSpec, job: Any) -> Tuner:
         checkpoint_uri=sweep.checkpoint_uri,
         storage_path=sweep.storage_path,
         max_failures=sweep.max_failures,
+        seed=sweep.seed,
     )
