@@ -38,6 +38,7 @@ from spotline.config.schema import JobSpec
 
 Event = Callable[..., None]
 
+RETAIN_RETRY_S = 30.0
 HOLDS_ARTIFACT = "holds.json"
 """Committed steps held from retention for readers outside the job: step -> until (epoch s)."""
 
@@ -78,6 +79,7 @@ class CommitCoordinator:
         self.committed: list[int] = []
         self._pending: dict[tuple[int, str], _Pending] = {}
         self._retention_due = False
+        self._retain_after = 0.0  # a pass that left held steps: the next one not before
         self.partitions: dict[str, list[int]] = {}
         """Per group (attempt): the layer bounds of its stages, recorded in its manifests."""
         self.pinned: Callable[[], Iterable[int]] = tuple
@@ -173,6 +175,7 @@ class CommitCoordinator:
             return None
         self.committed = sorted(set(self.committed) | {step})
         self._retention_due = True
+        self._retain_after = 0.0
         self._sweep_other_attempts(step, attempt)
         upload_s = max((r.seconds for r in results), default=0.0) or None
         self._event(
@@ -195,9 +198,9 @@ class CommitCoordinator:
     def retain(self) -> None:
         """Apply checkpoint.keep_last, keeping pinned steps; a storage error is reported
         and retried later, and so is a pinned step past keep_last once it is released."""
-        if not self._retention_due:
-            return
         now = time.time()
+        if not self._retention_due or now < self._retain_after:
+            return
         with self._holds_lock:
             self._holds = {s: t for s, t in self._holds.items() if t > now}
             pinned = set(self.pinned()) | set(self._holds)
@@ -209,6 +212,9 @@ class CommitCoordinator:
         self.committed = [s for s in self.committed if s not in deleted]
         held = self.committed[: -self.spec.checkpoint.keep_last]
         self._retention_due = bool(held)
+        # Held steps are looked at again at the next commit, or in a while (not at every
+        # poll: each pass lists the storage).
+        self._retain_after = now + RETAIN_RETRY_S if held else 0.0
 
     def hold_latest(self, seconds: float) -> int | None:
         """Keep the newest committed step past keep_last for `seconds`, for a reader
