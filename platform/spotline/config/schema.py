@@ -20,6 +20,7 @@ from spotline.config.backfill import BackfillSpec
 from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
 from spotline.config.redact import register_secrets
+from spotline.config.tracking import TrackerSpec, check_kinds
 from spotline.config.urls import check_http_url
 from spotline.registry import DATASETS
 
@@ -405,6 +406,10 @@ class JobSpec(_Section):
     backfill: BackfillSpec = Field(default_factory=BackfillSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
+    tracking: list[TrackerSpec] = Field(default_factory=list)
+    """Experiment trackers the job's run appears in: {kind: tensorboard, dir},
+    {kind: mlflow, tracking_uri, experiment}, {kind: wandb, project, entity, mode, dir}.
+    Credentials come from the environment only. Not part of the training math."""
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     """Extra DeepSpeed config keys merged over the derived config (advanced)."""
 
@@ -417,6 +422,11 @@ class JobSpec(_Section):
                 "letter or digit (it names an actor and a storage path)"
             )
         return v
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _tracker_kinds(cls, v: Any) -> Any:
+        return check_kinds(v)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
