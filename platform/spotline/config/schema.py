@@ -796,7 +796,7 @@ class JobSpec(_Section):
         fields["elastic"] = {"batch_policy": self.elastic.batch_policy}
         if self.elastic.batch_policy == "scaled":  # the reference size of batch and lr
             fields["elastic"]["max_replicas"] = self.elastic.max_replicas
-        return _flatten(fields)
+        return flatten_dotted(fields)
 
     def spec_hash(self) -> str:
         """Hash of `hashed_fields`. A checkpoint is only resumed by a job with the same
@@ -842,12 +842,13 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_dotted(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}: the spec hash's fields, and a tracker's params."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
+            out.update(flatten_dotted(v, key + "."))
         else:
             out[key] = v
     return out
