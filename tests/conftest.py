@@ -151,7 +151,15 @@ def init_local_ray() -> None:
         include_dashboard=False,
         log_to_driver=False,
         logging_level="WARNING",
-        runtime_env={"env_vars": {"SPOTLINE_DIST_TIMEOUT_S": "120"}},
+        runtime_env={
+            "env_vars": {
+                "SPOTLINE_DIST_TIMEOUT_S": "120",
+                # A tracker server a test points at that does not answer fails the call
+                # at once, not after MLflow's minutes of retries.
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+                "MLFLOW_HTTP_REQUEST_TIMEOUT": "1",
+            }
+        },
         # Metrics reach the Prometheus endpoint within a second (default 10 s), so a
         # test can scrape them while a short job runs.
         _system_config={"metrics_report_interval_ms": 1000},

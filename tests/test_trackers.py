@@ -3,7 +3,8 @@
 `Trackers` is driven directly (no Ray): TensorBoard event files, an MLflow file://
 store and a wandb offline run directory carry the series, the events and the
 redacted spec; a restarted writer of the same job continues the same runs; a
-tracker that fails or stalls is logged once, counted, and never blocks.
+tracker that fails or stalls is logged once, counted, and never blocks. The
+controller's wiring runs against test_controller's fake group.
 """
 
 from __future__ import annotations
@@ -365,3 +366,66 @@ def test_tracking_is_not_part_of_the_training_math(tmp_path):
     assert tracked.hashed_fields() == plain.hashed_fields()
     assert tracked.spec_hash() == plain.spec_hash()
     assert tracked.tracking[2].mode == "offline"  # nothing leaves the machine by default
+
+
+# --- the controller's wiring ----------------------------------------------------------
+
+
+def test_the_controller_sends_figures_and_events_once_per_step(tmp_path):
+    from test_controller import FakeGroup, make
+
+    script = {"kill_at": 17, "lose_node": "node-1"}
+
+    def capacity(held, cluster):
+        live = sum(g.replicas for g in FakeGroup.instances if not g.shut)
+        return len(cluster.nodes & {"node-0", "node-1"}) - live + held // 2
+
+    ctl, _ = make(tmp_path, script=script, capacity=capacity, tracking=[_tb(tmp_path)])
+    res = ctl.run()
+    assert res["state"] == "finished" and res["node_losses"] == 1
+    assert res["tracking"] == [
+        {
+            "kind": "tensorboard",
+            "where": str(tmp_path / "tb" / "ctl"),
+            "run_key": run_key("ctl", ctl.store.uri),
+            "errors": 0,
+            "dropped": 0,
+            "last_error": None,
+        }
+    ]
+    scalars, texts = tensorboard_run(tmp_path / "tb" / "ctl")
+    # log_every 5: steps 11..17 were trained twice, but each step is sent once.
+    assert [s for s, _ in scalars["train/loss"]] == [5, 10, 15, 20, 25]
+    assert [s for s, _ in scalars["train/tokens_per_s"]] == [5, 10, 15, 20, 25]
+    for tag in ("train/step_s", "train/replicas", "goodput/fraction", "goodput/useful"):
+        assert tag in scalars, sorted(scalars)
+    assert [s for s, _ in scalars["checkpoint/bytes"]] == [10, 20, 25]
+    assert scalars["eval/heldout_loss"][0][0] == 25
+    assert [s for s, _ in texts["events/checkpoint"]] == [10, 20, 25]
+    assert [text for _, text in texts["events/node_loss"]][0].startswith("lost node(s) node-1")
+    assert len(texts["events/start"]) == 2 and len(texts["events/resume"]) == 1
+    assert "training again" in texts["events/recovery"][0][1]
+    assert texts["events/end"][0][1].startswith("finished 25 steps")
+
+
+@pytest.mark.parametrize(
+    ("script", "over", "state"),
+    [
+        ({"stop_at_step": 12}, {}, "stopped"),
+        ({"kill_at": 12}, {"failure.max_failures": 0}, "failed"),
+    ],
+)
+def test_the_run_is_closed_on_every_end(tmp_path, monkeypatch, script, over, state):
+    from test_controller import make
+
+    closed: list[str] = []
+    real = Trackers.close
+    monkeypatch.setattr(
+        Trackers, "close", lambda self, s="finished", **kw: closed.append(s) or real(self, s, **kw)
+    )
+    ctl, _ = make(tmp_path, script=script, tracking=[_tb(tmp_path)], **over)
+    assert ctl.run()["state"] == state
+    assert closed == [state]
+    _, texts = tensorboard_run(tmp_path / "tb" / "ctl")
+    (end,) = texts["events/end"]
+    assert end[1].startswith("stopped at step" if state == "stopped" else "FAILED:")
