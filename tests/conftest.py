@@ -151,7 +151,15 @@ def init_local_ray() -> None:
         include_dashboard=False,
         log_to_driver=False,
         logging_level="WARNING",
-        runtime_env={"env_vars": {"SPOTLINE_DIST_TIMEOUT_S": "120"}},
+        runtime_env={
+            "env_vars": {
+                "SPOTLINE_DIST_TIMEOUT_S": "120",
+                # A tracker server a test points at that does not answer fails the call
+                # at once, not after MLflow's minutes of retries.
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+                "MLFLOW_HTTP_REQUEST_TIMEOUT": "1",
+            }
+        },
         # Metrics reach the Prometheus endpoint within a second (default 10 s), so a
         # test can scrape them while a short job runs.
         _system_config={"metrics_report_interval_ms": 1000},
@@ -251,3 +259,80 @@ def kill_rank_after_commit(run, after_commit: int, rank: int, killed: dict) -> N
             os.kill(pid, signal.SIGKILL)
             return
         time.sleep(0.05)
+
+
+# --- trackers: each read back with its own library ------------------------------------
+
+
+def tensorboard_run(log_dir: Path) -> tuple[dict[str, list], dict[str, list]]:
+    """({scalar tag: [(step, value)]}, {text tag: [(step, text)]}) of the event files in
+    `log_dir`, as TensorBoard shows them (purged steps left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags["scalars"]}
+    texts = {
+        t.removesuffix("/text_summary"): [
+            (e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode())
+            for e in acc.Tensors(t)
+        ]
+        for t in tags["tensors"]
+        if t.endswith("/text_summary")
+    }
+    return scalars, texts
+
+
+def wandb_records(path: Path) -> list:
+    """The records (wandb_internal_pb2.Record) of a .wandb transaction log: a LevelDB-style
+    log of 32 KiB blocks after a 7-byte header, each record a CRC, a length, a type
+    (full, first, middle, last) and a chunk of one serialized Record."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a wandb transaction log"
+    block, pos, out, buf = 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            out.append(record)
+    return out
+
+
+def wandb_run(run_dir: Path) -> dict[str, Any]:
+    """What an offline wandb run directory holds: its id, config and history rows."""
+    import json
+
+    (log,) = run_dir.glob("run-*.wandb")
+    out: dict[str, Any] = {"id": None, "config": {}, "history": [], "exit_code": None}
+    for r in wandb_records(log):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            out["id"] = r.run.run_id
+            for item in r.run.config.update:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in r.config.update:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "history":
+            row = {
+                (i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item
+            }
+            out["history"].append(row)
+        elif kind == "exit":
+            out["exit_code"] = r.exit.exit_code
+    return out

@@ -72,3 +72,10 @@ SPOTLINE_BACKFILL_MIN_WINDOW_S = _env_float("SPOTLINE_BACKFILL_MIN_WINDOW_S", 0.
 # Pin rank r's worker and its backfill executor to CPU core r (benchmarks on CPU,
 # where a core stands in for a device). Off by default.
 SPOTLINE_PIN_CORES = _env_float("SPOTLINE_PIN_CORES", 0.0) > 0
+
+# Updates (a batch of figures, an event) one experiment tracker may have waiting; past
+# that a slow tracker's updates are dropped (and counted), never waited for.
+SPOTLINE_TRACKER_QUEUE_SIZE = int(_env_float("SPOTLINE_TRACKER_QUEUE_SIZE", 1000))
+# How long the end of a job waits for the trackers to write what they still hold and
+# close their runs (a tracker server that does not answer must not hold the job's end).
+SPOTLINE_TRACKER_CLOSE_TIMEOUT_S = _env_float("SPOTLINE_TRACKER_CLOSE_TIMEOUT_S", 30.0)

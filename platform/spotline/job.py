@@ -79,6 +79,8 @@ class JobResult:
     partition: dict[str, Any] | None = None
     """Pipelines: the stage partition in force (layer bounds, how they were chosen, the
     measured stage compute times and their imbalance) and every re-partition."""
+    tracking: list[dict[str, Any]] = field(default_factory=list)
+    """Per experiment tracker of `tracking:`: kind, run key, errors and dropped updates."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:

@@ -10,7 +10,9 @@ probe, which runs last, once the URI is known to be this job's.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -214,13 +216,37 @@ def check_model(spec: JobSpec) -> None:
             raise SpecError(str(e)) from None
 
 
+def package_installed(name: str) -> bool:
+    """True when `name` can be imported here (found, not imported: no side effects)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_trackers(spec: JobSpec) -> None:
+    """Every tracker's package is installed (the controller imports it on the head node,
+    which runs the same image as this driver), and its local directory is absolute, as
+    checkpoint.uri is: relative to where the job was started, not to the controller's
+    working directory."""
+    for i, t in enumerate(spec.tracking):
+        if not package_installed(t.package):
+            raise SpecError(
+                f"tracking[{i}] ({t.kind}) needs the {t.package} package: "
+                "pip install 'spotline[tracking]'"
+            )
+        if getattr(t, "dir", None):
+            t.dir = os.path.abspath(os.path.expanduser(t.dir))
+
+
 def check_offline(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
-    """Every check that needs no storage or data service: prompts, URI and storage
-    options, the model, memory, and the driver node's staging directory. Returns the
-    (unopened) store."""
+    """Every check that needs no storage or data service: prompts, tracker packages, URI
+    and storage options, the model, memory, and the driver node's staging directory.
+    Returns the (unopened) store."""
     for i, task in enumerate(spec.backfill.tasks):
         if isinstance(task, SpeculativeTaskSpec):
             resolve_prompts(task, f"backfill.tasks[{i}]")
+    check_trackers(spec)
     store = open_store(spec)
     resolve_tokenizer(spec)
     check_model(spec)

@@ -41,6 +41,12 @@ from spotline.config.schema import (
     RuntimeEnvSpec,
     TrainSpec,
 )
+from spotline.config.tracking import (
+    MlflowTrackerSpec,
+    TensorBoardTrackerSpec,
+    TrackerSpec,
+    WandbTrackerSpec,
+)
 
 __all__ = [
     "LLAMA_PRESETS",
@@ -57,6 +63,7 @@ __all__ = [
     "JobSpec",
     "LlamaModelSpec",
     "MetricsSpec",
+    "MlflowTrackerSpec",
     "ModelSpec",
     "NoticeSourceSpec",
     "ParallelSpec",
@@ -66,8 +73,11 @@ __all__ = [
     "SpecError",
     "SpeculativeTaskSpec",
     "TaskSpec",
+    "TensorBoardTrackerSpec",
     "TokenizerSpec",
+    "TrackerSpec",
     "TrainSpec",
+    "WandbTrackerSpec",
     "apply_overrides",
     "load_spec",
     "parse_override_list",

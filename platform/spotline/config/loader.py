@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from spotline.config.redact import is_secret_path, redact
+from spotline.config.redact import is_secret_key, is_secret_path, redact
 from spotline.config.schema import JobSpec
 
 
@@ -173,6 +173,13 @@ def _format_error(err: dict[str, Any]) -> str:
     if kind == "extra_forbidden":
         parent = _model_at(JobSpec, raw_loc[:-1])
         section = _dotted(loc[:-1]) or "the top level"
+        source = getattr(parent, "credentials_env", None)
+        if source is not None and is_secret_key(loc[-1]):
+            # A section that takes no credentials says where they come from instead.
+            return (
+                f"{path}: credentials are never read from the spec; remove {loc[-1]!r} "
+                f"and use {source}"
+            )
         msg = f"unknown field {loc[-1]!r} in {section}"
         if parent is not None:
             names = list(parent.model_fields)

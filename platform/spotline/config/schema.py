@@ -20,6 +20,7 @@ from spotline.config.backfill import BackfillSpec
 from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
 from spotline.config.redact import register_secrets
+from spotline.config.tracking import TrackerSpec, check_kinds
 from spotline.config.urls import check_http_url
 from spotline.registry import DATASETS
 
@@ -420,6 +421,10 @@ class JobSpec(_Section):
     backfill: BackfillSpec = Field(default_factory=BackfillSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
+    tracking: list[TrackerSpec] = Field(default_factory=list)
+    """Experiment trackers the job's run appears in: {kind: tensorboard, dir},
+    {kind: mlflow, tracking_uri, experiment}, {kind: wandb, project, entity, mode, dir}.
+    Credentials come from the environment only. Not part of the training math."""
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     """Extra DeepSpeed config keys merged over the derived config (advanced)."""
 
@@ -432,6 +437,11 @@ class JobSpec(_Section):
                 "letter or digit (it names an actor and a storage path)"
             )
         return v
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _tracker_kinds(cls, v: Any) -> Any:
+        return check_kinds(v)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
@@ -801,7 +811,7 @@ class JobSpec(_Section):
         fields["elastic"] = {"batch_policy": self.elastic.batch_policy}
         if self.elastic.batch_policy == "scaled":  # the reference size of batch and lr
             fields["elastic"]["max_replicas"] = self.elastic.max_replicas
-        return _flatten(fields)
+        return flatten_dotted(fields)
 
     def retuned_fields(self, their_hash: str | None, theirs: Any) -> list[str] | None:
         """How this spec differs from the one a checkpoint was written with (`theirs`: the
@@ -876,12 +886,13 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_dotted(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}: the spec hash's fields, and a tracker's params."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
+            out.update(flatten_dotted(v, key + "."))
         else:
             out[key] = v
     return out

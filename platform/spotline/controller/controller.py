@@ -177,7 +177,7 @@ class Controller:
         self._events: list[str] = []
         self.inbox = Inbox()
         self.coordinator = CommitCoordinator(spec, store, self._event)
-        self.telemetry = Telemetry(spec, self._event)
+        self.telemetry = Telemetry(spec, self._event, checkpoint_uri=self.store.uri)
         pp = spec.parallel.pipeline_stages
         self.bubbles = BubbleBook(pp) if pp > 1 else None
         self.backfill = backfill
@@ -215,11 +215,15 @@ class Controller:
 
     # --- reporting ----------------------------------------------------------------
 
-    def _event(self, text: str, level: int = logging.INFO) -> None:
+    def _event(self, text: str, level: int = logging.INFO, track: str | None = None) -> None:
+        """Log an event and keep it for status; `track`: also an event of this kind in
+        the job's trackers."""
         text = redact(text)
         log.log(level, text)
         with self._lock:
             self._events.append(text)
+        if track is not None:
+            self.telemetry.event(self.step_count, track, text)
 
     def snapshot(self, wait_for_plan: bool = False) -> dict[str, Any]:
         """Everything the job knows about itself, once: status, result and summary are
@@ -282,6 +286,7 @@ class Controller:
             "resizes": list(r.resizes),
             "partition": self._partition_summary(),
             "recoveries": list(r.recoveries),
+            "tracking": tel.trackers.summary(),
             "waited_s": r.waited_s,
             "checkpoint_blocked_s": list(r.blocked_s),
             "checkpoint_upload_s": list(r.upload_s),
@@ -351,7 +356,7 @@ class Controller:
         "checkpoint_uri", "committed_steps", "failures", "checkpoint_blocked_s",
         "checkpoint_upload_s", "checkpoint_bytes", "wall_s", "error", "notices", "node_losses",
         "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
-        "plan",
+        "plan", "tracking",
         "batch",
         "partition",
     )  # fmt: skip
@@ -434,8 +439,11 @@ class Controller:
         self._charge(state, self.clock() - t0)
         if self.state.terminal:
             self.rec.finished_at = time.time()
-            self._write_artifacts(with_trace=False)  # the group is gone; the last trace stands
-            self.cluster.close()
+            try:
+                self._write_artifacts(with_trace=False)  # the group is gone; the last trace stands
+                self.cluster.close()
+            finally:
+                self.telemetry.close(self.state.name)  # every end: finished, failed, stopped
         return self.state
 
     def _handle(self, state: State) -> State:
@@ -467,7 +475,7 @@ class Controller:
     def _fail(self, reason: str) -> State:
         reason = redact(" ".join(reason.split()))  # one line, and never a secret
         self.rec.error = reason
-        self._event(f"FAILED: {reason}", logging.ERROR)
+        self._event(f"FAILED: {reason}", logging.ERROR, track="end")
         self._teardown()
         return Failed(error=reason)
 
@@ -551,7 +559,8 @@ class Controller:
         pp = self.spec.parallel.pipeline_stages
         self._event(
             f"starting {replicas} replica(s) x {pp} stage(s) = {replicas * pp} workers "
-            f"(elastic {self.spec.elastic.min_replicas}..{self.spec.elastic.max_replicas})"
+            f"(elastic {self.spec.elastic.min_replicas}..{self.spec.elastic.max_replicas})",
+            track="start",
         )
         if self.rec.resizes and "to_replicas" not in self.rec.resizes[-1]:
             self.rec.resizes[-1]["to_replicas"] = replicas
@@ -589,10 +598,12 @@ class Controller:
                 else ""
             )
             self._event(
-                f"restored committed checkpoint step {manifest.step} (sha256 verified{how})"
+                f"restored committed checkpoint step {manifest.step} (sha256 verified{how})",
+                track="resume",
             )
         self.step_count = restored
         attempt.start_step = restored
+        self.telemetry.start_tracking(manifest.step if manifest is not None else None)
         self.telemetry.ledger.lost(reached - restored)  # trained again from here
         if restored >= self.spec.train.steps:
             return Finishing()
@@ -672,7 +683,7 @@ class Controller:
                 "resumed_at": time.time(),
             }
         )
-        self._event(f"training again {self._restart_s:.1f}s after the {why}")
+        self._event(f"training again {self._restart_s:.1f}s after the {why}", track="recovery")
 
     def _account(self, p: Progress, elapsed: float) -> None:
         """Figures of a batch of steps; the ledger gets the devices' wall time of the
@@ -830,7 +841,8 @@ class Controller:
             latest = max(self.coordinator.committed, default=None)
             self._event(
                 f"stopped at step {stopped} ({self.inbox.stop_reason}); latest committed "
-                f"step {latest} at {self.store.uri}: submitting the job again resumes there"
+                f"step {latest} at {self.store.uri}: submitting the job again resumes there",
+                track="end",
             )
             return Stopped(reason=self.inbox.stop_reason or "stop requested")
         ended = {"grow": "grow", "preemption": "preemption notice", "rebalance": "re-partition"}[
@@ -928,7 +940,10 @@ class Controller:
         self.rec.resizes.append(
             {"step": self.step_count, "from_replicas": before, "why": why, "detail": detail}
         )
-        self._event(f"restarting at step {self.step_count} from {before} replica(s): {detail}")
+        self._event(
+            f"restarting at step {self.step_count} from {before} replica(s): {detail}",
+            track="restart",
+        )
         self._teardown()
         self._restart_from = (self.clock(), why)
 
@@ -952,6 +967,7 @@ class Controller:
         if self._pending_jit:
             self._answer_notices(last, last in self.coordinator.committed)
         self.rec.heldout_loss = group.heldout_loss()
+        self.telemetry.heldout(last, self.rec.heldout_loss)
         if self.backfill is not None:
             self.backfill.finish(self.spec.backfill.finish_timeout_s, self.sleep)
             self._export_counts()
@@ -961,7 +977,8 @@ class Controller:
             return self._fail(f"the final checkpoint (step {last}) did not commit")
         self._event(
             f"finished {last} steps; held-out loss {self.rec.heldout_loss:.4f}; "
-            f"checkpoints: {self.store.step_uri(last)}"
+            f"checkpoints: {self.store.step_uri(last)}",
+            track="end",
         )
         return Finished()
 
@@ -991,12 +1008,15 @@ class Controller:
                 f"{self.step_count}; resuming from the latest committed step ({latest}) on "
                 f"what is left",
                 logging.WARNING,
+                track="node_loss",
             )
             return Scheduling(reason="node loss", since=self.clock(), want=want)
         kind = classify(causes or [], error)
         if kind.retryable:  # only transient faults use up failure.max_failures
             r.failures += 1
-        self._event(f"worker failure at step {self.step_count}: {error}", logging.WARNING)
+        self._event(
+            f"worker failure at step {self.step_count}: {error}", logging.WARNING, track="failure"
+        )
         decision = self.failure_policy.decide(r.failures, error, kind)
         if isinstance(decision, Fail):
             return self._fail(decision.reason)
@@ -1064,6 +1084,7 @@ class Controller:
                 f"preemption notice ({n['source']}: {n['reason']}) for {where}, "
                 f"{left:.0f}s before its deadline",
                 logging.WARNING,
+                track="preemption",
             )
             if node is not None:
                 self.cluster.drain(node, n["deadline"], f"{n['source']}: {n['reason']}")
@@ -1387,8 +1408,7 @@ class Controller:
         self.telemetry.counts(len(self.rec.notices), self.rec.node_losses, restarts, tasks)
 
     def _backfill_result(self, result: dict[str, Any]) -> None:
-        if result.get("kind") == "eval":
-            self.telemetry.eval_result(result)
+        self.telemetry.backfill_result(result)
 
     def submit_backfill(self, task: Any, name: str | None = None) -> int:
         if self.backfill is None:

@@ -1,8 +1,10 @@
-"""The controller's figures: Ray metrics, the goodput ledger, MFU, deviation alerts.
+"""The controller's figures: Ray metrics, the goodput ledger, MFU, deviation alerts, and
+the job's run in the experiment trackers of `tracking:`.
 
 Kept out of the state machine: the controller tells it what happened (a batch of
-steps the ranks reported, a commit) and it does the accounting and the exporting.
-Nothing here may stop a job: metric export never raises.
+steps the ranks reported, a commit, an event) and it does the accounting and the
+exporting. Nothing here may stop a job: metric export never raises, and trackers
+write from their own threads.
 """
 
 from __future__ import annotations
@@ -22,13 +24,23 @@ from spotline.metrics.deviation import DeviationMonitor, likely_cause
 from spotline.metrics.export import Metrics
 from spotline.metrics.flops import mfu, model_flops_per_token
 from spotline.metrics.ledger import GoodputLedger
+from spotline.metrics.trackers import Trackers
 
 
 class Telemetry:
-    def __init__(self, spec: JobSpec, event):
+    def __init__(self, spec: JobSpec, event, checkpoint_uri: str | None = None):
         self.spec = spec
         self._event = event
         self.metrics = Metrics(spec.name)
+        self.trackers = Trackers(
+            spec,
+            checkpoint_uri or spec.resolved_checkpoint_uri(),
+            self.metrics,
+            warn=lambda text: event(text, logging.WARNING),
+        )
+        # The latest step whose training figures went to the trackers: steps trained
+        # again after a restart are not sent twice.
+        self._tracked_step = 0
         self.ledger = GoodputLedger()
         m = spec.metrics
         self.deviation = DeviationMonitor(
@@ -63,6 +75,54 @@ class Telemetry:
             f"continuing the goodput ledger of this job: {self.ledger.total_s / 3600:.3f} "
             "device-hours so far"
         )
+
+    # --- the trackers -----------------------------------------------------------------
+
+    def start_tracking(self, resumed_step: int | None) -> None:
+        """Open (or continue) the job's run in every tracker, once: when the first group
+        restored, from committed step `resumed_step` (None: a fresh start)."""
+        if self.trackers.started:
+            return
+        self._tracked_step = resumed_step or 0
+        self.trackers.start(self.spec.model_dump(mode="json"), resumed_step)
+
+    def event(self, step: int, kind: str, text: str) -> None:
+        """Something the controller did or saw at `step`, for the trackers."""
+        self.trackers.event(step, kind, text)
+
+    def heldout(self, step: int, loss: float | None) -> None:
+        """The final held-out loss (train.eval_batches batches) at the last step."""
+        self.trackers.metrics(step, {"eval/heldout_loss": loss})
+
+    def close(self, state: str) -> None:
+        """The job ended in `state` (finished, failed, stopped): end the trackers' run."""
+        self.trackers.close(state)
+
+    def _track_steps(self, steps: list[tuple[int, float]], figures: dict[str, float | None]):
+        """The loss of every step on a train.log_every boundary (and the last step), the
+        batch's figures with the latest of them."""
+        t = self.spec.train
+        due = [
+            (s, loss)
+            for s, loss in steps
+            if s > self._tracked_step and (s % t.log_every == 0 or s >= t.steps)
+        ]
+        if not due:
+            return
+        for s, loss in due[:-1]:
+            self.trackers.metrics(s, {"train/loss": loss})
+        step, loss = due[-1]
+        ledger = self.ledger
+        parts = {
+            f"goodput/{part}": v / ledger.total_s if ledger.total_s else None
+            for part, v in ledger.device_s.items()
+        }
+        self.trackers.metrics(
+            step, {"train/loss": loss, **figures, "goodput/fraction": ledger.goodput(), **parts}
+        )
+        self._tracked_step = step
+
+    # --- figures ----------------------------------------------------------------------
 
     def steps(
         self,
@@ -144,6 +204,24 @@ class Telemetry:
                 done, seconds, tokens, replicas, per_rank, backfill_slowdown, uploading
             )
         self._export_ledger()
+        if self.trackers:
+            self._track_steps(
+                steps,
+                {
+                    "train/lr": lr,
+                    "train/tokens_per_s": tps,
+                    "train/mfu": util,
+                    "train/step_s": seconds / done,
+                    "train/data_stall_fraction": self.last["data_stall_fraction"],
+                    "train/global_batch_size": self.last["global_batch_size"],
+                    "train/noise_scale": self.last["noise_scale"],
+                    "train/replicas": replicas,
+                    "pipeline/bubble_fraction": b.get("bubble_fraction"),
+                    "pipeline/fill_fraction": b.get("fill_fraction"),
+                    "pipeline/bubble_theory": b.get("theory"),
+                    "backfill/slowdown": backfill_slowdown,
+                },
+            )
 
     def _check_deviation(
         self, done, seconds, tokens, replicas, per_rank, slowdown, uploading
@@ -158,6 +236,7 @@ class Telemetry:
         cause = likely_cause(slowdown, max_slow, compute, uploading)
         for alert in self.deviation.observe(done, seconds, tokens, replicas, cause):
             self._event(f"performance alert: {alert.message()}", logging.WARNING)
+            self.trackers.event(self._tracked_step, "alert", alert.message())
             self.metrics.inc("spotline_deviation_alerts_total", cause=_cause_key(alert.cause))
 
     def commit(self, step: int, nbytes: int, blocked_s: float | None, upload_s: float | None):
@@ -166,11 +245,44 @@ class Telemetry:
         m.set("spotline_checkpoint_bytes", nbytes)
         m.set("spotline_checkpoint_save_seconds", blocked_s)
         m.set("spotline_checkpoint_upload_seconds", upload_s)
+        if self.trackers:
+            self.trackers.metrics(
+                step,
+                {
+                    "checkpoint/bytes": nbytes,
+                    "checkpoint/save_blocked_s": blocked_s,
+                    "checkpoint/upload_s": upload_s,
+                },
+            )
+            self.trackers.event(step, "checkpoint", f"committed step {step} ({nbytes:,} bytes)")
+
+    def backfill_result(self, result: dict[str, Any]) -> None:
+        """A backfill task's result: an eval's loss; a speculative run's acceptance and
+        speed."""
+        if result.get("kind") == "eval":
+            self.eval_result(result)
+        elif result.get("kind") == "speculative":
+            self.trackers.metrics(
+                result["step"],
+                {
+                    f"speculative/{k}": result.get(k)
+                    for k in (
+                        "acceptance_rate",
+                        "accepted_per_verification",
+                        "tokens_per_s",
+                        "speedup",
+                    )
+                },
+            )
 
     def eval_result(self, result: dict[str, Any]) -> None:
         self.evals.append({"step": result["step"], "loss": result["loss"]})
         self.metrics.set("spotline_eval_loss", result["loss"])
         self.metrics.set("spotline_eval_weights_step", result["step"])
+        self.trackers.metrics(
+            result["step"],
+            {"eval/loss": result["loss"], "eval/perplexity": result.get("perplexity")},
+        )
 
     def counts(self, notices: int, node_losses: int, restarts: dict[str, int], tasks: dict):
         """Export the controller's running counts as counters (only what is new)."""

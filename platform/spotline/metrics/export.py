@@ -115,6 +115,19 @@ METRICS: tuple[MetricDef, ...] = (
         "Sustained deviations of step time or tokens/s from the baseline.",
         (*JOB, "cause"),
     ),
+    # Experiment trackers (TensorBoard, MLflow, wandb): never a reason to stop training.
+    MetricDef(
+        "spotline_tracker_errors_total",
+        "counter",
+        "Tracker calls that raised (server down, disk full); training went on.",
+        (*JOB, "tracker"),
+    ),
+    MetricDef(
+        "spotline_tracker_dropped_total",
+        "counter",
+        "Tracker updates dropped because a slow tracker let its queue fill up.",
+        (*JOB, "tracker"),
+    ),
     # Devices (pynvml; absent on machines without NVIDIA GPUs).
     MetricDef("spotline_gpu_utilization_percent", "gauge", "GPU utilisation.", GPU),
     MetricDef("spotline_gpu_memory_used_bytes", "gauge", "GPU memory in use.", GPU),
