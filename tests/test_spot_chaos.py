@@ -388,7 +388,7 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
     from spotline.checkpoint.transfer import attempt_dir
 
     rng = random.Random(13)
-    kills_wanted, deadline = 22, time.monotonic() + 480
+    kills_wanted, deadline = 12, time.monotonic() + 300
     over = {
         "train.steps": 160,
         "checkpoint.interval_steps": 2,
@@ -442,7 +442,7 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
 
     result = run.wait(verbose=False)
     phases = [k["phase"] for k in kills]
-    assert len(kills) >= 20, phases
+    assert len(kills) >= 10, phases
     assert {"save", "upload", "commit"} <= set(phases), phases
     assert result.state == "finished", result.error
     assert result.failures == len(kills)
