@@ -94,7 +94,7 @@ def main() -> int:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
 
-    from spotline.job import connect_ray
+    from spotline.runtime.cluster import connect_ray
 
     connect_ray(None)
     runs = [one_repeat(args, k) for k in range(args.repeats)]

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.ray
 _SCRIPT = r"""
 import ipaddress, json, os, psutil
 os.environ.pop("RAY_ADDRESS", None)
-from spotline.job import connect_ray
+from spotline.runtime.cluster import connect_ray
 import ray
 connect_ray(None)
 

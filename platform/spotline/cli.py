@@ -25,7 +25,8 @@ from spotline.config.redact import (
 )
 from spotline.config.redact import redact as _redact
 from spotline.data import CorpusError
-from spotline.job import JobFailed, connect_ray
+from spotline.job import JobFailed
+from spotline.runtime.cluster import connect_ray
 
 # Errors whose message is the whole story: bad input, found before anything ran.
 USER_ERRORS = (

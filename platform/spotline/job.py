@@ -22,6 +22,7 @@ from spotline.config import JobSpec, apply_overrides, load_spec
 from spotline.config.loader import validate_dict
 from spotline.config.redact import install_log_redaction, split_secrets, write_secrets_package
 from spotline.plan import Plan
+from spotline.runtime.cluster import connect_ray
 
 
 class JobFailed(RuntimeError):
@@ -174,28 +175,6 @@ class JobResult:
                         f"perplexity {r['perplexity']:.2f}"
                     )
         return lines
-
-
-def connect_ray(address: str | None) -> None:
-    """Connect this driver to Ray: the cluster at `address` (or RAY_ADDRESS), else a new
-    local cluster that listens on 127.0.0.1 only.
-
-    Ray binds a new node to the machine's routable IP (GCS, raylet, workers, metrics
-    endpoints on every interface) unless it runs as a single-machine cluster; Spotline
-    starts it that way, so an embedded cluster is reachable from this machine alone.
-    The same setting lets this process find such a cluster with address="auto", and
-    does not change how it attaches to a real cluster.
-    """
-    import ray
-    from ray._private import ray_constants
-
-    if ray.is_initialized():
-        return
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read by Ray each time it resolves the node IP
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # and by any Ray process started here
-    # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
-    # the driver prints the controller's events, and failures arrive grouped by rank.
-    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
 
 
 class JobRun:

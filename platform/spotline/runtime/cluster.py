@@ -1,4 +1,4 @@
-"""What the controller asks of the cluster, apart from its own workers.
+"""Connecting to Ray, and what the controller asks of the cluster apart from its workers.
 
 `ClusterView` is the interface (controller tests pass a scripted one); `RayClusterView`
 answers from the live Ray cluster: capacity in whole replicas, which nodes are alive,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 from typing import Any, Protocol
 
@@ -17,6 +18,28 @@ from spotline import constants
 from spotline.config.schema import JobSpec
 
 log = logging.getLogger("spotline.controller")
+
+
+def connect_ray(address: str | None) -> None:
+    """Connect this driver to Ray: the cluster at `address` (or RAY_ADDRESS), else a new
+    local cluster that listens on 127.0.0.1 only.
+
+    Ray binds a new node to the machine's routable IP (GCS, raylet, workers, metrics
+    endpoints on every interface) unless it runs as a single-machine cluster; Spotline
+    starts it that way, so an embedded cluster is reachable from this machine alone.
+    The same setting lets this process find such a cluster with address="auto", and
+    does not change how it attaches to a real cluster.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    if ray.is_initialized():
+        return
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by Ray each time it resolves the node IP
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # and by any Ray process started here
+    # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
+    # the driver prints the controller's events, and failures arrive grouped by rank.
+    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
 
 
 class ClusterView(Protocol):

@@ -143,7 +143,7 @@ class Tuner:
         """Run the sweep (or go on with a restored one); Tune's ResultGrid."""
         from ray import tune
 
-        from spotline.job import connect_ray
+        from spotline.runtime.cluster import connect_ray
 
         connect_ray(None)
         if self._restore_from is not None:
