@@ -283,9 +283,7 @@ def check_resume_from(spec: JobSpec, store: CheckpointStore) -> None:
     except (CorruptCheckpointError, FileNotFoundError) as e:
         raise SpecError(f"{field}: step {step} at {source.uri} does not load: {e}") from None
     if spec.retuned_fields(m.spec_hash, m.extra.get("spec")) is None:
-        ours = spec.hashed_fields()
-        theirs = m.extra.get("spec") or {}
-        diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+        diff = spec.changed_fields(m.extra.get("spec") or {})
         raise SpecError(
             f"{field}: step {step} at {source.uri} was trained with another model, data or "
             f"batch (differs in {', '.join(diff[:6]) or 'its spec hash'}); only "

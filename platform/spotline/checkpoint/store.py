@@ -1071,8 +1071,7 @@ class CheckpointStore:
             ours = spec.hashed_fields()
             diff = [
                 f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
-                for k in sorted(set(theirs) | set(ours))
-                if theirs.get(k) != ours.get(k)
+                for k in spec.changed_fields(theirs)
             ]
             if diff:
                 why += " (" + "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "") + ")"

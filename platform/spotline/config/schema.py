@@ -822,11 +822,17 @@ class JobSpec(_Section):
             return []
         if not isinstance(theirs, dict):
             return None
-        ours = self.hashed_fields()
-        changed = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+        changed = self.changed_fields(theirs)
         if not changed or any(k not in RETUNABLE_FIELDS for k in changed):
             return None
+        ours = self.hashed_fields()
         return [f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed]
+
+    def changed_fields(self, theirs: dict[str, Any]) -> list[str]:
+        """The `hashed_fields` keys whose value differs from `theirs` (a manifest's
+        record of the spec it was written with), sorted."""
+        ours = self.hashed_fields()
+        return [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
 
     def spec_hash(self) -> str:
         """Hash of `hashed_fields`. A checkpoint is only resumed by a job with the same

@@ -95,8 +95,9 @@ class SpotlineTrial(tune.Trainable):
             "checkpoint.uri": self._uri,
         }
         spec = validate_dict(apply_overrides(self._base, overrides), f"trial {self.trial_id}")
-        if self._resume_from is not None and not open_store(spec).committed_steps():
-            overrides["checkpoint.resume_from"] = self._donor_step(open_store(spec))
+        own = open_store(spec)
+        if self._resume_from is not None and not own.committed_steps():
+            overrides["checkpoint.resume_from"] = self._donor_step(own)
             spec = validate_dict(apply_overrides(self._base, overrides), f"trial {self.trial_id}")
         store = preflight(spec, local_cluster=False)
         self.log_every = spec.train.log_every
