@@ -138,6 +138,11 @@ def test_bubbles_are_measured_per_stage_and_partly_filled(backfilled):
     for stage in (0, 1):
         assert 0 < b["per_stage"][stage]["bubble_fraction"] < 1
     assert b["filled_s"] > 0 and 0 < b["fill_fraction"] <= 1
+    for stage in b["per_stage"].values():
+        # Measured from the kernel: one working thread is never busy longer than its
+        # windows were open, and busy time outside windows is reported, not dropped.
+        assert stage["filled_s"] <= stage["open_s"] + 1e-3
+        assert stage["overrun_s"] >= 0 and stage["overrun_fraction"] < 1
     assert result.backfill["baseline_step_s"] > 0
     # The live trace and the one stored with the checkpoints: a track per stage and
     # replica, each with compute and idle time.

@@ -1,13 +1,14 @@
 """The backfill executor: a Ray actor beside one worker, on the worker's device.
 
 It runs one task at a time, a unit at a time, and only inside its stage's idle
-windows: it sleeps on the window channel until the trainer opens a window, runs
-units while the forecast leaves room for one more (its measured cost times a
-safety margin), and goes back to sleep when the window is predicted to close or
-closes (the stage's data arrived). Training never waits for it: the trainer only
-writes to the channel, and a unit that overruns a window costs at most that
-unit; the controller's governor widens the margin or pauses backfill when such
-overruns slow the step.
+windows: it sleeps on the window channel until the trainer opens a window, starts
+a unit only when that kind's measured cost, times the governor's margin, fits
+what the window has left (`UnitScheduler`), and goes back to sleep when the
+window is predicted to close or closes (the stage's data arrived). Training never
+waits for it: the trainer only writes to the channel. How busy the executor was
+inside and outside windows (fill and overrun) is measured on the trainer's side
+(`bubbles.channel`), from the kernel on CPU; the governor answers overruns that
+slow the step by widening the margin or pausing backfill.
 
 A task that raises is reported failed to the pool, which retries it; a crash of
 this process (out of memory, a segfault) ends only this actor. Neither touches
@@ -19,6 +20,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
+import statistics
 import threading
 import time
 import traceback
@@ -29,8 +32,9 @@ import ray
 import torch
 
 from spotline import constants
+from spotline.backfill.governor import START_MARGIN
 from spotline.backfill.tasks import SETUP, TaskContext, units_of
-from spotline.bubbles.channel import WindowChannel
+from spotline.bubbles.channel import BUSY_CLOCK, BUSY_THREAD, WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.config.redact import install_log_redaction
 from spotline.config.schema import JobSpec
@@ -39,7 +43,9 @@ from spotline.runtime.cpu import idle_priority, pin_process
 log = logging.getLogger("spotline.backfill")
 
 _WAIT_SLICE_S = 0.5  # how often a sleeping executor checks for stop/pause changes
-_MAX_PASSED = 5  # windows a unit may pass on for want of room before it runs anyway
+_COST_SAMPLES = 5  # a unit kind's cost is the median of its last measurements
+_LENGTHS = 64  # recent window lengths kept (the budget and the "fits no window" test)
+_FIRST_UNIT_ROOM = 0.8  # an unmeasured kind starts only with this much of a median window left
 
 
 class BackfillExecutor:
@@ -60,21 +66,22 @@ class BackfillExecutor:
         self.channel_path = channel_path
         self.store = store
         self.channel: WindowChannel | None = None
-        self.margin = 1.5
         self.paused = False
         self.free_run = False  # no training left: work without windows
-        self._cost: dict[str, float] = {}  # EMA seconds of one unit, by label
+        self.units = UnitScheduler(START_MARGIN)
+        self._busy_done_ns = 0  # the busy clock (GPU): device-synced time of finished units
+        self._deferred: dict[str, Any] | None = None
         self._slices: collections.deque = collections.deque(maxlen=4096)
-        self._totals = {"filled_s": 0.0, "overrun_s": 0.0, "free_s": 0.0, "units": 0}
+        self._totals = {"busy_s": 0.0, "free_s": 0.0, "units": 0}
         self._cache: dict[str, Any] = {}
         torch.set_num_threads(max(1, threads))
         if pin_core is not None:
             pin_process(pin_core)
         # On CPU the executor runs at idle priority (see idle_priority): a unit that is
         # still running when its window closes is simply descheduled, so its wall time
-        # says little. There its cost and its fill are its CPU time, which the kernel
-        # grants only while the stage's threads are idle. On a GPU a unit's wall time
-        # inside the window is the measure.
+        # says little. There a unit's cost is its thread's CPU time, which the kernel
+        # grants only while the stage's threads are idle. On a GPU it is the unit's
+        # device-synced wall time.
         self.cpu_mode = not torch.cuda.is_available()
         if self.cpu_mode:
             idle_priority()
@@ -95,11 +102,16 @@ class BackfillExecutor:
 
     @ray.method(concurrency_group="control")
     def configure(self, paused: bool, margin: float, free_run: bool = False) -> None:
-        self.paused, self.margin, self.free_run = paused, margin, free_run
+        self.paused, self.free_run = paused, free_run
+        self.units.margin = margin
 
     @ray.method(concurrency_group="control")
     def stats(self) -> dict[str, Any]:
-        return dict(self._totals) | {"rank": self.rank, "stage": self.stage, "margin": self.margin}
+        return dict(self._totals) | {
+            "rank": self.rank,
+            "stage": self.stage,
+            "margin": self.units.margin,
+        }
 
     @ray.method(concurrency_group="control")
     def recent_slices(self, since_ns: int = 0) -> list[tuple[int, int, str]]:
@@ -119,17 +131,28 @@ class BackfillExecutor:
             device=self.device,
             cache=self._cache,
             busy_s=lambda: busy[0],
+            unit_budget_s=self.unit_budget_s,
         )
+        chan = self._attach()
+        if self.cpu_mode:  # the trainer reads this thread's on-CPU time from the kernel
+            chan.publish_busy_source(BUSY_THREAD, os.getpid(), threading.get_native_id())
+        else:
+            chan.publish_busy_source(BUSY_CLOCK)
+        self._deferred = None
         t0 = time.monotonic()
         gen = units_of(task, ctx)
         label = None
-        setup_s = 0.0
+        setup_s = free_s = 0.0
         while True:
             # The first unit is the task's setup (see tasks.py): it runs at once.
             st = self._wait_for_room(label) if label is not None else None
-            start, cpu0 = time.monotonic_ns(), time.process_time_ns()
+            start, cpu0 = time.monotonic_ns(), time.thread_time_ns()
+            if st is not None and not self.cpu_mode:
+                chan.set_busy_clock(self._busy_done_ns - start)
             try:
-                label = next(gen)
+                # Setup is host work outside the windows: another thread runs it, so the
+                # working thread's on-CPU time (what the trainer reads) is units only.
+                label = next(gen) if label is not None else _in_thread(lambda: next(gen))
             except StopIteration as done:
                 result = dict(done.value or {})
                 break
@@ -140,46 +163,45 @@ class BackfillExecutor:
                     f"(stage {self.stage}) failed at checkpoint step {manifest.step}: "
                     f"{type(e).__name__}: {e}\n{tb}"
                 ) from e
-            end, cpu = time.monotonic_ns(), time.process_time_ns() - cpu0
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()  # the unit's device work is done: its time counts
+            end, cpu = time.monotonic_ns(), time.thread_time_ns() - cpu0
+            work = cpu if self.cpu_mode else end - start
+            if not self.cpu_mode and st is not None:
+                self._busy_done_ns += work
+                chan.set_busy_clock(self._busy_done_ns)
             if label == SETUP:
                 setup_s += (end - start) / 1e9
                 continue
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()  # the unit's device work is done: its wall time counts
-                end = time.monotonic_ns()
-            work = cpu if self.cpu_mode else end - start
             busy[0] += work / 1e9
-            self._account(st, start, end, work, label)
+            if st is None:
+                free_s += work / 1e9
+            self._account(label, start, end, work, st is None)
         result.setdefault("step", manifest.step)
         result["rank"] = self.rank
         result["busy_s"] = busy[0]
         result["setup_s"] = setup_s
+        result["after_training_s"] = free_s
         result["wall_s"] = time.monotonic() - t0
+        if self._deferred is not None:
+            result["deferred"] = self._deferred
         return result
 
-    def _account(self, st, start: int, end: int, work: int, label: str) -> None:
-        seconds = work / 1e9
-        old = self._cost.get(label)
-        self._cost[label] = seconds if old is None else 0.7 * old + 0.3 * seconds
+    def _account(self, label: str, start: int, end: int, work: int, free: bool) -> None:
+        """Learn the unit's cost (by label) and keep its slice for the trace. Fill and
+        overrun are not claimed here: the trainer measures them (see bubbles.channel)."""
+        self.units.learn(label, work / 1e9)
         self._slices.append((start, end, label))
         self._totals["units"] += 1
-        if st is None:  # free run, or a forced unit: no window involved
-            self._totals["free_s"] += seconds
-            return
-        if self.cpu_mode:
-            filled, over = work, 0  # the governor measures what it cost training
-        # The unit counts as filling the window it started in, up to that window's
-        # close; anything after (even inside later windows) counts as overrun.
-        elif (now := self.channel.state()).seq == st.seq and now.open:
-            filled, over = end - start, 0
-        else:
-            closed = self.channel.closed_at(st.seq)
-            closed = closed if closed is not None else start  # unknown: assume no fill
-            filled = max(0, min(end, closed) - start)
-            over = end - start - filled
-        self._totals["filled_s"] += filled / 1e9
-        self._totals["overrun_s"] += over / 1e9
-        self.channel.account(filled, over)
+        self._totals["busy_s"] += work / 1e9
+        if free:
+            self._totals["free_s"] += work / 1e9
+        if self.channel is not None:
+            self.channel.count_slice()
+
+    def unit_budget_s(self) -> float | None:
+        return None if self.free_run else self.units.budget_s()
 
     def _attach(self) -> WindowChannel:
         while self.channel is None:
@@ -189,17 +211,11 @@ class BackfillExecutor:
                 time.sleep(0.2)  # the worker creates it when it sets up
         return self.channel
 
-    def _wait_for_room(self, label: str | None):
-        """Block until a window has room for one more unit of `label`; None when free-running.
-
-        A unit whose measured cost has not fit any of the last `_MAX_PASSED` windows
-        runs at the start of the next one anyway, so a task whose units are all bigger
-        than this stage's windows advances instead of starving; the overrun it causes
-        is measured, and the governor answers it.
-        """
+    def _wait_for_room(self, label: str):
+        """Block until a window has room for one more unit of `label` (see UnitScheduler);
+        None when free-running."""
         chan = self._attach()
         after = -1
-        passed = 0
         while True:
             if self.free_run:
                 return None
@@ -209,15 +225,91 @@ class BackfillExecutor:
             if st.seq <= after:
                 time.sleep(0.0005)  # the window we passed on is still open
                 continue
-            if self.paused:
-                after = st.seq
-                continue
-            need = self._cost.get(label, 0.0) * self.margin if label else 0.0
-            room = (st.predicted_end_ns - time.monotonic_ns()) / 1e9
-            if room >= need or passed >= _MAX_PASSED:
+            after = st.seq
+            if not self.paused and self.units.fits(label, st, time.monotonic_ns()):
                 return st
-            after = st.seq  # not enough room left in this window: wait for the next
-            passed += 1
+            if (why := self.units.deferral(label)) is not None and self._deferred is None:
+                self._deferred = why
+                log.info("backfill on rank %d: %s", self.rank, why["why"])
+
+
+class UnitScheduler:
+    """Which unit may start in which window: pure bookkeeping, no clock or I/O of its own.
+
+    A unit starts only when its forecast cost (the median of its kind's last
+    measurements), times the governor's margin, fits what the window has left. A
+    kind never measured yet starts only with most of a median-length window ahead
+    (its first run measures it). Nothing is forced: a unit that costs more than
+    every recent window waits for a window it fits, or for the free time after
+    training, and `deferral` says why.
+    """
+
+    def __init__(self, margin: float = START_MARGIN):
+        self.margin = margin
+        self._cost: dict[str, collections.deque] = {}
+        self._lengths: collections.deque = collections.deque(maxlen=_LENGTHS)
+        self._last_seq = -1
+
+    def learn(self, label: str, seconds: float) -> None:
+        self._cost.setdefault(label, collections.deque(maxlen=_COST_SAMPLES)).append(seconds)
+
+    def cost_s(self, label: str) -> float | None:
+        """One slow outlier cannot lock a kind out of every window: the median."""
+        seen = self._cost.get(label)
+        return statistics.median(seen) if seen else None
+
+    def budget_s(self) -> float | None:
+        """Seconds a unit may take to fit this stage's typical window; None before any."""
+        return statistics.median(self._lengths) / self.margin if self._lengths else None
+
+    def fits(self, label: str, st, now_ns: int) -> bool:
+        """May a unit of `label` start now in window `st` (a ChannelState)?"""
+        if st.seq != self._last_seq:
+            self._last_seq = st.seq
+            self._lengths.append((st.predicted_end_ns - st.opened_ns) / 1e9)
+        room = (st.predicted_end_ns - now_ns) / 1e9
+        cost = self.cost_s(label)
+        if cost is None:
+            return room >= statistics.median(self._lengths) * _FIRST_UNIT_ROOM
+        return room >= cost * self.margin
+
+    def deferral(self, label: str) -> dict[str, Any] | None:
+        """Why `label` fits none of the recent windows (None while it may still fit one)."""
+        cost = self.cost_s(label)
+        if cost is None or len(self._lengths) < _LENGTHS // 4:
+            return None
+        longest = max(self._lengths)
+        if cost <= longest:
+            return None
+        return {
+            "label": label,
+            "cost_s": cost,
+            "longest_window_s": longest,
+            "why": (
+                f"a {label!r} unit costs {cost * 1e3:.2f} ms, more than the longest of the "
+                f"last {len(self._lengths)} windows ({longest * 1e3:.2f} ms): it waits for "
+                "a window it fits, or for the free time after training"
+            ),
+        }
+
+
+def _in_thread(fn):
+    """fn() run to completion on a short-lived thread; its value, or its exception."""
+    out: list = []
+
+    def target():
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=target, name="backfill-setup", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def sidecar_factory(spec: JobSpec, store: CheckpointStore):

@@ -333,6 +333,12 @@ def _describe(e: BaseException) -> str:
 def _summary(result: dict[str, Any] | None) -> str:
     if not result:
         return "done"
+    if result.get("deferred"):
+        return _kind_summary(result) + f"; {result['deferred']['why']}"
+    return _kind_summary(result)
+
+
+def _kind_summary(result: dict[str, Any]) -> str:
     if result.get("kind") == "eval":
         return f"held-out loss {result['loss']:.4f} (perplexity {result['perplexity']:.2f})"
     if result.get("kind") == "speculative":

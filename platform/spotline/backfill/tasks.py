@@ -54,6 +54,9 @@ class TaskContext:
     """Survives across tasks on one executor (a trained draft, a loaded target)."""
     busy_s: Callable[[], float]
     """Seconds this task has spent working so far (not waiting for windows)."""
+    unit_budget_s: Callable[[], float | None] = lambda: None
+    """Seconds a unit may take to fit this stage's typical window (None: unknown, or
+    training is over and units run freely)."""
 
     @property
     def step(self) -> int:

@@ -1,10 +1,19 @@
 """The controller's running account of bubbles and of how much backfill filled.
 
-Fed with what every rank reports after each chunk of steps. Measured bubble
-fraction = time stages spent waiting on other stages / step time; fill = time
-executors worked inside those waits / that waiting time. Both are summed over
-every stage and replica, and also kept per stage, and for the chunks that ran
-with backfill on (the governor pauses it to measure its baseline).
+Fed with what every rank reports after each chunk of steps, all summed over every
+stage and replica, kept per stage, and for the chunks that ran with backfill on
+(the governor pauses it to measure its baseline):
+
+- bubble fraction: time stages spent waiting on other stages / step time;
+- fill fraction: executor busy time inside windows / window time (the waits long
+  enough to signal, `window_s`); `bubble_fill_fraction` is the same busy time over
+  the whole bubble (`wait_s`), short waits included;
+- overrun: executor busy time during steps outside windows, per step and as a
+  fraction of the step (`overrun_fraction`).
+
+The trainer measures the busy time from the kernel or the device (see
+`bubbles.channel`). Nothing is capped: a fill above 1 is a measurement bug, and
+shows as one.
 """
 
 from __future__ import annotations
@@ -14,7 +23,17 @@ from typing import Any
 from spotline.bubbles.schedule import theory_fraction
 from spotline.bubbles.trace import chrome_trace
 
-_KEYS = ("steps", "step_s", "wait_s", "compute_s", "window_s", "windows", "filled_s", "overrun_s")
+_KEYS = (
+    "steps",
+    "step_s",
+    "wait_s",
+    "compute_s",
+    "window_s",
+    "windows",
+    "open_s",
+    "filled_s",
+    "overrun_s",
+)
 
 
 class BubbleBook:
@@ -84,8 +103,13 @@ def stage_compute_s(reports: list[dict[str, Any]]) -> dict[int, float]:
 
 def _fractions(acc: dict[str, float]) -> dict[str, float]:
     out = dict(acc)
-    out["bubble_fraction"] = acc["wait_s"] / acc["step_s"] if acc["step_s"] else 0.0
-    # Bounded by 1: on CPU the fill is executor CPU time, and an executor may also use
-    # idle moments outside the stage's recorded waits (between chunks of steps).
-    out["fill_fraction"] = min(1.0, acc["filled_s"] / acc["wait_s"]) if acc["wait_s"] else 0.0
+    out["bubble_fraction"] = _ratio(acc["wait_s"], acc["step_s"])
+    out["fill_fraction"] = _ratio(acc["filled_s"], acc["window_s"])
+    out["bubble_fill_fraction"] = _ratio(acc["filled_s"], acc["wait_s"])
+    out["overrun_fraction"] = _ratio(acc["overrun_s"], acc["step_s"])
+    out["overrun_s_per_step"] = _ratio(acc["overrun_s"], acc["steps"])
     return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0

@@ -106,6 +106,8 @@ class StepRecorder:
         self._step = step
         self._instrs = []
         self._t0 = time.monotonic()
+        if self.channel is not None:
+            self.channel.step_begin()
 
     def record_sync(self, fn):
         """Run the all-rank agreement `fn` as the step's last wait, then close the step."""
@@ -119,6 +121,8 @@ class StepRecorder:
     def end_step(self) -> None:
         if self._step is None:
             return
+        if self.channel is not None:
+            self.channel.step_end()
         timeline = self._with_slots(self._instrs)
         self.forecast.update(timeline)
         usable = windows(timeline, self.min_window_s)

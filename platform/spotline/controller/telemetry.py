@@ -157,7 +157,7 @@ class Telemetry:
             world,
             done,
             b.get("bubble_fraction", 0.0),
-            b.get("fill_fraction", 0.0),
+            b.get("bubble_fill_fraction", 0.0),  # the ledger splits the whole bubble
             data_stall_s,
         )
         tps = tokens / seconds if seconds else 0.0
@@ -196,8 +196,10 @@ class Telemetry:
             tags = {"stage": r["stage"], "replica": r["replica"]}
             frac = r["wait_s"] / r["step_s"] if r.get("step_s") else 0.0
             m.set("spotline_bubble_fraction", frac, **tags)
-            fill = r.get("filled_s", 0.0) / r["wait_s"] if r.get("wait_s") else 0.0
+            fill = r.get("filled_s", 0.0) / r["window_s"] if r.get("window_s") else 0.0
             m.set("spotline_fill_fraction", fill, **tags)
+            over = r.get("overrun_s", 0.0) / r["step_s"] if r.get("step_s") else 0.0
+            m.set("spotline_backfill_overrun_fraction", over, **tags)
         m.set("spotline_backfill_slowdown", backfill_slowdown)
         if warm:
             self._check_deviation(
@@ -218,6 +220,7 @@ class Telemetry:
                     "train/replicas": replicas,
                     "pipeline/bubble_fraction": b.get("bubble_fraction"),
                     "pipeline/fill_fraction": b.get("fill_fraction"),
+                    "pipeline/overrun_fraction": b.get("overrun_fraction"),
                     "pipeline/bubble_theory": b.get("theory"),
                     "backfill/slowdown": backfill_slowdown,
                 },

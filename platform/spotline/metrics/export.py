@@ -61,7 +61,13 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "spotline_fill_fraction",
         "gauge",
-        "Share of a stage's bubble its backfill executor worked in (last chunk).",
+        "Share of a stage's bubble windows its backfill executor was busy in (last chunk).",
+        RANK,
+    ),
+    MetricDef(
+        "spotline_backfill_overrun_fraction",
+        "gauge",
+        "Share of a stage's step its backfill executor was busy outside windows (last chunk).",
         RANK,
     ),
     MetricDef(

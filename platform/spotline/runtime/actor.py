@@ -87,7 +87,7 @@ class TrainWorker:
         self._buf = _empty_report()
         self._steps_run = 0  # steps this process trained (its peak memory is taken once)
         self._stall_seen = 0.0
-        self._filled_seen = (0, 0)  # (filled_ns, overrun_ns) already reported
+        self._filled_seen = (0, 0, 0)  # (filled_ns, overrun_ns, open_ns) already reported
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
         self._sigterm = None
         self._sigterm_reported = False
@@ -322,12 +322,15 @@ class TrainWorker:
         if not out["steps"]:
             return None
         out.update(stage=self.topo.stage, replica=self.topo.replica, rank=self.topo.rank)
-        out["filled_s"] = out["overrun_s"] = 0.0
+        out["filled_s"] = out["overrun_s"] = out["open_s"] = 0.0
         if self.channel is not None:
             st = self.channel.state()
-            out["filled_s"] = (st.filled_ns - self._filled_seen[0]) / 1e9
-            out["overrun_s"] = (st.overrun_ns - self._filled_seen[1]) / 1e9
-            self._filled_seen = (st.filled_ns, st.overrun_ns)
+            seen = (st.filled_ns, st.overrun_ns, st.open_ns)
+            for key, now, before in zip(
+                ("filled_s", "overrun_s", "open_s"), seen, self._filled_seen, strict=True
+            ):
+                out[key] = (now - before) / 1e9
+            self._filled_seen = seen
         out["steps_timeline"] = [
             {
                 "step": step,
