@@ -179,6 +179,16 @@ def test_recorder_times_the_engines_instructions_and_opens_windows(tmp_path):
     assert totals["wait_s"] > 0
 
 
+def test_simulated_loss_broadcast_waits_for_the_last_stage():
+    tls = simulate(3, 4, t_fwd=1.0, t_bwd=2.0)
+    ends = [tl[-3].end for tl in tls]  # each stage's schedule ends before its two syncs
+    for s, tl in enumerate(tls):
+        loss, sync = tl[-2], tl[-1]
+        assert (loss.name, sync.name) == ("LossSync", "StepSync")
+        assert loss.start == ends[s] and loss.end == max(ends[s], ends[-1])
+        assert sync.start == loss.end and sync.end == max(ends)
+
+
 def test_trace_has_a_track_per_stage_and_its_idle_time():
     tls = simulate(2, 4, t_fwd=0.01, t_bwd=0.02)
     ranks = []
