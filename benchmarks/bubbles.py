@@ -18,8 +18,13 @@ Shapes with more stages than this machine has cores are skipped (p=4 needs 4 cor
 Figures, per shape:
 - bubble measured: the off run's time stages spent blocked on other stages (receives,
   sends, the end-of-step syncs) / step time, all stages; theory: (p-1)/(m+p-1).
-- fill: the on run's executor time inside those waits / the waiting time, counted
-  over the chunks that ran with backfill on (the governor pauses it for baselines).
+- fill: the on run's executor busy time inside windows / window time (waits long
+  enough to signal, SPOTLINE_BACKFILL_MIN_WINDOW_S), counted over the chunks that ran
+  with backfill on (the governor pauses it for baselines). The busy time is measured
+  by the stage from the kernel (the executor thread's on-CPU time), never capped.
+  bubble_fill is the same busy time over the whole bubble, short waits included.
+- overrun: executor busy time during steps outside windows, as a fraction of the step
+  (overrun_fraction) and in seconds per step.
 - slowdown: the on run's mean step time while backfill ran / the off run's mean step
   time (recorded by the stages themselves; checkpoint saves are not part of a step).
   The governor's own figure (against its in-run paused baseline) is shown beside it.
@@ -133,10 +138,13 @@ def measure(p: int, m: int, args, tmp: Path) -> dict[str, Any]:
         "bubble_measured": ob["bubble_fraction"],
         "bubble_measured_per_stage": [s["bubble_fraction"] for s in ob["per_stage"].values()],
         "fill": while_on["fill_fraction"],
+        "bubble_fill": while_on["bubble_fill_fraction"],
+        "window_share_of_bubble": (
+            while_on["window_s"] / while_on["wait_s"] if while_on["wait_s"] else 0.0
+        ),
         "fill_per_stage_overall": [s["fill_fraction"] for s in nb["per_stage"].values()],
-        "overrun_s_per_step": while_on["overrun_s"] / while_on["steps"]
-        if while_on["steps"]
-        else 0.0,
+        "overrun_s_per_step": while_on["overrun_s_per_step"],
+        "overrun_fraction": while_on["overrun_fraction"],
         "slowdown": step_time(while_on) / step_time(ob) if while_on["steps"] else float("nan"),
         "governor_slowdown": on.backfill["slowdown"],
         "governor_margin": on.backfill["margin"],
@@ -152,6 +160,7 @@ def measure(p: int, m: int, args, tmp: Path) -> dict[str, Any]:
             sum(r["speedup"] for r in specs) / len(specs) if specs else None
         ),
         "tasks_done": len(done),
+        "tasks_deferred": sum(1 for r in done if r.get("deferred")),
         "steps_per_s_off": off.steps_per_s,
         "steps_per_s_on": on.steps_per_s,
     }
@@ -163,6 +172,7 @@ def render(runs: list[dict[str, Any]], ctx: dict[str, Any], skipped: list[str]) 
         ("bubble theory", lambda r: f"{r['bubble_theory']:.3f}"),
         ("bubble measured", lambda r: f"{r['bubble_measured']:.3f}"),
         ("fill", lambda r: f"{r['fill']:.3f}"),
+        ("overrun", lambda r: f"{r['overrun_fraction']:.3f}"),
         ("slowdown on/off", lambda r: f"{r['slowdown']:.3f}"),
         ("governor", lambda r: _pct(r["governor_slowdown"])),
         ("eval mb/s", lambda r: f"{r['eval_batches_per_s']:.2f}"),

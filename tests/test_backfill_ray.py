@@ -155,6 +155,22 @@ def test_bubbles_are_measured_per_stage_and_partly_filled(backfilled):
             for r in (0, 1):
                 track = tracks[f"stage-{s}/replica-{r}"]
                 assert track["compute"] > 0 and track["idle"] > 0
+    # Every recorded step runs the instructions, in order, of the simulated step each
+    # stage's forecast starts from.
+    from spotline.bubbles import StepRecorder
+
+    tid = {
+        e["args"]["name"]: e["tid"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
+    for s in (0, 1):
+        seed = StepRecorder(s, 2, 2, micro_s=[1.0, 1.0]).seed_timeline()
+        steps: dict[int, list[str]] = {}
+        for e in trace["traceEvents"]:
+            if e.get("ph") == "X" and e["tid"] == tid[f"stage-{s}/replica-0"]:
+                steps.setdefault(e["args"]["step"], []).append(e["name"])
+        assert steps and all(names == [i.name for i in seed] for names in steps.values())
 
 
 def test_trace_cli_writes_the_stored_trace(backfilled, tmp_path):

@@ -190,6 +190,20 @@ def stage_flops_per_token(
     return [scale * sum(raw[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
+def stage_micro_s(
+    spec: JobSpec,
+    flops_per_s: float,
+    bounds: list[int] | None = None,
+    model: ModelDef | None = None,
+    flops: list[float] | None = None,
+) -> list[float]:
+    """Seconds each pipeline stage spends on the forward and backward of one micro-batch
+    at `flops_per_s` (`flops`: its `stage_flops_per_token`, when already known)."""
+    flops = flops or stage_flops_per_token(spec, model, bounds)
+    tokens = spec.micro_batch_size() * spec.model.seq_len
+    return [f * tokens / flops_per_s for f in flops]
+
+
 @dataclass(frozen=True)
 class StepPrediction:
     step_s: float | None
@@ -215,17 +229,14 @@ def predict_step(
     costs alone give the bubble when no rate is known), the stages cut at `bounds`
     (default: the uniform partition)."""
     from spotline.bubbles.detector import bubble_fraction
-    from spotline.bubbles.schedule import simulate, theory_fraction
+    from spotline.bubbles.schedule import simulate_passes, theory_fraction
 
     p, m = spec.parallel.pipeline_stages, spec.grad_accum(replicas)
     stage = stage_flops_per_token(spec, bounds=bounds)
     tokens = spec.micro_batch_size() * spec.model.seq_len
-    rate = flops_per_s or 1.0
-    micro_s = [f * tokens / rate for f in stage]
+    micro_s = stage_micro_s(spec, flops_per_s or 1.0, bounds, flops=stage)
     if p > 1:
-        timelines = simulate(
-            p, m, t_fwd=[t / 3 for t in micro_s], t_bwd=[2 * t / 3 for t in micro_s]
-        )
+        timelines = simulate_passes(p, m, micro_s)
         spans = [tl[-1].end - tl[0].start for tl in timelines]
         bubble = sum(bubble_fraction(tl) * sp for tl, sp in zip(timelines, spans, strict=True))
         bubble /= sum(spans)

@@ -9,7 +9,9 @@ The forecast is keyed by the instruction's index in the step. With a fixed p
 and m, DeepSpeed runs the same instruction list every step, so index i is the
 same receive of the same slot each time, and an exponential average of what it
 waited is the prediction for the next step (the schedule gives the where, recent
-timings give the how long).
+timings give the how long). Before any step is measured, `seed` predicts from
+the schedule simulated at estimated stage costs; the first measured step then
+replaces that guess outright.
 """
 
 from __future__ import annotations
@@ -73,13 +75,23 @@ class Forecast:
         self._run: dict[int, float] = {}
         self._offsets: dict[int, float] = {}
         self._names: list[str] = []
+        self.seeded = False
+        """True while the forecast is `seed`'s and no step has been measured."""
+
+    def seed(self, timeline: list[Instr]) -> None:
+        """Predict `timeline` (a simulated step) until the first measured step, which
+        replaces it rather than being averaged with it."""
+        self._names = []
+        self.update(timeline)
+        self.seeded = True
 
     def update(self, timeline: list[Instr]) -> None:
         names = [i.name for i in timeline]
-        if names != self._names:  # another schedule (p or m changed): start over
+        if names != self._names or self.seeded:  # another schedule, or only a guess so far
             self._wait.clear()
             self._offsets.clear()
             self._names = names
+            self.seeded = False
         a = self.alpha
         for i, ins in enumerate(timeline):
             if ins.name not in WAITS:

@@ -5,8 +5,14 @@ DeepSpeed's `TrainSchedule` gives each stage 2(m+p-1) slots per step, and in
 times that is the bubble fraction (p-1)/(m+p-1). Which physical moments a stage
 waits in depends on its neighbours, so `simulate` plays every stage's real
 instruction stream against the others (sends are eager, a receive blocks until
-the matching send finished) and returns the timeline each stage would record.
-It is the detector's oracle in tests and the cold-start prediction at run time.
+the matching send finished) and returns the timeline each stage would record,
+instruction for instruction: the schedule, then the loss broadcast (LossSync)
+and the all-rank agreement (StepSync) that `StepRecorder` records after it.
+
+It is the detector's oracle in tests, `spotline plan`'s step time, and the
+recorder's cold-start prediction: until a stage has measured a step, the
+windows it tells its backfill executor about are `simulate_passes`' at the
+stages' estimated costs.
 """
 
 from __future__ import annotations
@@ -71,7 +77,9 @@ def simulate(
 ) -> list[list[Instr]]:
     """Each stage's timeline of one step; per-stage costs may be lists (one per stage).
 
-    The step ends with the all-stage StepSync, so every timeline ends at the same time.
+    After the schedule, the last stage broadcasts the loss (LossSync: the sender does not
+    wait, a receiver waits until the last stage is done), then the all-stage StepSync
+    ends the step, so every timeline ends at the same time.
     """
     p = stages
     fwd = t_fwd if isinstance(t_fwd, list) else [t_fwd] * p
@@ -113,10 +121,24 @@ def simulate(
                 progress = True
     if any(pc[s] < len(progs[s]) for s in range(p)):
         raise RuntimeError("pipeline schedule deadlocked in simulation")  # cannot happen
+    loss_sent = clock[p - 1]
     finish = max(clock)
     for s in range(p):
-        out[s].append(Instr("StepSync", -1, clock[s], finish))
+        sent = max(clock[s], loss_sent)
+        out[s].append(Instr("LossSync", -1, clock[s], sent))
+        out[s].append(Instr("StepSync", -1, sent, finish))
     return out
+
+
+def simulate_passes(stages: int, micro_batches: int, micro_s: list[float]) -> list[list[Instr]]:
+    """`simulate` with stage s spending micro_s[s] seconds on the forward and backward of
+    one micro-batch, the backward twice the forward (the FLOP convention: 3x forward)."""
+    return simulate(
+        stages,
+        micro_batches,
+        t_fwd=[t / 3 for t in micro_s],
+        t_bwd=[2 * t / 3 for t in micro_s],
+    )
 
 
 def compute_gaps(timeline: list[Instr]) -> list[tuple[float, float]]:

@@ -149,11 +149,16 @@ class TrainWorker:
             self.channel = WindowChannel(
                 channel_path(self.spec, self.attempt, self.topo.rank), create=True
             )
+        name, peak = device_peak(self.spec.parallel.precision, threads)
         self.trainer = Trainer(
-            self.spec, self.topo, threads=threads, window_channel=self.channel, bounds=bounds
+            self.spec,
+            self.topo,
+            threads=threads,
+            window_channel=self.channel,
+            bounds=bounds,
+            flops_per_s=peak,
         )
         self.metrics = Metrics(self.spec.name)
-        name, peak = device_peak(self.spec.parallel.precision, threads)
         return {"backend": backend, "device": name, "peak_flops": peak}
 
     def _clean_staging(self) -> None:

@@ -32,6 +32,7 @@ from spotline.bubbles.recorder import StepRecorder
 from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.config.schema import JobSpec
 from spotline.data import Prefetcher, Sampler, open_dataset
+from spotline.metrics.flops import device_peak
 from spotline.models import (
     build_pipeline_module,
     build_sequential,
@@ -39,6 +40,7 @@ from spotline.models import (
     model_def,
     stage_bounds,
 )
+from spotline.plan import stage_micro_s
 from spotline.train import state
 from spotline.train.adaptive import BatchSchedule, GradProbe, grow_to
 
@@ -139,7 +141,11 @@ class Trainer:
         threads: int | None = None,
         window_channel: WindowChannel | None = None,
         bounds: list[int] | None = None,
+        flops_per_s: float | None = None,
     ):
+        """`flops_per_s`: this device's FLOP/s (`metrics.flops.device_peak`, looked up
+        here when not given), from which a pipeline stage predicts its bubbles before
+        it has measured a step."""
         import deepspeed
 
         self.spec = spec
@@ -195,12 +201,15 @@ class Trainer:
         # measured, and the backfill executor (if any) learns when a window opens.
         self.recorder: StepRecorder | None = None
         if self.pipelined:
+            rate = flops_per_s or device_peak(spec.parallel.precision, threads)[1]
             self.recorder = StepRecorder(
                 topo.stage,
                 topo.pipeline_stages,
                 self.micro_batches,
                 channel=window_channel,
                 min_window_s=constants.SPOTLINE_BACKFILL_MIN_WINDOW_S,
+                # Until a step is measured, the windows come from the simulated schedule.
+                micro_s=stage_micro_s(spec, rate, self.bounds, self.model_def) if rate else None,
             )
             self.recorder.attach(self.engine)
         # The adaptive schedule's reading of each step's first micro-batch gradient.
