@@ -145,6 +145,10 @@ def measure(p: int, m: int, args, tmp: Path) -> dict[str, Any]:
         "fill_per_stage_overall": [s["fill_fraction"] for s in nb["per_stage"].values()],
         "overrun_s_per_step": while_on["overrun_s_per_step"],
         "overrun_fraction": while_on["overrun_fraction"],
+        # Share of the signalled window time past its forecast end (no unit starts there).
+        "open_past_forecast": (
+            while_on["beyond_s"] / while_on["open_s"] if while_on["open_s"] else 0.0
+        ),
         "slowdown": step_time(while_on) / step_time(ob) if while_on["steps"] else float("nan"),
         "governor_slowdown": on.backfill["slowdown"],
         "governor_margin": on.backfill["margin"],

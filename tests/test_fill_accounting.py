@@ -38,6 +38,7 @@ def _state(seq: int, opened_ms: float, predicted_ms: float) -> ChannelState:
         busy_pid=0,
         busy_tid=0,
         busy_clock=0,
+        beyond_ns=0,
     )
 
 
@@ -60,8 +61,8 @@ def _replay(windows, cost_ms, sched: UnitScheduler, step_ms=(0.0, 100.0)):
 
     meter = FillMeter()
     meter.step_begin(busy(step_ms[0]))
-    for opened, closed, _ in windows:
-        meter.window_open(int(opened * MS), busy(opened))
+    for opened, closed, predicted in windows:
+        meter.window_open(int(opened * MS), busy(opened), int((opened + predicted) * MS))
         meter.window_close(int(closed * MS), busy(closed))
     meter.step_end(busy(step_ms[1]))
     return meter, units
@@ -88,6 +89,18 @@ def test_scripted_windows_give_exact_fill_and_overrun():
     assert meter.filled_ns == (20 + 6 + 8) * MS
     assert meter.overrun_ns == 2 * MS
     assert meter.open_ns == (20 + 6 + 10) * MS
+    assert meter.beyond_ns == 0  # no window outlasted its forecast
+
+
+def test_a_window_that_outlasts_its_forecast_is_counted_as_such():
+    sched = UnitScheduler(margin=1.0)
+    sched.learn("u", 0.004)
+    # Forecast 12 ms, open 20: units start at 10, 14 and 18 (exactly 4 ms of forecast
+    # left); at 22 the forecast has ended though the window is open until 30.
+    meter, units = _replay([(10, 30, 12)], 4.0, sched)
+    assert units == [(10, 14), (14, 18), (18, 22)]
+    assert meter.filled_ns == 12 * MS and meter.overrun_ns == 0
+    assert meter.beyond_ns == 8 * MS  # 22..30: open, but past the forecast
 
 
 def test_the_margin_keeps_units_out_of_tight_windows():

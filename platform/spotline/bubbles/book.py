@@ -9,7 +9,9 @@ stage and replica, kept per stage, and for the chunks that ran with backfill on
   enough to signal, `window_s`); `bubble_fill_fraction` is the same busy time over
   the whole bubble (`wait_s`), short waits included;
 - overrun: executor busy time during steps outside windows, per step and as a
-  fraction of the step (`overrun_fraction`).
+  fraction of the step (`overrun_fraction`);
+- `beyond_s`: time windows stayed open past their forecast end, where no unit may
+  start (what an optimistic forecast would have to win back).
 
 The trainer measures the busy time from the kernel or the device (see
 `bubbles.channel`). Nothing is capped: a fill above 1 is a measurement bug, and
@@ -33,6 +35,7 @@ _KEYS = (
     "open_s",
     "filled_s",
     "overrun_s",
+    "beyond_s",
 )
 
 

@@ -51,6 +51,7 @@ _FIELDS = (
     "busy_pid",  # executor: its process (busy_mode 1)
     "busy_tid",  # executor: its working thread (busy_mode 1)
     "busy_clock",  # executor (busy_mode 2): done_ns when idle, done_ns - unit start if busy
+    "beyond_ns",  # trainer: time windows stayed open past their predicted end
 )
 _FMT = "<" + "q" * len(_FIELDS)
 _SIZE = struct.calcsize(_FMT)
@@ -74,6 +75,7 @@ class ChannelState:
     busy_pid: int
     busy_tid: int
     busy_clock: int
+    beyond_ns: int
 
 
 def busy_clock_value(word: int, now_ns: int) -> int:
@@ -92,19 +94,21 @@ class FillMeter:
         self.filled_ns = 0
         self.overrun_ns = 0
         self.open_ns = 0
-        self._win: tuple[int, int | None] | None = None  # (opened at, busy then)
+        self.beyond_ns = 0  # open past the predicted end: no unit may start there
+        self._win: tuple[int, int | None, int] | None = None  # (opened at, busy, predicted end)
         self._step: int | None = None  # busy at step start
         self._step_in = 0  # busy inside windows during this step
 
-    def window_open(self, now_ns: int, busy_ns: int | None) -> None:
-        self._win = (now_ns, busy_ns)
+    def window_open(self, now_ns: int, busy_ns: int | None, predicted_end_ns: int = 0) -> None:
+        self._win = (now_ns, busy_ns, predicted_end_ns or now_ns)
 
     def window_close(self, now_ns: int, busy_ns: int | None) -> None:
         if self._win is None:
             return
-        opened, b0 = self._win
+        opened, b0, predicted_end = self._win
         self._win = None
         self.open_ns += now_ns - opened
+        self.beyond_ns += max(0, now_ns - max(opened, predicted_end))
         if busy_ns is not None and b0 is not None:
             inside = busy_ns - b0
             self.filled_ns += inside
@@ -189,9 +193,10 @@ class WindowChannel:
 
     def open_window(self, predicted_s: float) -> None:
         now = self._now()
-        self.meter.window_open(now, self.busy_ns())
+        end = now + int(predicted_s * 1e9)
+        self.meter.window_open(now, self.busy_ns(), end)
         self._set("opened_ns", now)
-        self._set("predicted_end_ns", now + int(predicted_s * 1e9))
+        self._set("predicted_end_ns", end)
         self._set("open", 1)
         self._set("seq", self._get("seq") + 1)
         with contextlib.suppress(BlockingIOError):  # a full FIFO: the executor is behind
@@ -216,6 +221,7 @@ class WindowChannel:
         self._set("filled_ns", m.filled_ns)
         self._set("overrun_ns", m.overrun_ns)
         self._set("open_ns", m.open_ns)
+        self._set("beyond_ns", m.beyond_ns)
 
     # --- executor side ----------------------------------------------------------
 

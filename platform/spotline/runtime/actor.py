@@ -47,6 +47,10 @@ from spotline.train.trainer import Topology, Trainer, init_distributed
 log = logging.getLogger("spotline.worker")
 
 
+_METERED = ("filled", "overrun", "open", "beyond")
+"""The window channel's fill meters, reported per chunk as `<name>_s` (bubbles.channel)."""
+
+
 def channel_path(spec: JobSpec, attempt: str, rank: int) -> str:
     """Where a rank's trainer and backfill executor share their window channel."""
     root = Path(spec.checkpoint.staging_dir) / spec.name / attempt
@@ -87,7 +91,7 @@ class TrainWorker:
         self._buf = _empty_report()
         self._steps_run = 0  # steps this process trained (its peak memory is taken once)
         self._stall_seen = 0.0
-        self._filled_seen = (0, 0, 0)  # (filled_ns, overrun_ns, open_ns) already reported
+        self._filled_seen = (0,) * len(_METERED)  # the channel's meters already reported
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
         self._sigterm = None
         self._sigterm_reported = False
@@ -327,14 +331,11 @@ class TrainWorker:
         if not out["steps"]:
             return None
         out.update(stage=self.topo.stage, replica=self.topo.replica, rank=self.topo.rank)
-        out["filled_s"] = out["overrun_s"] = out["open_s"] = 0.0
         if self.channel is not None:
             st = self.channel.state()
-            seen = (st.filled_ns, st.overrun_ns, st.open_ns)
-            for key, now, before in zip(
-                ("filled_s", "overrun_s", "open_s"), seen, self._filled_seen, strict=True
-            ):
-                out[key] = (now - before) / 1e9
+            seen = tuple(getattr(st, f"{key}_ns") for key in _METERED)
+            for key, now, before in zip(_METERED, seen, self._filled_seen, strict=True):
+                out[f"{key}_s"] = (now - before) / 1e9
             self._filled_seen = seen
         out["steps_timeline"] = [
             {
