@@ -1,7 +1,7 @@
 """Backfill task kinds, by name, and the context they run in.
 
 A task is a generator function `run(task, ctx)`: it does one small unit of work
-(one layer of a forward pass, one draft token, one draft training step) between
+(half a layer of a forward pass, one draft token, one draft training step) between
 two `yield`s, and yields a label naming the kind of unit it just did. The
 executor resumes it only inside a pipeline window with room for one more unit of
 that kind, so a task never needs to know about windows. Its result is the
@@ -34,6 +34,7 @@ from spotline.config.model import GptModelSpec
 from spotline.config.schema import JobSpec
 from spotline.data import Sampler, job_tokenizer, open_dataset
 from spotline.models import ModelDef, build_sequential, lm_loss, model_def
+from spotline.models.decode import supports_kv_cache
 from spotline.models.gpt import PROVIDER as GPT
 from spotline.registry import BACKFILL_TASKS
 from spotline.train import state
@@ -111,14 +112,15 @@ def run_eval(task: EvalTaskSpec, ctx: TaskContext) -> Units:
     micro = spec.grad_accum(replicas)
     n = task.batches or spec.train.eval_batches
     step_means = []
-    with torch.no_grad():
-        for k in range(n):
-            losses = []
-            for r in range(replicas):
-                for x, y in heldout.micro_batches(k, r, replicas, micro):
-                    logits = yield from spec_dec.layerwise_forward(model, x.to(ctx.device), "eval")
-                    losses.append(loss_fn(logits, y.to(ctx.device)))
-            step_means.append(float(torch.stack(losses).mean()))
+    # No `no_grad` around the loop: it would stay open across the yields (grad mode is
+    # thread-global); each unit runs under its own, and its logits carry no graph.
+    for k in range(n):
+        losses = []
+        for r in range(replicas):
+            for x, y in heldout.micro_batches(k, r, replicas, micro):
+                logits = yield from spec_dec.layerwise_forward(model, x.to(ctx.device), "eval")
+                losses.append(loss_fn(logits, y.to(ctx.device)))
+        step_means.append(float(torch.stack(losses).mean()))
     loss = sum(step_means) / len(step_means)
     return {
         "kind": "eval",
@@ -206,13 +208,13 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
     totals = {"new_tokens": 0, "verifications": 0, "proposed": 0, "accepted": 0}
     spec_s = target_s = 0.0
     target_tokens = 0
+    kv_cache = supports_kv_cache(target)
     for prompt in task.prompts:
         ids = spec_dec.fit_prompt(tok.encode(prompt), task.max_new_tokens, seq_len)
         t0 = ctx.busy_s()
-        with torch.no_grad():
-            res = yield from spec_dec.speculative_generate(
-                target, draft, ids, task.gamma, task.max_new_tokens
-            )
+        res = yield from spec_dec.speculative_generate(
+            target, draft, ids, task.gamma, task.max_new_tokens
+        )
         spec_s += ctx.busy_s() - t0
         totals["new_tokens"] += len(res.tokens)
         totals["verifications"] += res.verifications
@@ -227,8 +229,7 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
         }
         if task.compare_target_only:
             t0 = ctx.busy_s()
-            with torch.no_grad():
-                greedy = yield from spec_dec.greedy_generate(target, ids, task.max_new_tokens)
+            greedy = yield from spec_dec.greedy_generate(target, ids, task.max_new_tokens)
             target_s += ctx.busy_s() - t0
             target_tokens += len(greedy)
             row["equals_target_greedy"] = greedy == res.tokens
@@ -247,6 +248,9 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
         "tokens_per_s": totals["new_tokens"] / spec_s if spec_s else 0.0,
         "completions_uri": uri,
         "gamma": task.gamma,
+        # True: both decodings used the target's KV cache; False: its layers lack the
+        # cached-decoding protocol, so each forward recomputed the whole prefix.
+        "kv_cache": kv_cache,
     }
     if task.compare_target_only:
         out["target_only_tokens_per_s"] = target_tokens / target_s if target_s else 0.0
