@@ -1,11 +1,13 @@
 """Greedy speculative decoding with a KV cache: same tokens as greedy target decoding,
-sliced into units; the cached forward, halves and the prefix-recompute fallback."""
+sliced into units; the cached forward, halves, the prefix-recompute fallback, and the
+draft's distillation sized to the windows."""
 
 from __future__ import annotations
 
 import copy
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ from spotline.backfill.speculative import (
     speculative_generate,
 )
 from spotline.config import GptModelSpec
-from spotline.config.backfill import SpeculativeTaskSpec
+from spotline.config.backfill import DraftSpec, SpeculativeTaskSpec
 from spotline.config.model import LlamaModelSpec
 from spotline.data import ByteTokenizer
 from spotline.models import build_sequential
@@ -374,6 +376,94 @@ def test_run_speculative_reports_the_kv_cache(target, draft, kind):
     assert out["kv_cache"] is (kind == "gpt")
     assert out["all_equal_target_greedy"] is True
     assert out["new_tokens"] == 16 and out["speedup"] > 0
+
+
+# --- the draft's distillation, sized to the windows --------------------------------------
+
+
+def test_step_sequences_follows_the_budget():
+    per_seq = 0.002
+    assert tasks.step_sequences(None, per_seq, 100) == tasks.DRAFT_STEP_SEQUENCES
+    assert tasks.step_sequences(0.01, None, 100) == 1  # known budget, no measurement yet
+    assert tasks.step_sequences(0.01, per_seq, 100) == 5
+    assert tasks.step_sequences(0.0101, per_seq, 100) == 5
+    assert tasks.step_sequences(0.001, per_seq, 100) == 1  # never below one sequence
+    assert tasks.step_sequences(1.0, per_seq, 100) == tasks.DRAFT_MAX_SEQUENCES
+    assert tasks.step_sequences(0.01, per_seq, 3) == 3  # never past the total
+
+
+def _train_ctx(budget):
+    """A context whose busy clock charges 1 ms per sequence for every unit."""
+    tokens = np.random.default_rng(0).integers(0, 256, size=20_000).astype(np.int64)
+    clock = {"busy": 0.0, "rows": 0}
+    ctx = types.SimpleNamespace(
+        spec=types.SimpleNamespace(
+            model=types.SimpleNamespace(seq_len=SEQ_LEN), data=types.SimpleNamespace(seed=0)
+        ),
+        device=torch.device("cpu"),
+        dataset=lambda: types.SimpleNamespace(train=tokens),
+        busy_s=lambda: clock["busy"],
+        unit_budget_s=lambda: budget,
+    )
+    return ctx, clock
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected_sizes"),
+    [
+        (None, [tasks.DRAFT_STEP_SEQUENCES] * 6),
+        (0.0035, [1, 3, 3, 3, 3, 3, 3, 3, 2]),  # 1 to measure, then 3.5 ms / 1 ms each
+        (0.0005, [1] * 24),
+        (1.0, [1, tasks.DRAFT_MAX_SEQUENCES, 24 - 1 - tasks.DRAFT_MAX_SEQUENCES]),
+    ],
+)
+def test_draft_steps_are_sized_to_the_budget(target, budget, expected_sizes):
+    ctx, clock = _train_ctx(budget)
+    d = gpt(DRAFT_SPEC, seed=5)
+    sizes: list[int] = []
+    target[0].register_forward_pre_hook(lambda m, a: clock.__setitem__("rows", a[0].shape[0]))
+    d[0].register_forward_pre_hook(lambda m, a: sizes.append(a[0].shape[0]))
+    spec = DraftSpec(n_layers=1, d_model=16, n_heads=2, train_steps=6, lr=1e-3)
+    gen = tasks.train_draft(d, spec, ctx, target)
+    labels = []
+    try:
+        while True:
+            labels.append(next(gen))
+            clock["busy"] += 0.001 * clock["rows"]
+            assert torch.is_grad_enabled()
+    except StopIteration:
+        pass
+    target[0]._forward_pre_hooks.clear()
+    assert sizes == expected_sizes
+    assert sum(sizes) == 6 * tasks.DRAFT_STEP_SEQUENCES  # the total does not depend on it
+    per_step = ["draft-train/target/0"]
+    per_step += [f"draft-train/target/{i}/{h}" for i in (1, 2) for h in ("attn", "mlp")]
+    per_step += ["draft-train/target/3", "draft-train"]
+    assert labels == per_step * len(expected_sizes)
+
+
+class _NextByte(torch.nn.Module):
+    """A target that always predicts the byte after the current one."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return 10.0 * torch.nn.functional.one_hot((ids + 1) % 256, 256).float()
+
+
+def test_distillation_teaches_the_draft_the_target_not_the_corpus():
+    # The corpus is random bytes: only the target says "next byte = this byte + 1".
+    ctx, _ = _train_ctx(None)
+    d = gpt(DRAFT_SPEC, seed=5)
+    x = torch.randint(0, 256, (4, SEQ_LEN), generator=torch.Generator().manual_seed(9))
+
+    def agreement() -> float:
+        with torch.no_grad():
+            return float((d(x).argmax(-1) == (x + 1) % 256).float().mean())
+
+    assert agreement() < 0.05
+    spec = DraftSpec(n_layers=1, d_model=16, n_heads=2, train_steps=60, lr=1e-2)
+    run_to_end(tasks.train_draft(d, spec, ctx, torch.nn.Sequential(_NextByte())))
+    assert agreement() > 0.9
+    assert not d.training
 
 
 def test_counts_properties_when_empty():
