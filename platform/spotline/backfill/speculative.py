@@ -1,28 +1,48 @@
-"""Greedy speculative decoding, sliced into small units of work.
+"""Greedy speculative decoding with a KV cache, sliced into small units of work.
 
-A backfill executor runs this only inside idle windows of a training pipeline,
-so every function that does model work returns a generator: it yields a label
-after each unit ("target" after one layer of the target model, "draft" after
-one whole draft forward) and hands back its result as the generator's return
-value. The caller may pause for any time between units; `run_to_end` drives a
-generator straight through. Arguments are checked when the function is called,
-before any unit runs.
+A backfill executor runs this only inside idle windows of a training pipeline, so
+every function that does model work returns a generator: it yields a label after each
+unit and hands back its result as the generator's return value. The caller may pause
+for any time between units; `run_to_end` drives a generator straight through.
+Arguments are checked when the function is called, before any unit runs.
 
-Why the output equals greedy decoding by the target alone: every token that
-is emitted is the target's argmax at its position given exactly the tokens
-before it. A draft proposal is kept only if it equals that argmax, and the
-first mismatch is replaced by the target's own argmax (the correction), after
-which all later proposals are dropped because they were conditioned on a
-rejected token. Because the target is causal, its prediction at position i in
-the verification pass depends only on tokens <= i, i.e. on tokens it has
-already confirmed. The draft therefore changes only how many target forwards
-are needed, never which tokens come out. (In floating point this assumes the
-target's argmax at a position does not flip with the length of the input; for
-these tiny models it does not in practice, and the tests check the equality.)
+How it runs. Target and draft each keep a KV cache of the sequence
+(`spotline.models.decode.Decoder`). The target prefills the prompt once, and its last
+logits give the first token. The target's cache then always holds every emitted
+token but the last one, whose k/v no forward has computed yet. Each round:
 
-Why no KV cache: the models are tiny, a full-prefix recompute is cheap, and it
-keeps the target's verification pass the same computation as plain greedy
-decoding, which is what makes the equality above easy to trust and to test.
+1. the draft proposes k = min(gamma, tokens left - 1) tokens, one cached forward
+   each (its first forward also catches up on the tokens it has not seen);
+2. the target verifies them in ONE cached forward over k+1 positions: the last
+   emitted token and the k proposals. Its logits at position i are its own next
+   token after the sequence up to that position;
+3. the longest prefix of proposals equal to those argmaxes is accepted, and the
+   target's token after it is emitted too: the correction at the first mismatch,
+   or the bonus token when all k were accepted (so k stops at tokens left - 1: a
+   k-th proposal could never change the output nor save a target forward);
+4. both caches roll back to the accepted length (rejected proposals' k/v go).
+
+Why the output equals greedy decoding by the target alone: every emitted token is
+the target's argmax at its position given exactly the tokens before it, because a
+proposal is kept only if it equals that argmax and everything after the first
+mismatch is dropped. The draft changes only how many target forwards are needed,
+never which tokens come out. (In floating point this assumes the target's argmax does
+not flip with how many positions one forward computes; a near-tie could, and the
+tests check the equality on real models.)
+
+A model whose layers lack the cached-decoding protocol (a custom provider's, see
+`spotline.models.provider`) recomputes its whole prefix at every forward instead;
+the result says which was used (`kv_cache`).
+
+Units and their labels (bounded in number: no token counts or steps, so the executor
+can forecast each kind's cost from the last ones):
+
+    target/prefill/<layer>   the target over the prompt, one layer
+    target/verify/<layer>    the target over the last token + k proposals, one layer
+    target/decode/<layer>    the target over one token (plain greedy, or a last token)
+    draft/prefill/<layer>    the draft over the tokens it has not seen yet, one layer
+    draft/decode             one whole draft forward: one proposal
+    <label>/<layer>[/attn|/mlp]  `layerwise_forward` (half a layer where it has halves)
 """
 
 from __future__ import annotations
@@ -31,8 +51,9 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
 from torch import nn
+
+from spotline.models.decode import Decoder, layerwise_forward
 
 T = TypeVar("T")
 
@@ -44,19 +65,6 @@ def run_to_end(gen: Generator[str, None, T]) -> T:
             next(gen)
         except StopIteration as stop:
             return stop.value
-
-
-def layerwise_forward(
-    model: nn.Sequential, x: torch.Tensor, label: str = "target"
-) -> Generator[str, None, torch.Tensor]:
-    """Run `model` one layer per unit; returns the final output."""
-    for layer in model:
-        # Grad mode is thread-global: a `no_grad` block held open across a yield
-        # would leak into whatever the caller (the training step) runs meanwhile.
-        with torch.no_grad():
-            x = layer(x)
-        yield label
-    return x
 
 
 def fit_prompt(prompt: list[int], max_new_tokens: int, seq_len: int) -> list[int]:
@@ -88,15 +96,14 @@ def _check(model: nn.Sequential, prompt: list[int], max_new_tokens: int, name: s
         )
 
 
-def _ids(model: nn.Sequential, tokens: list[int]) -> torch.Tensor:
-    device = next(model.parameters()).device
-    return torch.tensor([tokens], dtype=torch.long, device=device)
+def _argmax(logits) -> list[int]:
+    return logits.argmax(-1).tolist()
 
 
 def greedy_generate(
     target: nn.Sequential, prompt: list[int], max_new_tokens: int
 ) -> Generator[str, None, list[int]]:
-    """Plain greedy decoding by the target; returns the new tokens."""
+    """Plain greedy decoding by the target, with its KV cache; returns the new tokens."""
     # Checked here, not inside the generator, so a bad job fails when it is
     # submitted rather than at its first idle window.
     _check(target, prompt, max_new_tokens, "target")
@@ -107,19 +114,24 @@ def _greedy(
     target: nn.Sequential, prompt: list[int], max_new_tokens: int
 ) -> Generator[str, None, list[int]]:
     target.eval()
-    tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        logits = yield from layerwise_forward(target, _ids(target, tokens))
-        tokens.append(int(logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
+    if not max_new_tokens:
+        return []
+    dec = Decoder(target)
+    logits = yield from dec.feed(prompt, "target/prefill")
+    out = [_argmax(logits[-1])]
+    while len(out) < max_new_tokens:
+        logits = yield from dec.feed(out[-1:], "target/decode")
+        out.append(_argmax(logits[-1]))
+    return out
 
 
 @dataclass
 class SpeculativeResult:
     tokens: list[int]
-    verifications: int  # target forward passes
+    verifications: int  # target forwards after the prompt's prefill
     proposed: int  # draft tokens offered for verification
     accepted: int  # draft tokens the target agreed with
+    kv_cache: bool = False  # the target decoded with its KV cache (else: prefix recompute)
 
     @property
     def acceptance_rate(self) -> float:
@@ -145,6 +157,20 @@ def speculative_generate(
     return _speculative(target, draft, list(prompt), gamma, max_new_tokens)
 
 
+def _propose(draft: Decoder, tokens: list[int], k: int) -> Generator[str, None, list[int]]:
+    """k greedy draft tokens after `tokens`, one cached forward each."""
+    unseen = tokens[draft.length :]  # the draft's cache holds a prefix of `tokens`
+    if draft.length == 0:  # the whole prompt: sliced by layer like the target's prefill
+        logits = yield from draft.feed(unseen, "draft/prefill")
+    else:
+        logits = yield from draft.feed(unseen, "draft/decode", sliced=False)
+    proposals = [_argmax(logits[-1])]
+    while len(proposals) < k:
+        logits = yield from draft.feed(proposals[-1:], "draft/decode", sliced=False)
+        proposals.append(_argmax(logits[-1]))
+    return proposals
+
+
 def _speculative(
     target: nn.Sequential,
     draft: nn.Sequential,
@@ -154,28 +180,39 @@ def _speculative(
 ) -> Generator[str, None, SpeculativeResult]:
     target.eval()
     draft.eval()
-    out: list[int] = []
-    verifications = proposed = accepted = 0
-    while len(out) < max_new_tokens:
-        prefix = prompt + out
-        # Never propose past max_new_tokens: the extra work could not be emitted.
-        k = min(gamma, max_new_tokens - len(out))
-        proposals: list[int] = []
-        for _ in range(k):
-            with torch.no_grad():
-                logits = draft(_ids(draft, prefix + proposals))
-            proposals.append(int(logits[0, -1].argmax()))
-            yield "draft"
-        logits = yield from layerwise_forward(target, _ids(target, prefix + proposals))
-        # preds[i] is the target's token after prefix + proposals[:i], i = 0..k.
-        preds = logits[0, len(prefix) - 1 :].argmax(-1).tolist()
+    tdec, ddec = Decoder(target), Decoder(draft)
+    res = SpeculativeResult([], 0, 0, 0, kv_cache=tdec.kv_cache)
+    if not max_new_tokens:
+        return res
+    logits = yield from tdec.feed(prompt, "target/prefill")
+    tokens = prompt + [_argmax(logits[-1])]
+    while (left := len(prompt) + max_new_tokens - len(tokens)) > 0:
+        # The target's verification emits one token of its own after the accepted ones.
+        k = min(gamma, left - 1)
+        proposals = (yield from _propose(ddec, tokens, k)) if k else []
+        # The target's cache lacks only the last emitted token: it goes first.
+        fed = tokens[tdec.length :] + proposals
+        logits = yield from tdec.feed(fed, "target/verify" if k else "target/decode")
+        # preds[i] is the target's token after tokens + proposals[:i], i = 0..k.
+        preds = _argmax(logits)
         n = 0
         while n < k and proposals[n] == preds[n]:
             n += 1
-        out += proposals[:n]
-        if len(out) < max_new_tokens:
-            out.append(preds[n])  # the correction, or the bonus token if n == k
-        verifications += 1
-        proposed += k
-        accepted += n
-    return SpeculativeResult(out, verifications, proposed, accepted)
+        tokens += proposals[:n] + [preds[n]]  # the correction, or the bonus if n == k
+        tdec.rollback(len(tokens) - 1)
+        ddec.rollback(len(tokens) - 1)
+        res.verifications += 1
+        res.proposed += k
+        res.accepted += n
+    res.tokens = tokens[len(prompt) :]
+    return res
+
+
+__all__ = [
+    "SpeculativeResult",
+    "fit_prompt",
+    "greedy_generate",
+    "layerwise_forward",
+    "run_to_end",
+    "speculative_generate",
+]

@@ -1,7 +1,7 @@
 """Backfill task kinds, by name, and the context they run in.
 
 A task is a generator function `run(task, ctx)`: it does one small unit of work
-(one layer of a forward pass, one draft token, one draft training step) between
+(half a layer of a forward pass, one draft token, one draft training step) between
 two `yield`s, and yields a label naming the kind of unit it just did. The
 executor resumes it only inside a pipeline window with room for one more unit of
 that kind, so a task never needs to know about windows. Its result is the
@@ -25,7 +25,9 @@ import math
 from collections.abc import Callable, Generator
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from spotline.backfill import speculative as spec_dec
 from spotline.checkpoint import CheckpointStore, Manifest
@@ -33,7 +35,8 @@ from spotline.config.backfill import DraftSpec, EvalTaskSpec, SpeculativeTaskSpe
 from spotline.config.model import GptModelSpec
 from spotline.config.schema import JobSpec
 from spotline.data import Sampler, job_tokenizer, open_dataset
-from spotline.models import ModelDef, build_sequential, lm_loss, model_def
+from spotline.models import ModelDef, build_sequential, model_def
+from spotline.models.decode import supports_kv_cache
 from spotline.models.gpt import PROVIDER as GPT
 from spotline.registry import BACKFILL_TASKS
 from spotline.train import state
@@ -54,9 +57,9 @@ class TaskContext:
     """Survives across tasks on one executor (a trained draft, a loaded target)."""
     busy_s: Callable[[], float]
     """Seconds this task has spent working so far (not waiting for windows)."""
-    unit_budget_s: Callable[[], float | None] = lambda: None
-    """Seconds a unit may take to fit this stage's typical window (None: unknown, or
-    training is over and units run freely)."""
+    unit_budget_s: Callable[[], float | None] = dataclasses.field(default=lambda: None)
+    """Seconds one unit may take to fit this stage's typical window; None when that is
+    unknown, or when training is over (no windows left to fit)."""
 
     @property
     def step(self) -> int:
@@ -114,14 +117,15 @@ def run_eval(task: EvalTaskSpec, ctx: TaskContext) -> Units:
     micro = spec.grad_accum(replicas)
     n = task.batches or spec.train.eval_batches
     step_means = []
-    with torch.no_grad():
-        for k in range(n):
-            losses = []
-            for r in range(replicas):
-                for x, y in heldout.micro_batches(k, r, replicas, micro):
-                    logits = yield from spec_dec.layerwise_forward(model, x.to(ctx.device), "eval")
-                    losses.append(loss_fn(logits, y.to(ctx.device)))
-            step_means.append(float(torch.stack(losses).mean()))
+    # No `no_grad` around the loop: it would stay open across the yields (grad mode is
+    # thread-global); each unit runs under its own, and its logits carry no graph.
+    for k in range(n):
+        losses = []
+        for r in range(replicas):
+            for x, y in heldout.micro_batches(k, r, replicas, micro):
+                logits = yield from spec_dec.layerwise_forward(model, x.to(ctx.device), "eval")
+                losses.append(loss_fn(logits, y.to(ctx.device)))
+        step_means.append(float(torch.stack(losses).mean()))
     loss = sum(step_means) / len(step_means)
     return {
         "kind": "eval",
@@ -168,21 +172,93 @@ def build_draft_model(draft_spec: DraftSpec, ctx: TaskContext) -> torch.nn.Seque
     return model.to(ctx.device)
 
 
-def train_draft(draft, draft_spec: DraftSpec, ctx: TaskContext) -> Generator[str, None, None]:
-    """Train the draft on the job's corpus, one small optimizer step per unit."""
+DRAFT_STEP_SEQUENCES = 4
+"""Sequences in one of `draft.train_steps` (config/backfill.py documents the 4): the
+draft trains on train_steps x this many sequences in all, however they are grouped."""
+DRAFT_MAX_SEQUENCES = 16
+"""The most sequences one optimizer step takes, however wide the windows."""
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Per token: KL(teacher || student), the target's whole next-token distribution,
+    plus cross-entropy to the target's argmax, the token greedy verification accepts.
+    The argmax term sharpens the draft on exactly what acceptance needs."""
+    s = F.log_softmax(student.float().flatten(0, -2), dim=-1)
+    t = F.log_softmax(teacher.float().flatten(0, -2), dim=-1)
+    kl = F.kl_div(s, t, log_target=True, reduction="batchmean")
+    return kl + F.nll_loss(s, t.argmax(-1))
+
+
+def step_sequences(budget_s: float | None, per_sequence_s: float | None, left: int) -> int:
+    """Sequences the next draft step takes: as many as fit `budget_s` at the measured
+    cost of the step's largest unit per sequence, at least 1, at most
+    DRAFT_MAX_SEQUENCES and `left`. Without a budget (or a measurement yet):
+    DRAFT_STEP_SEQUENCES when the budget is unknown, 1 to measure when it is known."""
+    if budget_s is None:
+        n = DRAFT_STEP_SEQUENCES
+    elif not per_sequence_s:
+        n = 1
+    else:
+        n = int(budget_s / per_sequence_s)
+    return max(1, min(n, DRAFT_MAX_SEQUENCES, left))
+
+
+def _timed(units: Generator[str, None, Any], ctx: TaskContext, cost: dict[str, float]):
+    """Pass `units` through, recording each unit's busy seconds by label (the executor
+    adds a unit's time to ctx.busy_s() before resuming the task)."""
+    while True:
+        t0 = ctx.busy_s()
+        try:
+            label = next(units)
+        except StopIteration as done:
+            return done.value
+        yield label
+        cost[label] = ctx.busy_s() - t0
+
+
+def train_draft(
+    draft, draft_spec: DraftSpec, ctx: TaskContext, target: torch.nn.Sequential
+) -> Generator[str, None, None]:
+    """Distil the target into the draft on the job's corpus.
+
+    The draft sees `draft.train_steps` x DRAFT_STEP_SEQUENCES corpus sequences in all.
+    Each optimizer step takes as many of them as its largest unit can process within
+    `ctx.unit_budget_s()` (see `step_sequences`): the target's forward over them, a
+    unit per half-layer or layer ("draft-train/target/<layer>[/attn|/mlp]"), then the draft's
+    forward, backward and update in one unit ("draft-train"), trained towards the
+    target's next-token distribution (`distill_loss`).
+    """
     spec = ctx.spec
-    # Two sequences per step: a unit small enough to fit a pipeline window.
-    sampler = Sampler(ctx.dataset().train, spec.model.seq_len, 2, spec.data.seed + 7)
+    # One row per draw index: the sequences seen do not depend on how they are grouped.
+    sampler = Sampler(ctx.dataset().train, spec.model.seq_len, 1, spec.data.seed + 7)
     opt = torch.optim.AdamW(draft.parameters(), lr=draft_spec.lr)
-    draft.train()
-    for step in range(draft_spec.train_steps):
-        ((x, y),) = sampler.micro_batches(step, 0, 1, 1)
-        loss = lm_loss(draft(x.to(ctx.device)), y.to(ctx.device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        yield "draft-train"
+    target.eval()
+    total = draft_spec.train_steps * DRAFT_STEP_SEQUENCES
+    done = 0
+    per_sequence: float | None = None
+    while done < total:
+        n = step_sequences(ctx.unit_budget_s(), per_sequence, total - done)
+        rows = np.concatenate([sampler.global_rows(done + i, 1) for i in range(n)])
+        x = torch.from_numpy(rows[:, :-1].astype(np.int64)).to(ctx.device)
+        cost: dict[str, float] = {}
+        teacher = yield from _timed(
+            spec_dec.layerwise_forward(target, x, "draft-train/target"), ctx, cost
+        )
+        yield from _timed(_draft_step(draft, opt, x, teacher), ctx, cost)
+        done += n
+        largest = max(cost.values()) / n
+        per_sequence = largest if per_sequence is None else 0.5 * (per_sequence + largest)
     draft.eval()
+
+
+def _draft_step(draft, opt, x: torch.Tensor, teacher: torch.Tensor) -> Generator[str, None, None]:
+    draft.train()
+    loss = distill_loss(draft(x), teacher)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    draft.eval()
+    yield "draft-train"
 
 
 def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
@@ -203,19 +279,19 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
     ctx.dataset()
     yield SETUP
     if not trained:
-        yield from train_draft(draft, task.draft, ctx)
+        yield from train_draft(draft, task.draft, ctx, target)
         ctx.cache[key] = draft  # only a fully trained draft is reused
     rows = []
     totals = {"new_tokens": 0, "verifications": 0, "proposed": 0, "accepted": 0}
     spec_s = target_s = 0.0
     target_tokens = 0
+    kv_cache = supports_kv_cache(target)
     for prompt in task.prompts:
         ids = spec_dec.fit_prompt(tok.encode(prompt), task.max_new_tokens, seq_len)
         t0 = ctx.busy_s()
-        with torch.no_grad():
-            res = yield from spec_dec.speculative_generate(
-                target, draft, ids, task.gamma, task.max_new_tokens
-            )
+        res = yield from spec_dec.speculative_generate(
+            target, draft, ids, task.gamma, task.max_new_tokens
+        )
         spec_s += ctx.busy_s() - t0
         totals["new_tokens"] += len(res.tokens)
         totals["verifications"] += res.verifications
@@ -230,8 +306,7 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
         }
         if task.compare_target_only:
             t0 = ctx.busy_s()
-            with torch.no_grad():
-                greedy = yield from spec_dec.greedy_generate(target, ids, task.max_new_tokens)
+            greedy = yield from spec_dec.greedy_generate(target, ids, task.max_new_tokens)
             target_s += ctx.busy_s() - t0
             target_tokens += len(greedy)
             row["equals_target_greedy"] = greedy == res.tokens
@@ -250,6 +325,9 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
         "tokens_per_s": totals["new_tokens"] / spec_s if spec_s else 0.0,
         "completions_uri": uri,
         "gamma": task.gamma,
+        # True: both decodings used the target's KV cache; False: its layers lack the
+        # cached-decoding protocol, so each forward recomputed the whole prefix.
+        "kv_cache": kv_cache,
     }
     if task.compare_target_only:
         out["target_only_tokens_per_s"] = target_tokens / target_s if target_s else 0.0

@@ -38,8 +38,11 @@ class DraftSpec(_Section):
     d_model: int = Field(64, gt=0)
     n_heads: int = Field(2, gt=0)
     train_steps: int = Field(200, ge=0)
-    """Steps the executor trains the draft on the job's corpus (in bubbles, once per
-    executor) before it is first used. 0 uses the draft as initialised or loaded."""
+    """How long the executor distils the target into the draft (in bubbles, once per
+    executor) before it is first used: train_steps x 4 sequences of the job's corpus,
+    each labelled by the target's forward. The executor groups them into optimizer
+    steps that fit its stage's windows, so the number of optimizer steps varies, the
+    sequences seen do not. 0 uses the draft as initialised or loaded."""
     path: str | None = None
     """A state_dict of a draft with this shape to start from, on every node's local
     disk: a .safetensors file, or a torch file (read with weights_only=True, so it can

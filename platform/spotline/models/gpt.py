@@ -1,19 +1,23 @@
 """The quickstart's GPT decoder as a flat layer list: embedding, N blocks, head.
 
 Learned positions, pre-norm LayerNorm blocks with causal self-attention and a GELU
-MLP. Each layer is seeded from (base seed, layer index), so the initial weights do
+MLP. The layers implement the optional `halves` and `decode` protocols
+(`spotline.models.provider`): backfill slices a block in two, and decodes with a KV
+cache. Each layer is seeded from (base seed, layer index), so the initial weights do
 not depend on how the model is split into pipeline stages.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from spotline.config.model import GptModelSpec
+from spotline.models.decode import LayerKV, attend
 from spotline.models.provider import LayerDef, ModelDef, lm_loss
 
 
@@ -28,8 +32,11 @@ class Embedding(nn.Module):
         nn.init.normal_(self.pos.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
+        return self.decode(idx, None, 0)
+
+    def decode(self, idx: torch.Tensor, cache: LayerKV | None, start: int) -> torch.Tensor:
+        """Token ids at positions start..start+t-1 (cached decoding; no cache of its own)."""
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
         return self.drop(self.tok(idx) + self.pos(pos)[None])
 
 
@@ -57,13 +64,26 @@ class Block(nn.Module):
             nn.init.zeros_(lin.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mlp(self._attn(x))
+
+    def halves(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        """(attention + residual, MLP + residual): composed, exactly `forward`."""
+        return self._attn, self._mlp
+
+    def decode(self, x: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+        """The new positions start.. of x, attending over `cache` (which gains their k/v)."""
+        return self._mlp(self._attn(x, cache))
+
+    def _attn(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        if cache is not None:
+            k, v = cache.append(k, v)
+        y = attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        return x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
@@ -77,6 +97,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm(self.ln(x))
+
+    def decode(self, x: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+        return self.forward(x)
 
 
 def flops_per_token(spec: GptModelSpec, vocab_size: int) -> float:

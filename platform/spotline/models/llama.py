@@ -9,6 +9,10 @@ matches weight for weight, see `spotline.models.hf`):
   MLP (down(silu(gate(x)) * up(x))) -> residual. No biases anywhere.
 - `Head`: the final RMSNorm and the d_model -> vocab projection.
 
+The layers implement the optional `halves` and `decode` protocols
+(`spotline.models.provider`): backfill slices a block in two, and decodes with a KV
+cache (RoPE at the cached positions; the cache keeps n_kv_heads).
+
 Stable parameter names (`<layer index>.<name>`, layer 0 the embedding, 1..L the
 blocks, L+1 the head):
 
@@ -38,11 +42,14 @@ DeepSpeed gathers it for the head's forward and backward too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from spotline.config.model import LlamaModelSpec
+from spotline.models.decode import LayerKV, attend
 from spotline.models.provider import LayerDef, ModelDef, lm_loss, residual_std
 
 INIT_STD = 0.02
@@ -67,15 +74,20 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, head_dim] of positions 0..T-1, each frequency repeated over the
-    two halves of the head (HF's layout). Computed in fp32 (elementwise ops only, which
+    """cos and sin [T, head_dim] of positions start..start+T-1, each frequency repeated
+    over the two halves of the head (HF's layout). Computed in fp32 (elementwise ops only, which
     autocast leaves alone), then cast to `dtype`. Nothing is cached: no buffer to get
     cast to bf16 or left unmaterialised on the meta device."""
     idx = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
     inv_freq = 1.0 / (theta ** (idx / head_dim))
-    pos = torch.arange(seq_len, dtype=torch.int64, device=device).float()
+    pos = torch.arange(start, start + seq_len, dtype=torch.int64, device=device).float()
     freqs = pos[:, None] * inv_freq[None, :]  # the outer product, exact in fp32
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -105,19 +117,25 @@ class Attention(nn.Module):
         self.v = nn.Linear(d_model, kv, bias=False)
         self.o = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: LayerKV | None = None, start: int = 0
+    ) -> torch.Tensor:
+        """Attention of x's positions start..start+t-1; with a `cache`, over the cached
+        positions too (the cache gains the new, rotated k and v)."""
         b, t, d = x.shape
         hd = self.head_dim
         q = self.q(x).view(b, t, self.n_heads, hd).transpose(1, 2)
         k = self.k(x).view(b, t, self.n_kv_heads, hd).transpose(1, 2)
         v = self.v(x).view(b, t, self.n_kv_heads, hd).transpose(1, 2)
-        cos, sin = rope_cos_sin(t, hd, self.rope_theta, x.device, q.dtype)
+        cos, sin = rope_cos_sin(t, hd, self.rope_theta, x.device, q.dtype, start)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # cached k/v keep n_kv_heads: GQA's saving holds in the cache
+            k, v = cache.append(k, v)
         group = self.n_heads // self.n_kv_heads
         if group > 1:  # each k/v head serves `group` consecutive query heads (HF's repeat_kv)
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = attend(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -145,6 +163,9 @@ class Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.tok(idx)
+
+    def decode(self, idx: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+        return self.tok(idx)  # positions enter in the blocks' attention (RoPE)
 
 
 class Block(nn.Module):
@@ -174,7 +195,20 @@ class Block(nn.Module):
             nn.init.normal_(lin.weight, std=residual_std(n_layers, INIT_STD))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+        return self._mlp(self._attn(x))
+
+    def halves(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        """(attention + residual, MLP + residual): composed, exactly `forward`."""
+        return self._attn, self._mlp
+
+    def decode(self, x: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+        """The new positions start.. of x, attending over `cache` (which gains their k/v)."""
+        return self._mlp(self._attn(x, cache, start))
+
+    def _attn(self, x: torch.Tensor, cache: LayerKV | None = None, start: int = 0) -> torch.Tensor:
+        return x + self.attn(self.attn_norm(x), cache, start)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -210,6 +244,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(x), self.projection())
+
+    def decode(self, x: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+        return self.forward(x)
 
 
 def tie(model: nn.Module) -> nn.Module:

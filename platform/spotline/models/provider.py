@@ -21,6 +21,26 @@ architecture:
 - **Inference.** The same layers, applied in order, give logits from token ids:
   backfill evaluation and speculative decoding use that.
 
+Two optional layer protocols make inference cheaper; the built-in `gpt` and `llama`
+layers implement both, and `spotline.models.decode` drives them. A layer without one
+still works, only whole or recomputed:
+
+- **Halves** (blocks): `layer.halves() -> (attn_half, mlp_half)`, two callables
+  `x -> x`, each including its residual, with `mlp_half(attn_half(x))` equal to
+  `layer(x)` bit for bit. Backfill runs each half as its own unit, so a unit fits a
+  shorter idle window. A layer without `halves` runs as one unit.
+- **Cached decoding** (every layer of the model): `layer.decode(x, cache, start) -> y`
+  computes the layer's output for the new positions start..start+t-1 only, given the
+  layer's own slot of the sequence's KV cache (a `spotline.models.decode.LayerKV`):
+  the embedding places positions start.. (token ids [B, t] -> [B, t, d]); a block's
+  attention computes the new positions' keys and values (rotated, for RoPE),
+  `cache.append(k, v)` returns all keys and values so far, and the queries attend
+  causally over them (`spotline.models.decode.attend` builds the mask); the head is
+  its plain forward. Layers without a cache ignore the slot; the driver owns the
+  length and rolls the slots back (rejected draft tokens), so a layer never
+  truncates. If any layer lacks `decode`, decoding recomputes the whole prefix for
+  each new token instead (and says so: `kv_cache: false`).
+
 Bring your own model with `model: {kind: custom, provider: "my_pkg.my_model:PROVIDER",
 config: {...}}`, where PROVIDER has:
 
