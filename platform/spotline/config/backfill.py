@@ -37,7 +37,7 @@ class DraftSpec(_Section):
     n_layers: int = Field(1, gt=0)
     d_model: int = Field(64, gt=0)
     n_heads: int = Field(2, gt=0)
-    train_steps: int = Field(200, ge=0)
+    train_steps: int = Field(500, ge=0)
     """How long the executor distils the target into the draft (in bubbles, once per
     executor) before it is first used: train_steps x 4 sequences of the job's corpus,
     each labelled by the target's forward. The executor groups them into optimizer

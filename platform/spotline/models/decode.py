@@ -100,7 +100,7 @@ def supports_kv_cache(model: nn.Sequential) -> bool:
     return all(callable(getattr(layer, "decode", None)) for layer in model)
 
 
-def units_of(layer: nn.Module) -> Sequence[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+def layer_units(layer: nn.Module) -> Sequence[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
     """A layer's units for a sliced forward: its two halves where it has `halves()`
     (label suffixes "/attn", "/mlp"), else the whole layer ("")."""
     halves = getattr(layer, "halves", None)
@@ -117,7 +117,7 @@ def layerwise_forward(model: nn.Sequential, x: torch.Tensor, label: str = "targe
     "<label>/<layer index>/attn" and ".../mlp", else the whole layer, "<label>/<index>".
     """
     for i, layer in enumerate(model):
-        for suffix, fn in units_of(layer):
+        for suffix, fn in layer_units(layer):
             with torch.no_grad():
                 x = fn(x)
             yield f"{label}/{i}{suffix}"
@@ -207,7 +207,7 @@ __all__ = [
     "LayerKV",
     "attend",
     "cached_forward",
+    "layer_units",
     "layerwise_forward",
     "supports_kv_cache",
-    "units_of",
 ]
