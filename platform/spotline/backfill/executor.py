@@ -228,7 +228,7 @@ class BackfillExecutor:
             after = st.seq
             if not self.paused and self.units.fits(label, st, time.monotonic_ns()):
                 return st
-            if (why := self.units.deferral(label)) is not None and self._deferred is None:
+            if self._deferred is None and (why := self.units.deferral(label)) is not None:
                 self._deferred = why
                 log.info("backfill on rank %d: %s", self.rank, why["why"])
 

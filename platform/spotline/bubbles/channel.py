@@ -207,17 +207,15 @@ class WindowChannel:
         self._set("closed_ns", now)
         self._set("open", 0)
         self.meter.window_close(now, self.busy_ns())
-        self._publish()
 
     def step_begin(self) -> None:
         self.meter.step_begin(self.busy_ns())
 
     def step_end(self) -> None:
-        self.meter.step_end(self.busy_ns())
-        self._publish()
-
-    def _publish(self) -> None:
+        """Close the step's meter and publish the totals (read between steps, so once
+        per step is enough: a window close writes nothing more than it must)."""
         m = self.meter
+        m.step_end(self.busy_ns())
         self._set("filled_ns", m.filled_ns)
         self._set("overrun_ns", m.overrun_ns)
         self._set("open_ns", m.open_ns)
