@@ -107,8 +107,10 @@ def run_job(spec) -> Any:
 
     import spotline
     from spotline.preflight import preflight
+    from spotline.runtime.cluster import bind_to_loopback
 
     preflight(spec)  # reads the prompts file into the spec
+    bind_to_loopback()
     ray.init(
         num_cpus=spec.parallel.pipeline_stages,
         include_dashboard=False,

@@ -237,7 +237,9 @@ def run_spotline(spec: Any, replicas: int, num_cpus: int) -> SpotlineResult:
 
     import spotline
     from spotline.job import JobFailed
+    from spotline.runtime.cluster import bind_to_loopback
 
+    bind_to_loopback()
     ray.init(
         address="local",
         num_cpus=num_cpus,

@@ -68,7 +68,10 @@ class SpotCluster:
         import ray
         from ray.cluster_utils import Cluster
 
+        from spotline.runtime.cluster import bind_to_loopback
+
         self.node_args = dict(trace["node"])
+        bind_to_loopback()  # every node of the cluster on 127.0.0.1
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},

@@ -25,6 +25,12 @@ from typing import Any
 
 import pytest
 
+from spotline.runtime.cluster import bind_to_loopback
+
+# Every Ray node a test starts (the shared local cluster, each node of a multi-node
+# `Cluster`, a `ray start --head` subprocess) listens on 127.0.0.1 only.
+bind_to_loopback()
+
 _MOTO_START_TIMEOUT_S = 60.0
 
 # Every AWS variable that could make botocore find real credentials or a real endpoint.
@@ -145,6 +151,8 @@ def s3_bucket(
 
 def init_local_ray() -> None:
     import ray
+
+    bind_to_loopback()
 
     ray.init(
         num_cpus=4,

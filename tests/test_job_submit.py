@@ -43,7 +43,7 @@ def ray_head(tmp_path_factory):
     temp_dir = f"/tmp/sl-head-{os.getpid()}"
     cmd = [
         shutil.which("ray") or "ray", "start", "--head", "--block",
-        f"--port={gcs}",
+        f"--port={gcs}", "--node-ip-address=127.0.0.1",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
         f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",

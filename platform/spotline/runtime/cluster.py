@@ -20,6 +20,17 @@ from spotline.config.schema import JobSpec
 log = logging.getLogger("spotline.controller")
 
 
+def bind_to_loopback() -> None:
+    """Make every Ray node this process starts from now on listen on 127.0.0.1 alone:
+    `ray.init()`'s local cluster, and each node of a `ray.cluster_utils.Cluster` (tests
+    and benchmarks build multi-node clusters that way, one raylet per node, all on
+    loopback). Attaching to an existing cluster is unchanged."""
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by Ray each time it resolves the node IP
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # and by any Ray process started here
+
+
 def connect_ray(address: str | None) -> None:
     """Connect this driver to Ray: the cluster at `address` (or RAY_ADDRESS), else a new
     local cluster that listens on 127.0.0.1 only.
@@ -31,12 +42,10 @@ def connect_ray(address: str | None) -> None:
     does not change how it attaches to a real cluster.
     """
     import ray
-    from ray._private import ray_constants
 
     if ray.is_initialized():
         return
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read by Ray each time it resolves the node IP
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # and by any Ray process started here
+    bind_to_loopback()
     # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
     # the driver prints the controller's events, and failures arrive grouped by rank.
     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
