@@ -73,7 +73,7 @@ def ray_head(tmp_path_factory):
     yield address
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(30)
+        proc.wait(5)  # `ray start --block` may sit out SIGTERM: the group is killed then
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     log.close()

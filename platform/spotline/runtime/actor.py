@@ -42,7 +42,7 @@ from spotline.metrics.flops import device_peak
 from spotline.metrics.memory import measure_peak
 from spotline.preemption import make_source
 from spotline.runtime.cpu import pin_process
-from spotline.train.trainer import Topology, Trainer, init_distributed
+from spotline.train.trainer import Topology, Trainer, import_deepspeed, init_distributed
 
 log = logging.getLogger("spotline.worker")
 
@@ -74,6 +74,7 @@ def _empty_report() -> dict[str, Any]:
 class TrainWorker:
     def __init__(self, spec_json: str, topo: Topology, store: CheckpointStore, attempt: str):
         install_log_redaction()
+        import_deepspeed()  # first, so that no later import pulls it in the slow way
         self.spec = JobSpec.model_validate_json(spec_json)
         self.topo = topo
         self.store = store

@@ -17,9 +17,11 @@ import logging
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -109,8 +111,31 @@ def build_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimi
     )
 
 
+def import_deepspeed() -> ModuleType:
+    """DeepSpeed, imported without the MLflow import of its autotuner.
+
+    `import deepspeed` loads deepspeed.autotuning, which imports MLflow whenever it is
+    installed (`spotline[tracking]` installs it) to log autotuning experiments, which a
+    Spotline job never runs. That import is most of DeepSpeed's import time (about 1.0 s of
+    1.3 s on a quiet core), and every worker a restart starts pays it before its first step.
+    Called where a rank's process starts, where nothing else imports MLflow; MLflow stays
+    importable afterwards.
+    """
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError; DeepSpeed expects that
+    try:
+        import deepspeed
+    finally:
+        if hide:
+            sys.modules.pop("mlflow", None)
+    return deepspeed
+
+
 def init_distributed(topo: Topology, master_addr: str, master_port: int) -> str:
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     os.environ.update(
         RANK=str(topo.rank),
