@@ -152,8 +152,6 @@ def s3_bucket(
 def init_local_ray() -> None:
     import ray
 
-    bind_to_loopback()
-
     ray.init(
         num_cpus=4,
         include_dashboard=False,

@@ -163,6 +163,17 @@ def _run_until(spec, step: int) -> dict[str, Any]:
     return res
 
 
+def test_every_node_of_the_test_cluster_listens_on_loopback(cluster: SpotCluster) -> None:
+    """The head and each spot node (one raylet each) bind to 127.0.0.1, not the
+    machine's routable address: no test traffic leaves loopback."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert len(nodes) == 3
+    assert {n["NodeManagerAddress"] for n in nodes} == {"127.0.0.1"}
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
 def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     spot_cluster: SpotCluster, tmp_path: Path
 ) -> None:
