@@ -992,3 +992,28 @@ def test_asked_repartition_happens_at_the_next_boundary(tmp_path):
     ctl.run()
     assert [g.bounds for g in FakeGroup.instances] == [[0, 4, 8], [0, 3, 8]]
     assert FakeGroup.instances[1].restored == [50]
+
+
+@pytest.mark.parametrize(("seen_gone_after_s", "node_lost"), [(0.4, True), (1.5, False)])
+def test_a_node_seen_gone_a_moment_after_its_worker_died_is_a_node_loss(
+    tmp_path, seen_gone_after_s, node_lost
+):
+    """Rank 3's process dies on node-1; the node shows as gone `seen_gone_after_s` later.
+    Within SPOTLINE_NODE_LOSS_WAIT_S (1 s) that is a spot loss, which uses up no
+    failure; after it, a failure of the worker on a live node."""
+    ctl, _ = make(tmp_path, script={"kill_at": 15})
+    cluster, clock = ctl.cluster, ctl.clock
+    checks: list[float] = []  # the clock at each check after the death
+
+    def gone(node_ids):
+        checks.append(clock.now)
+        if clock.now - checks[0] >= seen_gone_after_s:
+            cluster.nodes.discard("node-1")
+        return set(node_ids) - cluster.nodes
+
+    cluster.gone = gone
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert (res["node_losses"], res["failures"]) == ((1, 0) if node_lost else (0, 1))
+    # The checks stop at the first sight of the loss, or once the wait is over.
+    assert checks[-1] - checks[0] == pytest.approx(0.5 if node_lost else 1.0)

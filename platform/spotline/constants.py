@@ -52,10 +52,12 @@ SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S = _env_float("SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S"
 SPOTLINE_NOTICE_ACK_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_ACK_TIMEOUT_S", 2.0)
 # How long stop() waits for the polling thread to finish its current poll.
 SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S", 5.0)
-# After a worker process dies, how many times (1 s apart) the controller checks whether
-# the worker's node is gone: a lost node is a spot preemption and does not use up
-# failure.max_failures.
-SPOTLINE_NODE_LOSS_CHECKS = int(_env_float("SPOTLINE_NODE_LOSS_CHECKS", 3))
+# After a worker process dies (and its peers had a second to fail too), how long the
+# controller keeps checking whether the worker's node is gone: a lost node is a spot
+# preemption and does not use up failure.max_failures. A node whose raylet is gone
+# answers no connection, so it is seen at the first check; the wait covers a node whose
+# processes die a moment before its raylet.
+SPOTLINE_NODE_LOSS_WAIT_S = _env_float("SPOTLINE_NODE_LOSS_WAIT_S", 1.0)
 # After a group is torn down, how long the controller waits for its devices to show as
 # free again before sizing the next group from what it sees (Ray frees them a moment
 # after the actors die).

@@ -527,7 +527,7 @@ class Controller:
         deadline = self.clock() + constants.SPOTLINE_CAPACITY_SETTLE_S
         capacity = self.cluster.capacity()
         while capacity < want and self.clock() < deadline:
-            self.sleep(0.5)
+            self.sleep(0.2)
             capacity = self.cluster.capacity()
         return capacity
 
@@ -1025,18 +1025,18 @@ class Controller:
 
     def _lost_nodes(self, patient: bool) -> set[str]:
         """Nodes of the live group that are gone. A failure may surface first as a peer's
-        collective error; a worker reported dead gets a few checks, as its node can be
-        seen gone a moment after its processes."""
+        collective error; after a worker reported dead the checks go on for
+        SPOTLINE_NODE_LOSS_WAIT_S, as its node can be seen gone a moment after its
+        processes."""
         if self.group is None:
             return set()
         mine = self.group.node_ids()
-        for _ in range(constants.SPOTLINE_NODE_LOSS_CHECKS if patient else 1):
+        deadline = self.clock() + (constants.SPOTLINE_NODE_LOSS_WAIT_S if patient else 0.0)
+        while True:
             lost = self.cluster.gone(mine)
-            if lost:
+            if lost or self.clock() >= deadline:
                 return lost
-            if patient:
-                self.sleep(1.0)
-        return set()
+            self.sleep(0.25)
 
     # --- spot capacity --------------------------------------------------------------
 
