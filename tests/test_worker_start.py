@@ -1,6 +1,7 @@
 """What a new rank's process pays before its first step: DeepSpeed loads without the
 MLflow import of its autotuner (about a second of every restart), and MLflow stays
-importable afterwards."""
+importable afterwards; building an engine does not load torch's inductor compiler for
+DeepSpeed's Muon optimizer (about another second)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,48 @@ def test_a_plain_import_of_deepspeed_does_load_mlflow() -> None:
     pytest.importorskip("mlflow")
     got = _fresh("import sys\nimport deepspeed\nprint('mlflow' in sys.modules)\n")
     assert got == "True"
+
+
+_ENGINE_CHECK = (
+    "import sys, torch\n"
+    "{imp}\n"
+    "from deepspeed.runtime.zero.muon import muon_optimizer, original_muon\n"
+    "print('torch._inductor.compile_fx' in sys.modules,"
+    " hasattr(original_muon.muon_update, '__wrapped__'))\n"
+)
+
+
+def test_the_engine_check_of_muon_does_not_load_the_compiler() -> None:
+    """`is_zero_supported_optimizer`, run by every engine build, imports Muon's module;
+    after `import_deepspeed` its compiled functions wait for their first call."""
+    imp = "from spotline.train.trainer import import_deepspeed; import_deepspeed()"
+    assert _fresh(_ENGINE_CHECK.format(imp=imp)) == "False True"
+
+
+def test_a_plain_import_of_muon_does_load_the_compiler() -> None:
+    assert _fresh(_ENGINE_CHECK.format(imp="import deepspeed")) == "True True"
+
+
+def test_a_deferred_compile_compiles_once_at_the_first_call_with_its_options() -> None:
+    from spotline.train.trainer import compile_on_first_call
+
+    compiled: list[tuple[str, dict]] = []
+
+    def fake_compile(fn, **options):
+        compiled.append((fn.__name__, options))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    lazy = compile_on_first_call(fake_compile)
+
+    @lazy
+    def square(x):
+        return x * x
+
+    @lazy(fullgraph=True)
+    def add(x, y=1):
+        return x + y
+
+    assert compiled == [] and square.__name__ == "square"
+    assert square(3) == ("compiled", 9) and square(4) == ("compiled", 16)
+    assert add(1, y=2) == ("compiled", 3)
+    assert compiled == [("square", {}), ("add", {"fullgraph": True})]

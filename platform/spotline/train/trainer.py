@@ -11,7 +11,9 @@ to the host and returns; serialization and upload happen on a background thread
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -131,7 +133,54 @@ def import_deepspeed() -> ModuleType:
     finally:
         if hide:
             sys.modules.pop("mlflow", None)
+    _import_muon_compiling_lazily()
     return deepspeed
+
+
+_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _import_muon_compiling_lazily() -> None:
+    """DeepSpeed's Muon optimizer, imported with its `torch.compile` deferred to the
+    first call of each compiled function.
+
+    Building an engine imports it (`is_zero_supported_optimizer` checks the optimizer
+    against Muon's class), and its module decorates three functions with
+    `torch.compile`, which loads torch's inductor compiler right away: about 1.1 s of
+    each new rank's start on a quiet core, for an optimizer a Spotline job does not
+    use. Deferred, a job that did call them would compile them on first use, as before.
+    """
+    if _MUON in sys.modules:
+        return
+    real = torch.compile
+    torch.compile = compile_on_first_call(real)
+    try:
+        importlib.import_module(_MUON)
+    except ImportError:  # a DeepSpeed without Muon: nothing to defer
+        pass
+    finally:
+        torch.compile = real
+
+
+def compile_on_first_call(compile_fn: Any) -> Any:
+    """`compile_fn` (torch.compile's signature), deferred: the function it is given is
+    compiled when it is first called, with the same options."""
+
+    def deferred(fn: Any = None, **options: Any) -> Any:
+        if fn is None:  # used as @torch.compile(...)
+            return lambda f: deferred(f, **options)
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_fn(fn, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return deferred
 
 
 def init_distributed(topo: Topology, master_addr: str, master_port: int) -> str:
