@@ -121,13 +121,17 @@ class BackfillPool:
         A spec task still queued for an older step moves to this one instead of
         queueing twice: backfill works on the newest weights and never falls behind
         (the older step may be gone to retention by the time an executor is free).
+        One still running is not queued again beside itself (a second copy would only
+        hold another executor with the same work): it is due again at the first commit
+        after it ends, and always on the final one.
         """
         with self._lock:
             self._latest = manifest
             queued = {self.records[t].spec_index: self.records[t] for t in self._queue}
+            running = {self.records[t].spec_index for t, _ in self._running.values()}
         for i, task in enumerate(self.spec.backfill.tasks):
             last = self._last_step.get(i)
-            if last == manifest.step:
+            if last == manifest.step or (i in running and not final):
                 continue
             if final or last is None or manifest.step - last >= task.every_steps:
                 self._last_step[i] = manifest.step
@@ -280,6 +284,9 @@ class BackfillPool:
             rec.error = rec.error or (
                 f"not finished within backfill.finish_timeout_s ({timeout_s:.0f}s) after training"
             )
+        with self._lock:  # given up: the teardown's detach must not queue them again
+            self._queue.clear()
+            self._running.clear()
 
     # --- reading ------------------------------------------------------------------
 
