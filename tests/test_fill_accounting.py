@@ -70,6 +70,7 @@ def _replay(windows, cost_ms, sched: UnitScheduler, step_ms=(0.0, 100.0)):
 
 def test_scripted_windows_give_exact_fill_and_overrun():
     sched = UnitScheduler(margin=1.0)
+    sched.learn("u", 1.0)  # the warm-up run: not a forecast
     sched.learn("u", 0.004)  # every unit costs 4 ms
     # (open, close, predicted length) in ms. The second window is forecast at 8 ms but
     # closes after 6: its second unit (54-58) runs 2 ms past the close.
@@ -94,6 +95,7 @@ def test_scripted_windows_give_exact_fill_and_overrun():
 
 def test_a_window_that_outlasts_its_forecast_is_counted_as_such():
     sched = UnitScheduler(margin=1.0)
+    sched.learn("u", 1.0)  # warm-up
     sched.learn("u", 0.004)
     # Forecast 12 ms, open 20: units start at 10, 14 and 18 (exactly 4 ms of forecast
     # left); at 22 the forecast has ended though the window is open until 30.
@@ -105,6 +107,7 @@ def test_a_window_that_outlasts_its_forecast_is_counted_as_such():
 
 def test_the_margin_keeps_units_out_of_tight_windows():
     sched = UnitScheduler(margin=2.0)
+    sched.learn("u", 1.0)  # warm-up
     sched.learn("u", 0.004)  # needs 8 ms of room
     meter, units = _replay([(10, 30, 20), (50, 56, 6)], 4.0, sched)
     # 10, 14, 18 and 22 leave >= 8 ms; at 26 only 4 are left. The 6 ms window fits none.
@@ -132,6 +135,7 @@ def test_busy_time_outside_windows_and_outside_steps():
 
 def test_no_unit_is_forced_and_one_that_fits_no_window_says_why():
     sched = UnitScheduler(margin=1.0)
+    sched.learn("big", 0.030)  # warm-up
     sched.learn("big", 0.030)
     ran = 0
     for seq in range(1, 41):  # 40 windows of 10 ms, each seen at its opening
@@ -155,10 +159,27 @@ def test_unmeasured_kind_starts_only_near_the_start_of_a_typical_window():
     assert sched.fits("new", _state(6, 600.0, 10.0), int(601.0 * MS))  # 9 ms left
 
 
+def test_a_slow_first_run_does_not_lock_its_kind_out_of_the_windows():
+    """The first run of a kind pays one-time costs (here: 960 ms, an optimizer's first
+    construction importing torch's compiler stack). Taken as the kind's cost, no 10 ms
+    window would ever fit it again, and it could never be measured anew."""
+    sched = UnitScheduler(margin=1.0)
+    windows = [_state(seq, seq * 100.0, 10.0) for seq in range(1, 21)]
+    for st in windows[:16]:
+        sched.fits("u", st, int(st.opened_ns))
+    sched.learn("u", 0.960)
+    assert sched.cost_s("u") is None and sched.deferral("u") is None
+    st = windows[16]
+    assert sched.fits("u", st, int(st.opened_ns))  # measured again, as a new kind
+    sched.learn("u", 0.002)
+    assert sched.cost_s("u") == pytest.approx(0.002)
+    assert sched.fits("u", windows[17], int(windows[17].opened_ns + 7 * MS))  # 3 ms left
+
+
 def test_cost_is_the_median_of_recent_units_and_the_budget_follows_windows():
     sched = UnitScheduler(margin=2.0)
     assert sched.budget_s() is None
-    for s in (0.001, 0.001, 0.050, 0.001, 0.001):  # one slow outlier
+    for s in (2.0, 0.001, 0.001, 0.050, 0.001, 0.001):  # a warm-up, then one slow outlier
         sched.learn("u", s)
     assert sched.cost_s("u") == pytest.approx(0.001)
     for seq, length in enumerate((4.0, 6.0, 8.0), start=1):

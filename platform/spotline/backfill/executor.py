@@ -238,19 +238,25 @@ class UnitScheduler:
 
     A unit starts only when its forecast cost (the median of its kind's last
     measurements), times the governor's margin, fits what the window has left. A
-    kind never measured yet starts only with most of a median-length window ahead
-    (its first run measures it). Nothing is forced: a unit that costs more than
-    every recent window waits for a window it fits, or for the free time after
-    training, and `deferral` says why.
+    kind not measured yet starts only with most of a median-length window ahead.
+    The first run of a kind is its warm-up, not a measurement: it pays what only
+    the first pays (allocations, lazy imports, an optimizer's first construction),
+    and a forecast from it could lock the kind out of every window for good. Nothing
+    is forced: a unit that costs more than every recent window waits for a window
+    it fits, or for the free time after training, and `deferral` says why.
     """
 
     def __init__(self, margin: float = START_MARGIN):
         self.margin = margin
         self._cost: dict[str, collections.deque] = {}
+        self._warmed: set[str] = set()
         self._lengths: collections.deque = collections.deque(maxlen=_LENGTHS)
         self._last_seq = -1
 
     def learn(self, label: str, seconds: float) -> None:
+        if label not in self._warmed:
+            self._warmed.add(label)  # the warm-up run: no forecast from it
+            return
         self._cost.setdefault(label, collections.deque(maxlen=_COST_SAMPLES)).append(seconds)
 
     def cost_s(self, label: str) -> float | None:

@@ -219,7 +219,7 @@ def _timed(units: Generator[str, None, Any], ctx: TaskContext, cost: dict[str, f
 def train_draft(
     draft, draft_spec: DraftSpec, ctx: TaskContext, target: torch.nn.Sequential
 ) -> Generator[str, None, None]:
-    """Distil the target into the draft on the job's corpus.
+    """Distil the target into the draft on the job's corpus: its units.
 
     The draft sees `draft.train_steps` x DRAFT_STEP_SEQUENCES corpus sequences in all.
     Each optimizer step takes as many of them as its largest unit can process within
@@ -227,12 +227,20 @@ def train_draft(
     unit per half-layer or layer ("draft-train/target/<layer>[/attn|/mlp]"), then the draft's
     forward, backward and update in one unit ("draft-train"), trained towards the
     target's next-token distribution (`distill_loss`).
+
+    The sampler and the optimizer are built here, when called, not in the first unit:
+    a task calls this in its setup, outside the windows (the first optimizer of a
+    process imports torch's compiler stack, about a second of CPU).
     """
     spec = ctx.spec
     # One row per draw index: the sequences seen do not depend on how they are grouped.
     sampler = Sampler(ctx.dataset().train, spec.model.seq_len, 1, spec.data.seed + 7)
     opt = torch.optim.AdamW(draft.parameters(), lr=draft_spec.lr)
     target.eval()
+    return _distil(draft, draft_spec, ctx, target, sampler, opt)
+
+
+def _distil(draft, draft_spec, ctx, target, sampler, opt) -> Generator[str, None, None]:
     total = draft_spec.train_steps * DRAFT_STEP_SEQUENCES
     done = 0
     per_sequence: float | None = None
@@ -273,13 +281,15 @@ def run_speculative(task: SpeculativeTaskSpec, ctx: TaskContext) -> Units:
     key = draft_key(task.draft)
     draft = ctx.cache.get(key)
     trained = draft is not None
+    training = None
     if not trained:
         draft = build_draft_model(task.draft, ctx)
+        training = train_draft(draft, task.draft, ctx, target)
     tok = ctx.tokenizer()
     ctx.dataset()
     yield SETUP
-    if not trained:
-        yield from train_draft(draft, task.draft, ctx, target)
+    if training is not None:
+        yield from training
         ctx.cache[key] = draft  # only a fully trained draft is reused
     rows = []
     totals = {"new_tokens": 0, "verifications": 0, "proposed": 0, "accepted": 0}
