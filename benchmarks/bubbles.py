@@ -31,7 +31,17 @@ Figures, per shape:
 - throughput: held-out eval micro-batches and speculative tokens that backfill
   completed per second of training, and the draft's accepted tokens per verification.
 
-    python benchmarks/bubbles.py [--steps N] [--shapes 2x2,2x8] [--json PATH]
+Speculative decoding with a draft trained in the bubbles (--spec-steps N, 0 skips it):
+one more 2x2 job of N steps with backfill on and no task in its spec. Once it has
+trained N/3 steps (past the first checkpoints, whose weights only repeat a token),
+the speculative task is submitted through the SDK (`run.backfill.submit`), as a user
+would: it distils its draft from the latest commit in the bubbles, then decodes the
+prompts with the draft and the target (both KV-cached) and again with the target
+alone, greedily, and compares. backfill.finish_timeout_s is 0: a task that did not
+finish while training ran is reported as not finished, never completed afterwards.
+
+    python benchmarks/bubbles.py [--steps N] [--shapes 2x2,2x8] [--spec-steps N]
+                                 [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,8 +64,37 @@ from overhead import machine_context  # noqa: E402
 PROMPTS = (REPO / "configs" / "prompts.txt").read_text().splitlines()[:2]
 
 
-def build_spec(p: int, m: int, steps: int, interval: int, tmp: Path, backfill: bool, name: str):
+SPEC_TASK = {
+    "kind": "speculative",
+    "prompts": PROMPTS,
+    # On 2 CPU cores 16 tokens at gamma 4 cannot reach 1.5x even with a perfect draft
+    # (a 5-position verify costs 1.4x a 1-token decode).
+    "max_new_tokens": 32,
+    "gamma": 6,
+    # 20 steps left the draft near random (acceptance ~0.3, slower than the target
+    # alone); 250 (1000 distilled sequences) is where acceptance levels off.
+    "draft": {"n_layers": 1, "d_model": 64, "train_steps": 250},
+}
+
+
+def build_spec(
+    p: int,
+    m: int,
+    steps: int,
+    interval: int,
+    tmp: Path,
+    backfill: bool,
+    name: str,
+    tasks: list[dict[str, Any]] | None = None,
+):
     from spotline.config import load_spec
+
+    if tasks is None:
+        tasks = [
+            # Enough eval work that an executor is rarely idle between commits.
+            {"kind": "eval", "every_steps": interval, "batches": 32},
+            {**SPEC_TASK, "every_steps": 4 * interval},
+        ]
 
     return load_spec(
         {
@@ -78,31 +117,15 @@ def build_spec(p: int, m: int, steps: int, interval: int, tmp: Path, backfill: b
                 "baseline_steps": 10,
                 "rebaseline_every_steps": 100,
                 "finish_timeout_s": 0,  # count only what ran alongside training
-                "tasks": [
-                    # Enough eval work that an executor is rarely idle between commits.
-                    {"kind": "eval", "every_steps": interval, "batches": 32},
-                    {
-                        "kind": "speculative",
-                        "prompts": PROMPTS,
-                        # On 2 CPU cores 16 tokens at gamma 4 cannot reach 1.5x even with a
-                        # perfect draft (a 5-position verify costs 1.4x a 1-token decode).
-                        "max_new_tokens": 32,
-                        "gamma": 6,
-                        "every_steps": 4 * interval,
-                        # 20 steps left the draft near random (acceptance ~0.3, slower
-                        # than the target alone); 250 (1000 distilled sequences) is
-                        # where acceptance levels off.
-                        "draft": {"n_layers": 1, "d_model": 64, "train_steps": 250},
-                    },
-                ]
-                if backfill
-                else [],
+                "tasks": tasks if backfill else [],
             },
         }
     )
 
 
-def run_job(spec) -> Any:
+def run_job(spec, submit_at: int | None = None, task: dict[str, Any] | None = None) -> Any:
+    """The job's result; with `submit_at`, `task` is submitted through the SDK once the
+    job has trained that many steps."""
     import ray
 
     import spotline
@@ -118,7 +141,13 @@ def run_job(spec) -> Any:
         logging_level="WARNING",
     )
     try:
-        return spotline.Job(spec).run(verbose=False)
+        if submit_at is None:
+            return spotline.Job(spec).run(verbose=False)
+        run = spotline.Job(spec).start()
+        while run.status()["step"] < submit_at:
+            time.sleep(0.5)
+        run.backfill.submit(task)
+        return run.wait(verbose=False)
     finally:
         ray.shutdown()
 
@@ -178,6 +207,57 @@ def measure(p: int, m: int, args, tmp: Path) -> dict[str, Any]:
     }
 
 
+def measure_spec(args, tmp: Path) -> dict[str, Any]:
+    """The speculative task, submitted at a third of a 2x2 run: what it reached while
+    training ran."""
+    steps = args.spec_steps
+    spec = build_spec(2, 2, steps, args.interval, tmp, True, "spec-p2m2", tasks=[])
+    submit_at = steps // 3
+    res = run_job(spec, submit_at=submit_at, task=SPEC_TASK)
+    (rec,) = res.backfill["tasks"]
+    r = rec["result"] or {}
+    w = res.bubbles["while_backfill_on"]
+    return {
+        "steps": steps,
+        "submitted_at_step": submit_at,
+        "weights_step": rec["step"],
+        "state": rec["state"],
+        "error": rec["error"],
+        "finished_in_bubbles": rec["state"] == "done" and r.get("after_training_s") == 0.0,
+        "busy_s": r.get("busy_s"),
+        "wall_s": r.get("wall_s"),
+        "tokens_per_s": r.get("tokens_per_s"),
+        "target_only_tokens_per_s": r.get("target_only_tokens_per_s"),
+        "speedup_vs_target_only": r.get("speedup"),
+        "accepted_per_verification": r.get("accepted_per_verification"),
+        "acceptance_rate": r.get("acceptance_rate"),
+        "all_equal_target_greedy": r.get("all_equal_target_greedy"),
+        "kv_cache": r.get("kv_cache"),
+        "deferred": (r.get("deferred") or {}).get("why"),
+        "fill": w["fill_fraction"],
+        "overrun_fraction": w["overrun_fraction"],
+        "governor_slowdown": res.backfill["slowdown"],
+    }
+
+
+def render_spec(s: dict[str, Any]) -> str:
+    head = (
+        f"speculative decoding, 2x2, {s['steps']} steps, submitted at step "
+        f"{s['submitted_at_step']} (weights of step {s['weights_step']}): {s['state']}"
+    )
+    if s["state"] != "done":
+        return f"{head} ({s['error']})"
+    return (
+        f"{head}, {'in the bubbles' if s['finished_in_bubbles'] else 'partly after training'}\n"
+        f"  {s['tokens_per_s']:.1f} tokens/s against {s['target_only_tokens_per_s']:.1f} for "
+        f"the target alone: {s['speedup_vs_target_only']:.2f}x; "
+        f"{s['accepted_per_verification']:.2f} accepted per verification "
+        f"(acceptance {s['acceptance_rate']:.2f}); output equals greedy: "
+        f"{s['all_equal_target_greedy']}; busy {s['busy_s']:.1f}s over {s['wall_s']:.0f}s; "
+        f"fill {s['fill']:.3f}"
+    )
+
+
 def render(runs: list[dict[str, Any]], ctx: dict[str, Any], skipped: list[str]) -> str:
     cols = [
         ("p x m", lambda r: f"{r['p']}x{r['m']}"),
@@ -222,6 +302,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="2x2,2x8,4x8",  # 4x8 runs only with 4 cores to pin
         help="comma-separated PxM pipeline shapes (P stages, M micro-batches)",
     )
+    ap.add_argument(
+        "--spec-steps",
+        type=int,
+        default=3000,
+        help="steps of the speculative-decoding run (0: skip it)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return ap.parse_args(argv)
 
@@ -233,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     runs, skipped = [], []
     with tempfile.TemporaryDirectory(prefix="spotline-bubbles-") as d:
-        for shape in args.shapes.split(","):
+        for shape in filter(None, args.shapes.split(",")):
             p, m = (int(x) for x in shape.lower().split("x"))
             if p > cores:
                 skipped.append(
@@ -243,11 +329,21 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             runs.append(measure(p, m, args, Path(d)))
             print(f"{p}x{m} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-    print(render(runs, ctx, skipped))
+        spec = None
+        if args.spec_steps > 0:
+            t0 = time.time()
+            spec = measure_spec(args, Path(d))
+            print(f"speculative run done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"machine": ctx, "runs": runs, "skipped": skipped}, indent=2)
+            json.dumps(
+                {"machine": ctx, "runs": runs, "skipped": skipped, "speculative": spec}, indent=2
+            )
         )
+    if runs or skipped:
+        print(render(runs, ctx, skipped))
+    if spec is not None:
+        print(render_spec(spec))
     return 0
 
 
