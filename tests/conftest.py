@@ -308,6 +308,8 @@ def wandb_records(path: Path) -> list:
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         chunk = data[pos + 7 : pos + 7 + length]
+        if len(chunk) < length:
+            break  # the tail is still being written
         pos += 7 + length
         if kind == 0:
             continue
@@ -319,8 +321,22 @@ def wandb_records(path: Path) -> list:
     return out
 
 
-def wandb_run(run_dir: Path) -> dict[str, Any]:
-    """What an offline wandb run directory holds: its id, config and history rows."""
+def wandb_run(run_dir: Path, timeout_s: float = 60.0) -> dict[str, Any]:
+    """What an offline wandb run directory holds: its id, config and history rows.
+
+    wandb's service process finishes writing the transaction log a moment after
+    `run.finish()` returns (seen: a read right after it found the log cut inside a
+    record, or before the run record); this reads until the log ends with the run's
+    exit record, or `timeout_s` passes, and returns what it read then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = _wandb_log(run_dir)
+        if out["exit_code"] is not None or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
+
+
+def _wandb_log(run_dir: Path) -> dict[str, Any]:
     import json
 
     (log,) = run_dir.glob("run-*.wandb")
