@@ -144,7 +144,9 @@ def run_job(spec, submit_at: int | None = None, task: dict[str, Any] | None = No
         if submit_at is None:
             return spotline.Job(spec).run(verbose=False)
         run = spotline.Job(spec).start()
-        while run.status()["step"] < submit_at:
+        while (st := run.status())["step"] < submit_at:
+            if st["state"] in ("finished", "failed", "stopped"):
+                return run.wait(verbose=False)  # ended before the task was due
             time.sleep(0.5)
         run.backfill.submit(task)
         return run.wait(verbose=False)
@@ -214,7 +216,17 @@ def measure_spec(args, tmp: Path) -> dict[str, Any]:
     spec = build_spec(2, 2, steps, args.interval, tmp, True, "spec-p2m2", tasks=[])
     submit_at = steps // 3
     res = run_job(spec, submit_at=submit_at, task=SPEC_TASK)
-    (rec,) = res.backfill["tasks"]
+    tasks = res.backfill["tasks"] if res.backfill else []
+    rec = (
+        tasks[0]
+        if tasks
+        else {
+            "step": None,
+            "state": "not submitted",
+            "error": f"the job ended ({res.state}) before step {submit_at}: {res.error}",
+            "result": None,
+        }
+    )
     r = rec["result"] or {}
     w = res.bubbles["while_backfill_on"]
     return {
@@ -329,21 +341,22 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             runs.append(measure(p, m, args, Path(d)))
             print(f"{p}x{m} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-        spec = None
+        speculative = None
         if args.spec_steps > 0:
             t0 = time.time()
-            spec = measure_spec(args, Path(d))
+            speculative = measure_spec(args, Path(d))
             print(f"speculative run done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"machine": ctx, "runs": runs, "skipped": skipped, "speculative": spec}, indent=2
+                {"machine": ctx, "runs": runs, "skipped": skipped, "speculative": speculative},
+                indent=2,
             )
         )
     if runs or skipped:
         print(render(runs, ctx, skipped))
-    if spec is not None:
-        print(render_spec(spec))
+    if speculative is not None:
+        print(render_spec(speculative))
     return 0
 
 
