@@ -207,3 +207,43 @@ def test_s3_input_tokenizer_and_errors(no_env_creds, tmp_path, bpe_dir) -> None:
     )
     with pytest.raises(DataError, match="s3fs takes no option 'secrt'"):
         TokenDataset(bad, tok)
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("../other/outside.npy", r"holds '\.\.'"),
+        ("s3://{bucket}/other/outside.npy", r"names a scheme or drive \(s3:\)"),
+        ("/{bucket}/other/outside.npy", "is absolute"),
+    ],
+)
+def test_an_s3_index_whose_shard_leaves_the_dataset_is_refused(
+    no_env_creds, tmp_path, bpe_dir, path, why
+) -> None:
+    """The object it names exists, with the sha256 the index gives: only its key leaves
+    the dataset's prefix, and it is never read."""
+    bucket = no_env_creds
+    uri = f"s3://{bucket.name}/ds"
+    spec = _spec(bucket, uri, tmp_path, bpe_dir)
+    src, _ = _corpus(tmp_path)
+    prepare(
+        str(src), load_tokenizer(spec.tokenizer, cache_dir=str(tmp_path / "tc")), uri,
+        shard_tokens=3_000, endpoint_url=bucket.endpoint_url,
+        storage_options=CREDS, progress=False,
+    )  # fmt: skip
+    body = bucket.client.get_object(Bucket=bucket.name, Key="ds/shard-00000.npy")["Body"].read()
+    bucket.client.put_object(Bucket=bucket.name, Key="other/outside.npy", Body=body)
+    index = json.loads(
+        bucket.client.get_object(Bucket=bucket.name, Key="ds/index.json")["Body"].read()
+    )
+    path = path.format(bucket=bucket.name)
+    index["shards"][0]["path"] = path
+    bucket.client.put_object(Bucket=bucket.name, Key="ds/index.json", Body=json.dumps(index))
+    with pytest.raises(DataError) as ei:
+        read_index(uri, endpoint_url=bucket.endpoint_url, storage_options=CREDS)
+    assert str(ei.value).startswith(
+        f"data.uri: {uri}/index.json shard 0 path {path!r} leaves the dataset ("
+    )
+    with pytest.raises(DataError, match=why):
+        TokenDataset(spec)
+    assert not (tmp_path / "cache" / "shards").exists()

@@ -141,7 +141,7 @@ def resolve_datasets(spec: JobSpec) -> None:
     for i, src in enumerate(d.sources):
         field = f"data.sources[{i}].uri" if len(d.sources) > 1 else "data.uri"
         index, sha = read_index(
-            src.uri, endpoint_url=d.endpoint_url, storage_options=d.storage_options
+            src.uri, endpoint_url=d.endpoint_url, storage_options=d.storage_options, field=field
         )
         if src.index_sha256 is not None and src.index_sha256 != sha:
             raise SpecError(

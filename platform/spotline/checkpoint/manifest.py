@@ -18,6 +18,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from spotline.storage import UnsafePathError
+from spotline.storage import check_relpath as check_entry_path
+
 FORMAT_VERSION = 1
 """Manifest layout written by this code; a newer one is refused, not guessed at."""
 
@@ -49,19 +52,32 @@ def check_relpath(path: str) -> str:
     Manifests come from storage that other programs can write to; a path such as
     ``../../etc/x`` or ``/abs`` would make a download write outside its directory.
     """
-    if not isinstance(path, str) or not path:
-        raise ManifestError(f"checkpoint file path must be a non-empty string (got {path!r})")
-    if "\\" in path or path.startswith("/"):
+    try:
+        check_entry_path(path)
+    except UnsafePathError as e:
         raise ManifestError(
-            f"checkpoint file path {path!r} must be relative and use '/' separators"
-        )
-    if any(p in ("", ".", "..") for p in path.split("/")):
-        raise ManifestError(
-            f"checkpoint file path {path!r} must not contain empty, '.' or '..' segments"
-        )
+            f"checkpoint file path {path!r} {e.why} (it must be a relative path inside the "
+            "step directory)"
+        ) from None
     if path == "manifest.json":
         raise ManifestError("'manifest.json' is reserved for the commit record of a step")
     return path
+
+
+def check_index_files(index: object, where: str) -> None:
+    """Refuse a sharded-state index (a list of entries whose "file" a restore reads)
+    when an entry's file would leave the step directory; `where` names the record."""
+    if not isinstance(index, list):
+        raise ManifestError(f"{where}: 'index' must be a list (got {type(index).__name__})")
+    for i, e in enumerate(index):
+        path = e.get("file") if isinstance(e, dict) else None
+        try:
+            check_entry_path(path)
+        except UnsafePathError as err:
+            raise ManifestError(
+                f"{where}: index entry {i} file {path!r} {err.why} (it must be a relative path "
+                "inside the step directory)"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,8 @@ class Manifest:
             if f.path in seen:
                 raise ManifestError(f"manifest of step {self.step} lists {f.path!r} twice")
             seen.add(f.path)
+        if "index" in self.extra:
+            check_index_files(self.extra["index"], f"manifest of step {self.step}")
 
     @property
     def total_bytes(self) -> int:

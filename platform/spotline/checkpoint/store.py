@@ -24,6 +24,7 @@ import difflib
 import hashlib
 import inspect
 import json
+import logging
 import os
 import posixpath
 import re
@@ -42,9 +43,13 @@ from spotline.checkpoint.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
+    check_index_files,
     check_relpath,
 )
 from spotline.config.redact import redact
+from spotline.storage import UnsafePathError, join_under
+
+log = logging.getLogger("spotline.checkpoint")
 
 MANIFEST_NAME = "manifest.json"
 ARTIFACTS_DIR = "artifacts"
@@ -774,6 +779,18 @@ class CheckpointStore:
     def _manifest_path(self, step: int) -> str:
         return f"{self._step_path(step)}/{MANIFEST_NAME}"
 
+    def _file_path(self, step: int, relpath: str) -> str:
+        """Where a file a manifest or index names lies, never outside the step (on a local
+        root, not through a symlink either): CorruptCheckpointError naming it otherwise."""
+        try:
+            return join_under(
+                self._step_path(step), relpath, local=isinstance(self._backend, _LocalBackend)
+            )
+        except UnsafePathError as e:
+            raise CorruptCheckpointError(
+                step, str(relpath), f"leaves the step directory ({e.why})", uri=self.uri
+            ) from None
+
     @contextlib.contextmanager
     def _io(self, action: str, passthrough: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
         """Turn a storage failure into a StorageError that says what failed and how to fix it."""
@@ -936,12 +953,17 @@ class CheckpointStore:
                 except (ValueError, FileNotFoundError):
                     continue
                 if isinstance(receipt, dict) and isinstance(receipt.get("attempt"), str):
+                    where = posixpath.relpath(str(name), self._step_path(step))
+                    problem = _receipt_path_problem(receipt, str(name), where)
+                    if problem:
+                        log.warning("step %d: receipt %s ignored: %s", step, where, problem)
+                        continue
                     out.setdefault(receipt["attempt"], []).append(receipt)
         return out
 
     def read_range(self, step: int, relpath: str, start: int, length: int) -> bytes:
         """`length` bytes at `start` of a file of `step` (a ranged GET on S3)."""
-        remote = f"{self._step_path(step)}/{check_relpath(relpath)}"
+        remote = self._file_path(step, relpath)
         with self._io(f"reading {relpath} of step {step}", passthrough=(FileNotFoundError,)):
             try:
                 return self._retrying(
@@ -1090,7 +1112,7 @@ class CheckpointStore:
         """Hash every file of ``manifest`` in storage (streamed); raise CorruptCheckpointError."""
         step = manifest.step
         for entry in manifest.files:
-            remote = f"{self._step_path(step)}/{entry.path}"
+            remote = self._file_path(step, entry.path)
             h = hashlib.sha256()
             size = 0
             with self._io(
@@ -1203,6 +1225,23 @@ class CheckpointStore:
             if not f.cancelled() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
         return [f.result() for f in futures]
+
+
+def _receipt_path_problem(receipt: dict, name: str, where: str) -> str | None:
+    """Why a receipt must not be used (a path in it leaves the step), or None. Its group
+    is the directory it lies in; every file and index entry stays inside the step."""
+    if receipt["attempt"] != posixpath.basename(posixpath.dirname(name)):
+        return f"it says group {receipt['attempt']!r} but lies in another group's folder"
+    files = receipt.get("files")
+    if not isinstance(files, list):
+        return "its 'files' is not a list"
+    try:
+        for f in files:
+            check_relpath(f.get("path") if isinstance(f, dict) else None)
+        check_index_files(receipt.get("index", []), where)
+    except ManifestError as e:
+        return str(e)
+    return None
 
 
 def _describe_mismatch(size: int, digest: str | None, entry: FileEntry) -> str | None:

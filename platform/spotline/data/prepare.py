@@ -52,6 +52,7 @@ from spotline.data.tokens import (
     join_uri,
     token_dtype,
 )
+from spotline.storage import UnsafePathError, join_under
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -418,6 +419,17 @@ class _Out:
     def path(self, name: str) -> str:
         return join_uri(self.root, name)
 
+    def check_entry(self, name: object, what: str) -> None:
+        """Refuse a file name read back from a resume record that leaves the output
+        (DataError naming the record: a resume must not read or list it elsewhere)."""
+        try:
+            join_under(self.root, name, local=not self.remote)
+        except UnsafePathError as e:
+            raise DataError(
+                f"out: {join_uri(self.uri, what)} {name!r} leaves the dataset ({e.why}); "
+                f"delete {join_uri(self.uri, PARTS_DIR)} and run prepare again"
+            ) from None
+
     @contextlib.contextmanager
     def open_write(self, name: str):
         final = self.path(name)
@@ -506,9 +518,13 @@ def _resume_point(out: _Out, plan_sha: str) -> tuple[list[dict], tuple[int, int]
         try:
             rec = json.loads(raw)
             e = rec["entry"]
+            for key in ("path", "docs_path"):
+                out.check_entry(e[key], f"{_record_name(len(done))} {key}")
             ok = out.digest(e["path"]) == (e["bytes"], e["sha256"]) and out.digest(
                 e["docs_path"]
             ) == (e["docs_bytes"], e["docs_sha256"])
+        except DataError:
+            raise
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:

@@ -18,6 +18,11 @@ a remote one from `data.cache_dir`, downloaded once per node (under a file lock,
 so the ranks of a node never download twice) to a temp name, checked against the
 index's size and sha256, and renamed into place. A shard that is missing,
 truncated or corrupt raises `ShardError`, naming it.
+
+An index is read as untrusted: a shard path that is absolute, holds '..', names
+another location or (in a local dataset) is a symlink that resolves outside it is
+refused, naming the entry (`spotline.storage.join_under`). No file outside the
+dataset is ever opened.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +50,7 @@ from spotline.data.corpus import (
 )
 from spotline.data.errors import DataError, ShardError
 from spotline.data.streams import Mixture, ShardedStream
+from spotline.storage import UnsafePathError, check_relpath, join_under
 
 if TYPE_CHECKING:
     from spotline.config.schema import JobSpec
@@ -56,6 +63,7 @@ PARTS_DIR = "_parts"
 READ_CHUNK = 8 << 20
 _INDEX_KEYS = ("dtype", "vocab_size", "total_tokens", "documents", "shards")
 _SHARD_KEYS = ("path", "tokens", "bytes", "sha256")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -103,7 +111,11 @@ def read_index(
         raise DataError(
             f"{field}: {redact(explain_read_error(join_uri(uri, INDEX_NAME), e))}"
         ) from None
-    return parse_index(raw, uri, field), hashlib.sha256(raw).hexdigest()
+    index = parse_index(raw, uri, field)
+    if not is_remote(uri):
+        for i, shard in enumerate(index["shards"]):
+            _shard_path(shard, i, join_uri(uri, INDEX_NAME), field, root=root, local=True)
+    return index, hashlib.sha256(raw).hexdigest()
 
 
 def parse_index(raw: bytes, uri: str, field: str = "data.uri") -> dict:
@@ -133,7 +145,52 @@ def parse_index(raw: bytes, uri: str, field: str = "data.uri") -> dict:
         if not missing and not bad_shard:
             what = f"has dtype {index['dtype']!r} (want uint16 or uint32)"
         raise DataError(f"{field}: {where} {what}; prepare the dataset again")
+    for i, shard in enumerate(index["shards"]):
+        _check_shard(shard, i, where, field)
     return index
+
+
+def _check_shard(shard: dict, i: int, where: str, field: str) -> None:
+    """One shard entry of an index: its paths stay inside the dataset, and its sha256
+    (the shard's file name in the node-local cache) is a sha256."""
+    for key in ("path", "docs_path"):
+        if key == "path" or key in shard:
+            _shard_path(shard, i, where, field, key=key)
+    if not isinstance(shard["sha256"], str) or not _SHA256_RE.match(shard["sha256"]):
+        raise DataError(
+            f"{field}: {where} shard {i} sha256 {shard['sha256']!r} is not 64 lower-case hex "
+            "digits; prepare the dataset again"
+        )
+    for key in ("tokens", "bytes"):
+        n = shard[key]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise DataError(
+                f"{field}: {where} shard {i} {key} {n!r} is not a count; prepare the dataset again"
+            )
+
+
+def _shard_path(
+    shard: dict,
+    i: int,
+    where: str,
+    field: str,
+    *,
+    key: str = "path",
+    root: str | None = None,
+    local: bool = False,
+    error: type[DataError] = DataError,
+) -> str:
+    """`shard[key]`, checked, and joined under `root` when given (`local`: its real
+    path, which must lie inside the dataset too); `error` naming the entry otherwise."""
+    try:
+        if root is None:
+            return check_relpath(shard[key])
+        return join_under(root, shard[key], local=local)
+    except UnsafePathError as e:
+        raise error(
+            f"{field}: {where} shard {i} {key} {shard[key]!r} leaves the dataset "
+            f"({e.why}); prepare the dataset again"
+        ) from None
 
 
 # --- the node-local shard cache -------------------------------------------------------
@@ -326,9 +383,13 @@ class TokenSource:
     def _open(self, i: int) -> np.ndarray:
         entry = self.shards[i]
         uri = self.shard_uri(i)
-        local = self.cache.local(
-            uri, self.fs, join_uri(self.root, entry["path"]), entry, self.remote
+        where = join_uri(self.uri, INDEX_NAME)
+        # Checked when the index was read, and again here: a link may have been planted
+        # in a local dataset since.
+        path = _shard_path(
+            entry, i, where, self.field, root=self.root, local=not self.remote, error=ShardError
         )
+        local = self.cache.local(uri, self.fs, path, entry, self.remote)
         try:
             arr = np.load(local, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError, EOFError) as e:

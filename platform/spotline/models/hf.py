@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from spotline.config.model import LlamaModelSpec
+from spotline.storage import UnsafePathError, join_under
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -376,6 +377,27 @@ def read_hf_config(dir: Path) -> dict[str, Any]:
     return cfg
 
 
+def shard_path(dir: Path, fname: object) -> str:
+    """Where a shard named in `dir`'s safetensors index lies: a file of `dir` itself,
+    never a path outside it (ValueError naming the entry). Symlinks are followed: the
+    Hugging Face hub cache links every file of a snapshot into ../../blobs/, and the
+    folder is the user's own `model.init_from`, not storage others write to."""
+    try:
+        path = join_under(dir, fname)
+    except UnsafePathError as e:
+        why = e.why
+    else:
+        if "/" in str(fname):
+            why = "lies in a subfolder"
+        elif not path.endswith(".safetensors"):
+            why = "is not a .safetensors file"
+        else:
+            return path
+    raise ValueError(
+        f"{Path(dir) / INDEX} names shard {fname!r}, which {why}: not a shard in {dir}"
+    )
+
+
 def load_hf(dir: Path, spec: LlamaModelSpec, vocab_size: int) -> dict[str, torch.Tensor]:
     """The weights of a local Hugging Face Llama checkpoint, by Spotline name, in the
     checkpoint's dtype. config.json is checked against `spec` first (`check_hf_config`);
@@ -389,14 +411,12 @@ def load_hf(dir: Path, spec: LlamaModelSpec, vocab_size: int) -> dict[str, torch
             weight_map = json.loads((dir / INDEX).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{dir / INDEX} is not a safetensors index: {e}") from None
-        files = sorted(set(weight_map.values()))
+        paths = {fname: shard_path(dir, fname) for fname in weight_map.values()}
         state: dict[str, torch.Tensor] = {}
-        for fname in files:
-            if Path(fname).name != fname or not fname.endswith(".safetensors"):
-                raise ValueError(f"{dir / INDEX} names {fname!r}, not a shard in {dir}")
-            if not (dir / fname).is_file():
+        for fname, path in sorted(paths.items()):
+            if not Path(path).is_file():
                 raise ValueError(f"{dir / INDEX} lists {fname}, which is not in {dir}")
-            for name, t in load_file(str(dir / fname)).items():
+            for name, t in load_file(path).items():
                 if weight_map.get(name) != fname:
                     raise ValueError(
                         f"HF tensor {name} is in {fname} but {INDEX} puts it in "

@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from spotline.checkpoint.layout import CheckpointFormatError, load_json, save_json, save_tensors
+from spotline.storage import UnsafePathError, check_relpath, join_under
 
 FORMAT = "spotline.sharded/1"
 STATE_FILE = "state.safetensors"
@@ -615,7 +616,12 @@ def directory_reader(root: str | os.PathLike[str]) -> Reader:
     root = Path(root)
 
     def read(entry: dict, start: int, length: int) -> bytes:
-        path = root / entry["file"]
+        try:
+            path = join_under(root, entry["file"], local=True)
+        except UnsafePathError as e:
+            raise CheckpointFormatError(
+                entry["file"], f"{entry['key']}: leaves the checkpoint ({e.why})"
+            ) from None
         with open(path, "rb") as f:
             f.seek(entry["offset"] + start)
             data = f.read(length)
@@ -662,6 +668,12 @@ def _check_entry(e: Any) -> None:
     for k, typ in _ENTRY_FIELDS.items():
         if not isinstance(e.get(k), typ):
             raise CheckpointFormatError(where, f"index entry {e.get('key')!r} has no valid {k!r}")
+    try:
+        check_relpath(e["file"])
+    except UnsafePathError as err:
+        raise CheckpointFormatError(
+            where, f"index entry {e['key']!r}: leaves the checkpoint ({err.why})"
+        ) from None
     if e["dtype"] not in _DTYPES:
         raise CheckpointFormatError(where, f"{e['key']}: unknown dtype {e['dtype']!r}")
     numel = math.prod(e["shape"])

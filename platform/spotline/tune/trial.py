@@ -27,6 +27,7 @@ from ray import tune
 
 from spotline.config import apply_overrides, validate_dict
 from spotline.config.redact import redact
+from spotline.storage import UnsafePathError, join_under
 
 log = logging.getLogger("spotline.tune")
 
@@ -74,7 +75,16 @@ class SpotlineTrial(tune.Trainable):
             return
         step = ref.get("step")
         # Another trial's step (PBT): a new run of this trial's own, started from it.
-        self._uri = f"{self._root}/{self.trial_id}/from-{ref['trial']}-{step or 0:08d}"
+        try:
+            self._uri = join_under(
+                f"{self._root}/{self.trial_id}", f"from-{ref['trial']}-{step or 0:08d}"
+            )
+        except UnsafePathError as e:
+            raise ValueError(
+                f"{os.path.join(checkpoint_dir, REFERENCE_FILE)}: trial {ref['trial']!r} would "
+                f"start a run outside the sweep ({e.why}); restore the sweep from an experiment "
+                "directory `spotline sweep` wrote"
+            ) from None
         self._resume_from = {"uri": ref["uri"], "step": step} if step else None
 
     # --- the job -----------------------------------------------------------------
