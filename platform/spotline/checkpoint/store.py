@@ -157,6 +157,15 @@ def hash_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def _fsync(path: str) -> None:
+    """Flush a local file's (or directory's) data and metadata to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _bad_uri(uri: object, why: str) -> StorageError:
     forms = "; ".join(SUPPORTED_URI_FORMS)
     return StorageError(f"checkpoint.uri {uri!r} is not usable: {why}. Supported forms: {forms}")
@@ -283,6 +292,14 @@ class _LocalBackend(_Backend):
 
         return LocalFileSystem(auto_mkdir=True)
 
+    def put_file(self, fs: Any, local: str, remote: str) -> None:
+        # The manifest that names this file may be written as soon as its receipt is:
+        # the file's bytes, and each directory entry that leads to it, must be on disk
+        # before then, or a crash could leave a committed step with a torn file.
+        fs.put_file(local, remote)
+        _fsync(remote)
+        self._fsync_dirs(remote)
+
     def write_atomic(self, fs: Any, path: str, data: bytes) -> None:
         # Readers list the directory at any moment: they must see either no
         # manifest or the whole one, so write aside, fsync, then rename over.
@@ -298,11 +315,19 @@ class _LocalBackend(_Backend):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        self._fsync_dirs(path)
+
+    def _fsync_dirs(self, path: str) -> None:
+        """fsync every directory from `path`'s own up to the root: a directory created
+        on the way (the step's, the rank's) holds the entry that makes the file findable."""
+        directory = os.path.dirname(path)
+        while True:
+            _fsync(directory)
+            parent = os.path.dirname(directory)
+            inside = directory.startswith(self.root.rstrip("/") + "/")
+            if directory == self.root or not inside or parent == directory:
+                return
+            directory = parent
 
     def explain(self, exc: BaseException) -> str:
         if isinstance(exc, TimeoutError):
