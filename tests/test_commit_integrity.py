@@ -3,8 +3,6 @@
 
 - A step rebuilt from receipts read back from storage commits only when the receipts
   are signed with the job's key (when one is set) and name this job and its spec.
-- A step that fails verification is quarantined once an older one loaded: kept, never
-  read again, never counted by keep_last.
 - file:// data files and the directories that lead to them are on disk before the
   manifest that names them.
 """
@@ -26,7 +24,7 @@ from spotline.checkpoint.transfer import UploadResult
 from spotline.config import load_spec
 
 if TYPE_CHECKING:
-    pass
+    from conftest import S3Bucket
 
 pytestmark = pytest.mark.unit
 
@@ -111,6 +109,110 @@ class Group:
         self.loaded.append(manifest.step)
         self.store.verify_remote(manifest)
         return manifest.step
+
+
+# --- receipts ---------------------------------------------------------------------------
+
+
+def test_planted_unsigned_or_badly_signed_receipts_never_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY.decode())
+    spec = _spec(tmp_path, key_env=KEY_ENV)
+    store = CheckpointStore(spec.checkpoint.uri, signing_key_env=KEY_ENV)
+    coord, log = _coordinator(spec, store)
+    # Whoever can write the bucket, but does not hold the key, plants newer steps with
+    # this job's name and spec hash (both can be read from any manifest).
+    _plant_local(store, tmp_path, 20, "evil", 1, _identity(spec))
+    _plant_local(store, tmp_path, 30, "evil", 1, _identity(spec), key=b"x" * 32)
+    assert coord.commit_from_storage() == []
+    assert store.committed_steps() == []
+    assert any("step 20" in m and "receipt is not signed" in m for m in log), log
+    assert any("step 30" in m and "signature does not verify" in m for m in log), log
+    # Refused once, not again at every restore.
+    assert coord.commit_from_storage() == [] and len(log) == 2
+    group = Group(store)
+    assert coord.restore(group, sleep=lambda s: None) == (0, None) and group.loaded == []
+    # The job's own receipts, signed with its key, do commit.
+    _plant_local(store, tmp_path, 40, "att1", 2, _identity(spec), key=KEY)
+    (done,) = coord.commit_from_storage()
+    assert done.step == 40 and store.committed_steps() == [40]
+
+
+def test_a_planted_receipt_on_s3_never_commits(
+    s3_bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY.decode())
+    spec = _spec(tmp_path, uri=s3_bucket.uri(), key_env=KEY_ENV)
+    store = CheckpointStore(
+        s3_bucket.uri(), endpoint_url=s3_bucket.endpoint_url, signing_key_env=KEY_ENV
+    )
+    entry = _upload(store, tmp_path, 20, "evil", 0)
+    s3_bucket.client.put_object(
+        Bucket=s3_bucket.name,
+        Key="ckpt/" + _receipt_rel(store, 20, "evil", 0),
+        Body=_receipt(20, "evil", 0, 1, [entry], _identity(spec)),
+    )
+    coord, log = _coordinator(spec, store)
+    assert coord.commit_from_storage() == []
+    assert store.committed_steps() == []
+    assert any("receipt is not signed" in m for m in log), log
+
+
+def test_receipts_of_another_job_or_without_one_never_commit(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    store = CheckpointStore(spec.checkpoint.uri)
+    coord, log = _coordinator(spec, store)
+    _plant_local(store, tmp_path, 10, "a", 1, {**_identity(spec), "job": "other"})
+    _plant_local(store, tmp_path, 20, "b", 1, {})  # no job, no spec hash
+    assert coord.commit_from_storage() == []
+    assert store.committed_steps() == []
+    assert any("step 10" in m and "belong to job 'other'" in m for m in log), log
+    assert any("step 20" in m and "receipt is malformed" in m for m in log), log
+
+
+def test_receipts_of_another_spec_are_refused_naming_what_changed(tmp_path: Path) -> None:
+    """Killed after its receipts landed, before the commit; resubmitted with another seed."""
+    old = _spec(tmp_path)
+    store = CheckpointStore(old.checkpoint.uri)
+    _plant_local(store, tmp_path, 10, "att0", 2, _identity(old))
+    new = _spec(tmp_path, seed=2)
+    coord, log = _coordinator(new, store)
+    group = Group(store)
+    assert coord.restore(group, sleep=lambda s: None) == (0, None)
+    assert group.loaded == [] and store.committed_steps() == []
+    (msg,) = [m for m in log if "step 10" in m]
+    assert "not committed" in msg and "data.seed: 1 there, 2 here" in msg, msg
+    # The same spec as the one that wrote them commits them.
+    (done,) = _coordinator(old, store)[0].commit_from_storage()
+    assert done.step == 10
+
+
+def test_a_rank_signs_its_receipt_with_the_job_and_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spotline.checkpoint.transfer import Uploader
+
+    monkeypatch.setenv(KEY_ENV, KEY.decode())
+    spec = _spec(tmp_path, key_env=KEY_ENV)
+    store = CheckpointStore(spec.checkpoint.uri, signing_key_env=KEY_ENV)
+
+    def write(d: Path) -> list[dict]:
+        (d / "state.safetensors").write_bytes(b"s" * 64)
+        return []
+
+    up = Uploader(store, spec, 0, 1, "att7")
+    up.submit(10, tmp_path / "stage" / "r0", write)
+    assert up.wait(30)
+    (result,) = up.take_done()
+    assert result.error is None
+    root = Path(store.uri.removeprefix("file://"))
+    raw = json.loads((root / _receipt_rel(store, 10, "att7", 0)).read_bytes())
+    assert (raw["job"], raw["spec_hash"], raw["attempt"]) == ("integ", spec.spec_hash(), "att7")
+    assert raw["signature"] == sign({k: v for k, v in raw.items() if k != "signature"}, KEY)
+    coord, log = _coordinator(spec, store)
+    done = coord.commit_from_storage()
+    assert [d.step for d in done] == [10], log
 
 
 # --- durability -------------------------------------------------------------------------

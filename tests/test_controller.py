@@ -16,7 +16,8 @@ import time
 import pytest
 
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry, StorageError
-from spotline.checkpoint.transfer import UploadResult, attempt_dir
+from spotline.checkpoint.manifest import Receipt
+from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
 from spotline.config import load_spec
 from spotline.controller import Controller
 from spotline.controller.state import (
@@ -190,7 +191,17 @@ class FakeGroup:
                     step, rank, self.attempt, self.world_size, error="OSError: disk full"
                 )
             else:
-                self.store.write_receipt(step, self.attempt, rank, self.world_size, [entry], index)
+                self.store.write_receipt(
+                    Receipt(
+                        **job_identity(self.spec),
+                        step=step,
+                        attempt=self.attempt,
+                        rank=rank,
+                        world_size=self.world_size,
+                        files=[entry],
+                        index=index,
+                    )
+                )
                 result = UploadResult(
                     step,
                     rank,
@@ -612,7 +623,16 @@ def test_receipts_of_two_groups_never_mix_into_one_manifest(tmp_path):
             f.write(b"x")
             f.flush()
             entry = store.upload_file(f.name, 10, rel)
-        store.write_receipt(10, attempt, rank, world, [entry], [])
+        store.write_receipt(
+            Receipt(
+                **job_identity(ctl.spec),
+                step=10,
+                attempt=attempt,
+                rank=rank,
+                world_size=world,
+                files=[entry],
+            )
+        )
 
     for rank in (0, 2, 3):
         receipt("old4", rank, 4)

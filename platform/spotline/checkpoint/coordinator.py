@@ -8,6 +8,8 @@
   missing file or a sha256 mismatch falls back to the previous committed step and says
   so; a load error that is not corruption is retried a bounded number of times, then
   falls back too.
+- Receipts read back from storage commit only when they verify (signed, when a key is
+  set) and were written by this job under this spec.
 - A storage error in a commit, in retention or in an artifact write is reported and
   retried later; it never reaches the workers, so it never tears down a healthy group.
 
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from spotline.checkpoint.manifest import FileEntry, Manifest
+from spotline.checkpoint.manifest import Manifest, Receipt
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
     SUMMARY_ARTIFACT,
@@ -32,8 +34,9 @@ from spotline.checkpoint.store import (
     CheckpointStore,
     CorruptCheckpointError,
     StorageError,
+    spec_differences,
 )
-from spotline.checkpoint.transfer import UploadResult, attempt_dir
+from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
 from spotline.config.schema import JobSpec
 
 Event = Callable[..., None]
@@ -85,6 +88,7 @@ class CommitCoordinator:
         self.pinned: Callable[[], Iterable[int]] = tuple
         """The committed steps a reader (a backfill task) still uses: retention keeps them."""
         self._holds: dict[int, float] = {}  # step held for a reader outside the job -> until
+        self._refused: set[tuple[int, str]] = set()  # uploads found in storage, refused
         self._holds_lock = threading.Lock()
 
     # --- saves and receipts -----------------------------------------------------------
@@ -127,27 +131,30 @@ class CommitCoordinator:
 
     def commit_from_storage(self) -> list[Committed]:
         """Commit steps newer than the latest commit whose every rank of one group left a
-        receipt in storage (their completion reports died with the group)."""
+        receipt in storage (their completion reports died with the group). Only receipts
+        this job wrote under this spec commit: an unsigned or badly signed one (when
+        checkpoint.signing_key_env is set), another job's, or one of another spec (a
+        resubmission with other data, seed or batch) is refused, and the step with it."""
         out = []
         try:
             latest = max(self.store.committed_steps(), default=-1)
             for step in self.store.uncommitted_steps():
                 if step <= latest:
                     continue
-                for attempt, receipts in sorted(self.store.read_receipts(step).items()):
-                    world = receipts[0].get("world_size")
-                    if sorted(r["rank"] for r in receipts) != list(range(world or 0)):
+                scan = self.store.read_receipts(step)
+                for rel, why in scan.refused:
+                    self._refuse(step, f"its receipt {rel} is refused: {why}")
+                for attempt, receipts in sorted(scan.receipts.items()):
+                    why = self._foreign(receipts)
+                    if why is not None:
+                        self._refuse(step, f"the receipts of group {attempt} {why}")
+                        continue
+                    world = receipts[0].world_size
+                    ranks = sorted(r.rank for r in receipts)
+                    if ranks != list(range(world)) or any(r.world_size != world for r in receipts):
                         continue
                     results = [
-                        UploadResult(
-                            step,
-                            r["rank"],
-                            attempt,
-                            world,
-                            [FileEntry(**f) for f in r["files"]],
-                            r.get("index", []),
-                            batch=r.get("batch"),
-                        )
+                        UploadResult(step, r.rank, attempt, world, r.files, r.index, batch=r.batch)
                         for r in receipts
                     ]
                     self._event(
@@ -160,6 +167,31 @@ class CommitCoordinator:
         except StorageError as e:
             self._event(f"could not look for finished uploads: {e}", logging.WARNING)
         return out
+
+    def _foreign(self, receipts: list[Receipt]) -> str | None:
+        """Why receipts read back from storage are not this job's under this spec, or None."""
+        ours = self.spec.spec_hash()
+        for r in receipts:
+            if r.job != self.spec.name:
+                return f"belong to job {r.job!r}, and this job is {self.spec.name!r}"
+            if r.spec_hash != ours:
+                return (
+                    f"were written with spec hash {r.spec_hash}, and this job has {ours}"
+                    f"{spec_differences(self.spec, r.spec)}"
+                )
+        return None
+
+    def _refuse(self, step: int, why: str) -> None:
+        """Say once (per controller) that uploads found in storage do not commit."""
+        if (step, why) in self._refused:
+            return
+        self._refused.add((step, why))
+        self._event(
+            f"checkpoint step {step} at {self.store.step_uri(step)} is not committed: {why}. "
+            "The job goes on from its latest commit; to keep that step instead, resubmit "
+            "the job and spec that wrote it",
+            logging.WARNING,
+        )
 
     def _commit(
         self, step: int, attempt: str, world: int, results: list[UploadResult]
@@ -189,7 +221,7 @@ class CommitCoordinator:
     def _sweep_other_attempts(self, step: int, keep: str) -> None:
         """Files of other groups under a committed step (a re-save that died) go."""
         try:
-            for attempt in self.store.read_receipts(step):
+            for attempt in self.store.read_receipts(step).attempts:
                 if attempt != keep:
                     self.store.remove(step, attempt_dir(attempt))
         except StorageError as e:
@@ -424,18 +456,19 @@ def build_manifest(
     batch = int(schedule["history"][-1][1]) if schedule else None
     files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
     index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
+    identity = job_identity(spec)
     return Manifest(
         step=step,
         files=files,
         topology=spec.topology(replicas, batch),
         data_position={"next_step": step, "seed": spec.data.seed},
-        spec_hash=spec.spec_hash(),
+        spec_hash=identity["spec_hash"],
         created_at=time.time(),
         extra={
-            "job": spec.name,
+            "job": identity["job"],
             "attempt": attempt,
             "batch": spec.batch_record(replicas, schedule),
-            "spec": spec.hashed_fields(),  # so a refused resume can say what differs
+            "spec": identity["spec"],  # so a refused resume can say what differs
             "vocab_size": spec.vocab_size(),
             "index": index,
             **({"partition": list(partition)} if partition is not None else {}),

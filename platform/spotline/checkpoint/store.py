@@ -42,6 +42,7 @@ from spotline.checkpoint.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
+    Receipt,
     check_relpath,
 )
 from spotline.config.redact import redact
@@ -102,6 +103,18 @@ class StorageError(RuntimeError):
 class CheckpointMismatchError(ValueError):
     """The checkpoint URI holds checkpoints this job must not resume or write over (another
     job's, or this job's with a different model, data or training spec). Not retryable."""
+
+
+@dataclasses.dataclass
+class ReceiptScan:
+    """The upload receipts found under one step."""
+
+    receipts: dict[str, list[Receipt]] = dataclasses.field(default_factory=dict)
+    """Those that parsed and verified, by the attempt (group) that wrote them."""
+    refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(path under the step, why) of each one that can never complete a commit."""
+    attempts: set[str] = dataclasses.field(default_factory=set)
+    """Every attempt with a receipt there, refused ones included."""
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -892,34 +905,17 @@ class CheckpointStore:
                 self.fs, self._manifest_path(step), manifest.to_json(self.signing_key()).encode()
             )
 
-    def write_receipt(
-        self,
-        step: int,
-        attempt: str,
-        rank: int,
-        world_size: int,
-        files: list[FileEntry],
-        index: list[dict[str, Any]] | None = None,
-        batch: dict[str, Any] | None = None,
-    ) -> None:
-        """Record that `rank` of the group `attempt` finished uploading its files of `step`
-        (and the adaptive batch schedule it saved, if any).
+    def write_receipt(self, receipt: Receipt) -> None:
+        """Record that a rank of group `receipt.attempt` finished uploading its files of
+        `receipt.step` (signed when checkpoint.signing_key_env is set).
 
         Receipts let a restarted controller commit a step whose uploads all finished
         but whose completion reports were lost with the workers that sent them. They
         live under the attempt that wrote them, so two groups' receipts never mix.
         """
-        body = json.dumps(
-            {
-                "attempt": attempt,
-                "rank": rank,
-                "world_size": world_size,
-                "files": [dataclasses.asdict(f) for f in files],
-                "index": index or [],
-                "batch": batch,
-            }
-        ).encode()
-        path = f"{self._step_path(step)}/{RECEIPTS_DIR}/{attempt}/rank_{rank:05d}.json"
+        step, rank = receipt.step, receipt.rank
+        body = receipt.to_json(self.signing_key()).encode()
+        path = f"{self._step_path(step)}/{RECEIPTS_DIR}/{receipt.attempt}/rank_{rank:05d}.json"
         with self._io(f"writing the upload receipt of rank {rank}, step {step}"):
             self._retrying(lambda: self._backend.write_atomic(self.fs, path, body))
 
@@ -943,26 +939,38 @@ class CheckpointStore:
             except FileNotFoundError:
                 return None
 
-    def read_receipts(self, step: int) -> dict[str, list[dict[str, Any]]]:
-        """Upload receipts of an uncommitted step, by the attempt (group) that wrote them.
-        An unreadable receipt is skipped: it cannot complete a commit."""
+    def read_receipts(self, step: int) -> ReceiptScan:
+        """Upload receipts of a step, by the attempt (group) that wrote them. A receipt
+        that does not parse, is not signed with the key (when one is set) or names
+        another step is refused: it can never complete a commit."""
         base = f"{self._step_path(step)}/{RECEIPTS_DIR}"
-        out: dict[str, list[dict[str, Any]]] = {}
+        key = self.signing_key()
+        scan = ReceiptScan()
         with self._io(f"reading upload receipts of step {step}"):
             try:
                 found = sorted(self.fs.find(base))
             except FileNotFoundError:
-                return {}
+                return scan
             for name in found:
-                if not str(name).endswith(".json"):
+                rel = posixpath.relpath(str(name), self._step_path(step))
+                parts = rel.split("/")
+                if len(parts) < 3 or not rel.endswith(".json"):
                     continue
+                scan.attempts.add(parts[1])
                 try:
-                    receipt = json.loads(self.fs.cat_file(name))
-                except (ValueError, FileNotFoundError):
+                    receipt = Receipt.from_json(self.fs.cat_file(name), key)
+                except FileNotFoundError:
                     continue
-                if isinstance(receipt, dict) and isinstance(receipt.get("attempt"), str):
-                    out.setdefault(receipt["attempt"], []).append(receipt)
-        return out
+                except ManifestError as e:
+                    scan.refused.append((rel, str(e)))
+                    continue
+                if receipt.step != step or receipt.attempt != parts[1]:
+                    scan.refused.append(
+                        (rel, f"it is for step {receipt.step}, group {receipt.attempt!r}")
+                    )
+                    continue
+                scan.receipts.setdefault(receipt.attempt, []).append(receipt)
+        return scan
 
     def read_range(self, step: int, relpath: str, start: int, length: int) -> bytes:
         """`length` bytes at `start` of a file of `step` (a ranged GET on S3)."""
@@ -1092,14 +1100,7 @@ class CheckpointStore:
             why = f"belongs to job {job!r}, and this job is {spec.name!r}"
         else:
             why = f"was written with spec hash {their_hash}, and this job has {spec.spec_hash()}"
-        if isinstance(theirs, dict):
-            ours = spec.hashed_fields()
-            diff = [
-                f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
-                for k in spec.changed_fields(theirs)
-            ]
-            if diff:
-                why += " (" + "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "") + ")"
+        why += spec_differences(spec, theirs)
         return (
             f"checkpoint.uri {self.uri}: {what} there {why}. Nothing was written there. Point "
             "checkpoint.uri at a new location (e.g. --set checkpoint.uri=...), or use the "
@@ -1228,6 +1229,21 @@ class CheckpointStore:
             if not f.cancelled() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
         return [f.result() for f in futures]
+
+
+def spec_differences(spec: Any, theirs: Any) -> str:
+    """' (field: theirs there, ours here; ...)' for each hashed field in which `spec`
+    differs from `theirs` (the `hashed_fields` a manifest or receipt recorded), or ''."""
+    if not isinstance(theirs, dict):
+        return ""
+    ours = spec.hashed_fields()
+    diff = [
+        f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
+        for k in spec.changed_fields(theirs)
+    ]
+    if not diff:
+        return ""
+    return " (" + "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "") + ")"
 
 
 def _describe_mismatch(size: int, digest: str | None, entry: FileEntry) -> str | None:
