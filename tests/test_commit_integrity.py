@@ -3,6 +3,8 @@
 
 - A step rebuilt from receipts read back from storage commits only when the receipts
   are signed with the job's key (when one is set) and name this job and its spec.
+- A step that fails verification is quarantined once an older one loaded: kept, never
+  read again, never counted by keep_last.
 - file:// data files and the directories that lead to them are on disk before the
   manifest that names them.
 """
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry, Manifest
 from spotline.checkpoint.coordinator import CommitCoordinator
 from spotline.checkpoint.manifest import sign
 from spotline.checkpoint.transfer import UploadResult
@@ -213,6 +215,77 @@ def test_a_rank_signs_its_receipt_with_the_job_and_spec(
     coord, log = _coordinator(spec, store)
     done = coord.commit_from_storage()
     assert [d.step for d in done] == [10], log
+
+
+# --- quarantine ---------------------------------------------------------------------------
+
+
+def _commit(coord: CommitCoordinator, store, tmp_path: Path, step: int, attempt: str) -> None:
+    entry = _upload(store, tmp_path, step, attempt, 0)
+    coord.expect(step, attempt, 1)
+    (done,) = coord.receive([UploadResult(step, 0, attempt, 1, [entry], [])])
+    assert done.step == step
+
+
+def _flip(store: CheckpointStore, step: int, entry: FileEntry) -> Path:
+    path = Path(store.uri.removeprefix("file://")) / store.step_name(step) / entry.path
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_step_that_fails_verification_is_quarantined_and_not_counted(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)  # keep_last: 2
+    store = CheckpointStore(spec.checkpoint.uri)
+    coord, log = _coordinator(spec, store)
+    _commit(coord, store, tmp_path, 10, "att0")
+    _commit(coord, store, tmp_path, 20, "att0")
+    (entry,) = store.load_manifest(20).files
+    bad = _flip(store, 20, entry)
+
+    group = Group(store)
+    assert coord.restore(group, sleep=lambda s: None)[0] == 10
+    assert group.loaded == [20, 10]
+    (msg,) = [m for m in log if "quarantined" in m]
+    assert "step 20" in msg and entry.path in msg and "delete that folder" in msg, msg
+    record = json.loads((bad.parents[2] / "quarantine.json").read_text())
+    assert record["file"] == entry.path and "sha256" in record["reason"]
+    assert bad.exists()  # kept for inspection
+    assert store.committed_steps() == [10] and store.quarantined_steps() == [20]
+
+    # A restarted controller never reads step 20 again.
+    coord2, log2 = _coordinator(spec, store)
+    read: list[int] = []
+    real = store.load_manifest
+    store.load_manifest = lambda step: read.append(step) or real(step)  # type: ignore[method-assign]
+    group2 = Group(store)
+    assert coord2.restore(group2, sleep=lambda s: None)[0] == 10
+    assert group2.loaded == [10] and read == [10] and log2 == []
+    assert coord2.quarantined == [20]
+
+    # keep_last counts good steps only: after step 30 commits, step 10 is still there.
+    _commit(coord2, store, tmp_path, 30, "att1")
+    assert store.committed_steps() == [10, 30]
+    assert bad.exists() and store.quarantined_steps() == [20]
+
+    # The job saves step 20 again: it commits beside the quarantined files, which stay.
+    _commit(coord2, store, tmp_path, 20, "att2")
+    assert store.committed_steps() == [20, 30] and store.quarantined_steps() == []
+    assert bad.exists() and (bad.parents[2] / "quarantine.json").exists()
+
+
+def test_when_every_step_fails_nothing_is_quarantined(tmp_path: Path) -> None:
+    """Every step failing may be the job's own doing (a wrong key): the steps stay."""
+    spec = _spec(tmp_path)
+    store = CheckpointStore(spec.checkpoint.uri)
+    coord, _ = _coordinator(spec, store)
+    _commit(coord, store, tmp_path, 10, "att0")
+    (entry,) = store.load_manifest(10).files
+    _flip(store, 10, entry)
+    with pytest.raises(CorruptCheckpointError, match="every committed checkpoint"):
+        coord.restore(Group(store), sleep=lambda s: None)
+    assert store.committed_steps() == [10] and store.quarantined_steps() == []
 
 
 # --- durability -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The commit coordinator: the one owner of receipts -> manifest -> retention -> restore.
+"""The commit coordinator: the one owner of receipts -> manifest -> retention -> quarantine
+-> restore.
 
 - A step commits when every rank of ONE group (attempt) has written its receipt; the
   manifest lists exactly that group's files (they live under the attempt's own prefix,
@@ -7,7 +8,8 @@
 - A restore goes through one fallback path: an unparsable or unsigned manifest, a
   missing file or a sha256 mismatch falls back to the previous committed step and says
   so; a load error that is not corruption is retried a bounded number of times, then
-  falls back too.
+  falls back too. Once an older step loaded, each step that failed verification is
+  quarantined: kept for inspection, never read again, never counted by keep_last.
 - Receipts read back from storage commit only when they verify (signed, when a key is
   set) and were written by this job under this spec.
 - A storage error in a commit, in retention or in an artifact write is reported and
@@ -18,6 +20,7 @@ The controller talks to storage only through this class.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -88,6 +91,8 @@ class CommitCoordinator:
         self.pinned: Callable[[], Iterable[int]] = tuple
         """The committed steps a reader (a backfill task) still uses: retention keeps them."""
         self._holds: dict[int, float] = {}  # step held for a reader outside the job -> until
+        self.quarantined: list[int] = []
+        """Steps set aside after they failed verification: never restored, never counted."""
         self._refused: set[tuple[int, str]] = set()  # uploads found in storage, refused
         self._holds_lock = threading.Lock()
 
@@ -206,6 +211,7 @@ class CommitCoordinator:
             self._event(f"checkpoint step {step} not committed: {e}", logging.WARNING)
             return None
         self.committed = sorted(set(self.committed) | {step})
+        self.quarantined = [s for s in self.quarantined if s != step]  # saved again since
         self._retention_due = True
         self._retain_after = 0.0
         self._sweep_other_attempts(step, attempt)
@@ -219,8 +225,11 @@ class CommitCoordinator:
         )
 
     def _sweep_other_attempts(self, step: int, keep: str) -> None:
-        """Files of other groups under a committed step (a re-save that died) go."""
+        """Files of other groups under a committed step (a re-save that died) go; not
+        where the step was quarantined before (its files are kept for inspection)."""
         try:
+            if self.store.holds_quarantine_record(step):
+                return
             for attempt in self.store.read_receipts(step).attempts:
                 if attempt != keep:
                     self.store.remove(step, attempt_dir(attempt))
@@ -301,8 +310,10 @@ class CommitCoordinator:
         self._load_holds()
         steps = sorted(self.store.committed_steps(), reverse=True)
         self.committed = sorted(steps)
+        self._list_quarantined()
         if not steps and self.spec.checkpoint.resume_from is not None:
             return self._restore_resume_from(group, sleep)
+        failed: list[tuple[int, str, str]] = []
         for i, step in enumerate(steps):
             older = steps[i + 1] if i + 1 < len(steps) else None
             then = f"falling back to step {older}" if older is not None else "no older step to try"
@@ -316,10 +327,14 @@ class CommitCoordinator:
                     f"({e.path}: {e.reason}); {then}",
                     logging.WARNING,
                 )
+                failed.append((step, e.path, e.reason))
                 continue
             except FileNotFoundError:  # deleted by retention between listing and reading
                 self._event(f"checkpoint step {step} was deleted while restoring; {then}")
                 continue
+            # Only once an older step loaded: when every step fails, the cause may be
+            # the job's own (a wrong signing key), and the steps must stay as they are.
+            self._quarantine(failed)
             return restored, manifest
         if steps:
             raise CorruptCheckpointError(
@@ -332,6 +347,34 @@ class CommitCoordinator:
                 "move them, or point checkpoint.uri at an empty location.",
             )
         return 0, None
+
+    def _quarantine(self, failed: list[tuple[int, str, str]]) -> None:
+        """Set aside the steps that failed verification, so that no later restore reads
+        them first and keep_last never counts them in place of good steps."""
+        for step, path, reason in failed:
+            try:
+                record = self.store.quarantine(step, path, reason)
+            except StorageError as e:
+                self._event(
+                    f"could not quarantine checkpoint step {step} ({e}); the next restore "
+                    "verifies it again",
+                    logging.WARNING,
+                )
+                continue
+            self.committed = [s for s in self.committed if s != step]
+            self.quarantined = sorted(set(self.quarantined) | {step})
+            self._event(
+                f"quarantined checkpoint step {step} ({path}: {reason}): no restore reads it "
+                f"again and checkpoint.keep_last does not count it. Its files stay at "
+                f"{self.store.step_uri(step)} for inspection ({record} says what failed); "
+                "delete that folder once you are done with it",
+                logging.WARNING,
+            )
+
+    def _list_quarantined(self) -> None:
+        # Only shown in the status: an outage is reported by the restore that follows.
+        with contextlib.suppress(StorageError):
+            self.quarantined = self.store.quarantined_steps()
 
     def _restore_resume_from(
         self, group: Restorable, sleep: Callable[[float], None]

@@ -3,10 +3,12 @@
 Layout under the root URI (``file://`` or ``s3://``)::
 
     <root>/step_00000100/<files of the step...>
+    <root>/step_00000100/_receipts/<attempt>/rank_0000N.json   <- signed upload receipts
     <root>/step_00000100/manifest.json      <- written last: the commit
+    <root>/step_00000100/quarantine.json    <- the step failed verification (kept aside)
 
-A step directory without ``manifest.json`` is an upload in progress or an abandoned
-one; it is never restored. Every restored file is checked against the size and
+A step directory without ``manifest.json`` is an upload in progress, an abandoned
+one or a quarantined one; it is never restored. Every restored file is checked against the size and
 sha256 in the manifest before it is used.
 
 This module must never hand back a checkpoint it has not verified, never delete an
@@ -54,6 +56,7 @@ TRACE_ARTIFACT = "trace.json"  # Chrome trace of the latest pipeline steps
 SUMMARY_ARTIFACT = "summary.json"  # what `spotline status` / `report` show
 LEDGER_ARTIFACT = "ledger.json"  # the goodput ledger, continued by a restarted controller
 RECEIPTS_DIR = "_receipts"  # per-rank upload receipts; not part of the checkpoint
+QUARANTINE_NAME = "quarantine.json"  # a step that failed verification: why, and its manifest
 HASH_CHUNK_BYTES = 8 * 2**20
 # Files of one step move in parallel; each large S3 object is itself split into
 # concurrent parts by s3fs, so a few threads are enough to fill the link.
@@ -1008,8 +1011,56 @@ class CheckpointStore:
         )(fn)
 
     def uncommitted_steps(self) -> list[int]:
-        """Step directories without a manifest, ascending (uploads in flight or abandoned)."""
-        return [s for s in self._step_dirs() if not self._is_committed(s)]
+        """Step directories with neither a manifest nor a quarantine record, ascending
+        (uploads in flight or abandoned)."""
+        return [
+            s
+            for s in self._step_dirs()
+            if not self._is_committed(s) and not self.holds_quarantine_record(s)
+        ]
+
+    def quarantined_steps(self) -> list[int]:
+        """Steps set aside after they failed verification (see `quarantine`), ascending."""
+        return [
+            s
+            for s in self._step_dirs()
+            if not self._is_committed(s) and self.holds_quarantine_record(s)
+        ]
+
+    def quarantine(self, step: int, path: str, reason: str) -> str:
+        """Set aside a committed step that failed verification; the URI of its record.
+
+        The record (which file failed, why, and the manifest as it was) is written
+        first, then the manifest goes: from then on no listing offers the step, no
+        restore reads it again and retention neither counts nor deletes it, and its
+        files stay where they are for inspection. A marker rather than a move: on S3 a
+        move is a copy of every file, and a crash halfway would tear the evidence. A
+        crash between the two writes leaves a step that is still committed, so the
+        next restore verifies it again and finishes the job.
+        """
+        record_path = f"{self._step_path(step)}/{QUARANTINE_NAME}"
+        with self._io(f"quarantining step {step}"):
+            try:
+                raw = self.fs.cat_file(self._manifest_path(step))
+            except FileNotFoundError:
+                raw = None
+            record = {
+                "step": step,
+                "file": path,
+                "reason": redact(reason),
+                "quarantined_at": time.time(),
+                "manifest": raw.decode("utf-8", "replace") if raw is not None else None,
+            }
+            self._backend.write_atomic(self.fs, record_path, json.dumps(record, indent=1).encode())
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._manifest_path(step))
+        return f"{self._backend.scheme}://{record_path}"
+
+    def holds_quarantine_record(self, step: int) -> bool:
+        """The step's folder holds a quarantine record: it is quarantined, or was, and a
+        later save of the same step committed beside the files kept for inspection."""
+        with self._io(f"checking the quarantine record of step {step}"):
+            return bool(self.fs.exists(f"{self._step_path(step)}/{QUARANTINE_NAME}"))
 
     # --- reading ----------------------------------------------------------------------
 
@@ -1139,6 +1190,7 @@ class CheckpointStore:
 
     def apply_retention(self, keep_last: int, pinned: Iterable[int] = ()) -> list[int]:
         """Delete all but the newest ``keep_last`` committed steps, and abandoned uploads.
+        A quarantined step is not committed: it neither counts nor goes.
 
         A committed step in ``pinned`` (one a reader still uses) is kept past
         ``keep_last`` until a later call no longer pins it. An uncommitted step older
@@ -1156,7 +1208,11 @@ class CheckpointStore:
         held = set(pinned)
         expired = [s for s in committed[:-keep_last] if s not in held]
         committed_set = set(committed)
-        abandoned = [s for s in all_steps if s not in committed_set and s < newest]
+        abandoned = [
+            s
+            for s in all_steps
+            if s not in committed_set and s < newest and not self.holds_quarantine_record(s)
+        ]
         for step in expired:
             with (
                 self._io(f"deleting the manifest of expired step {step}"),
