@@ -116,12 +116,16 @@ class Group:
 # --- receipts ---------------------------------------------------------------------------
 
 
-def test_planted_unsigned_or_badly_signed_receipts_never_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def signed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A job that signs with a key, and its file:// store."""
     monkeypatch.setenv(KEY_ENV, KEY.decode())
     spec = _spec(tmp_path, key_env=KEY_ENV)
-    store = CheckpointStore(spec.checkpoint.uri, signing_key_env=KEY_ENV)
+    return spec, CheckpointStore(spec.checkpoint.uri, signing_key_env=KEY_ENV)
+
+
+def test_planted_unsigned_or_badly_signed_receipts_never_commit(tmp_path: Path, signed) -> None:
+    spec, store = signed
     coord, log = _coordinator(spec, store)
     # Whoever can write the bucket, but does not hold the key, plants newer steps with
     # this job's name and spec hash (both can be read from any manifest).
@@ -190,14 +194,10 @@ def test_receipts_of_another_spec_are_refused_naming_what_changed(tmp_path: Path
     assert done.step == 10
 
 
-def test_a_rank_signs_its_receipt_with_the_job_and_spec(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_rank_signs_its_receipt_with_the_job_and_spec(tmp_path: Path, signed) -> None:
     from spotline.checkpoint.transfer import Uploader
 
-    monkeypatch.setenv(KEY_ENV, KEY.decode())
-    spec = _spec(tmp_path, key_env=KEY_ENV)
-    store = CheckpointStore(spec.checkpoint.uri, signing_key_env=KEY_ENV)
+    spec, store = signed
 
     def write(d: Path) -> list[dict]:
         (d / "state.safetensors").write_bytes(b"s" * 64)

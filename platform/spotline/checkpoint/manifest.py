@@ -62,6 +62,25 @@ def verify(raw: dict, key: bytes | None, what: str, written: str) -> None:
         )
 
 
+def _dump_signed(raw: dict, key: bytes | None, indent: int | None = None) -> str:
+    if key is not None:
+        raw[SIGNATURE_FIELD] = sign(raw, key)
+    return json.dumps(raw, indent=indent, sort_keys=True)
+
+
+def _load_signed(s: str | bytes, key: bytes | None, what: str, written: str) -> dict:
+    """The JSON object of a signed record, its signature checked (see `verify`) and
+    dropped; ManifestError naming `what` when it is not a JSON object."""
+    try:
+        raw = json.loads(s)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{what} must be a JSON object (got {type(raw).__name__})")
+    verify(raw, key, what, written)
+    return raw
+
+
 def check_relpath(path: str) -> str:
     """Return ``path`` if it is a safe relative posix path inside a step directory.
 
@@ -145,23 +164,14 @@ class Manifest:
 
     def to_json(self, signing_key: bytes | None = None) -> str:
         """The manifest as JSON; with a key, signed with HMAC-SHA256 (see `from_json`)."""
-        raw: dict[str, Any] = asdict(self)
-        if signing_key is not None:
-            raw[SIGNATURE_FIELD] = sign(raw, signing_key)
-        return json.dumps(raw, indent=1, sort_keys=True)
+        return _dump_signed(asdict(self), signing_key, indent=1)
 
     @classmethod
     def from_json(cls, s: str | bytes, signing_key: bytes | None = None) -> Manifest:
         """Parse (and, with a key, verify) a manifest. The signature is checked before any
         field is trusted, so a manifest written by whoever can write the bucket but does
         not hold the key is refused before a single file it names is read."""
-        try:
-            raw = json.loads(s)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ManifestError(f"manifest must be a JSON object (got {type(raw).__name__})")
-        verify(raw, signing_key, "manifest", "committed")
+        raw = _load_signed(s, signing_key, "manifest", "committed")
         version = raw.get("format_version", FORMAT_VERSION)
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise ManifestError(
@@ -225,22 +235,13 @@ class Receipt:
     """The adaptive batch schedule the rank saved, if any."""
 
     def to_json(self, signing_key: bytes | None = None) -> str:
-        raw: dict[str, Any] = asdict(self)
-        if signing_key is not None:
-            raw[SIGNATURE_FIELD] = sign(raw, signing_key)
-        return json.dumps(raw, sort_keys=True)
+        return _dump_signed(asdict(self), signing_key)
 
     @classmethod
     def from_json(cls, s: str | bytes, signing_key: bytes | None = None) -> Receipt:
         """Parse (and, with a key, verify) a receipt; ManifestError when it is malformed
         or its signature does not verify."""
-        try:
-            raw = json.loads(s)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"receipt is not valid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ManifestError(f"receipt must be a JSON object (got {type(raw).__name__})")
-        verify(raw, signing_key, "receipt", "written")
+        raw = _load_signed(s, signing_key, "receipt", "written")
         try:
             files = [FileEntry(f["path"], f["size"], f["sha256"]) for f in raw["files"]]
             receipt = cls(
