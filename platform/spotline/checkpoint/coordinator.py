@@ -147,12 +147,24 @@ class CommitCoordinator:
                 if step <= latest:
                     continue
                 scan = self.store.read_receipts(step)
+                refused: dict[str, list[str]] = {}  # one line per reason, not per rank
                 for rel, why in scan.refused:
-                    self._refuse(step, f"its receipt {rel} is refused: {why}")
+                    refused.setdefault(why, []).append(rel)
+                for why, rels in refused.items():
+                    more = f" and {len(rels) - 1} more" if len(rels) > 1 else ""
+                    self._refuse(
+                        step,
+                        f"receipt {rels[0]}{more} refused: {why}",
+                        f"if no run of this job wrote it, check who can write to {self.store.uri}",
+                    )
                 for attempt, receipts in sorted(scan.receipts.items()):
                     why = self._foreign(receipts)
                     if why is not None:
-                        self._refuse(step, f"the receipts of group {attempt} {why}")
+                        self._refuse(
+                            step,
+                            f"the receipts of group {attempt} {why}",
+                            "to keep that step instead, resubmit the job and spec that wrote it",
+                        )
                         continue
                     world = receipts[0].world_size
                     ranks = sorted(r.rank for r in receipts)
@@ -186,15 +198,14 @@ class CommitCoordinator:
                 )
         return None
 
-    def _refuse(self, step: int, why: str) -> None:
+    def _refuse(self, step: int, why: str, fix: str) -> None:
         """Say once (per controller) that uploads found in storage do not commit."""
         if (step, why) in self._refused:
             return
         self._refused.add((step, why))
         self._event(
             f"checkpoint step {step} at {self.store.step_uri(step)} is not committed: {why}. "
-            "The job goes on from its latest commit; to keep that step instead, resubmit "
-            "the job and spec that wrote it",
+            f"The job goes on from its latest commit; {fix}",
             logging.WARNING,
         )
 
