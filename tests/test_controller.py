@@ -16,7 +16,8 @@ import time
 import pytest
 
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry, StorageError
-from spotline.checkpoint.transfer import UploadResult, attempt_dir
+from spotline.checkpoint.manifest import Receipt
+from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
 from spotline.config import load_spec
 from spotline.controller import Controller
 from spotline.controller.state import (
@@ -30,6 +31,7 @@ from spotline.controller.state import (
     Stopped,
     Waiting,
 )
+from spotline.report import status_rows
 from spotline.runtime.group import PROCESS_DIED, Progress, WorkerFailure
 
 pytestmark = pytest.mark.unit
@@ -190,7 +192,17 @@ class FakeGroup:
                     step, rank, self.attempt, self.world_size, error="OSError: disk full"
                 )
             else:
-                self.store.write_receipt(step, self.attempt, rank, self.world_size, [entry], index)
+                self.store.write_receipt(
+                    Receipt(
+                        **job_identity(self.spec),
+                        step=step,
+                        attempt=self.attempt,
+                        rank=rank,
+                        world_size=self.world_size,
+                        files=[entry],
+                        index=index,
+                    )
+                )
                 result = UploadResult(
                     step,
                     rank,
@@ -394,6 +406,21 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path):
         for e in events
     )
     assert res["attempts"][0]["losses"][0][0] == 11
+
+
+def test_a_corrupt_step_is_quarantined_shown_and_never_counted_by_keep_last(tmp_path):
+    ctl, store = make(tmp_path)  # commits 10, 20, 25; keep_last 2
+    assert ctl.run()["state"] == "finished"
+    assert store.committed_steps() == [20, 25]
+    ctl2, _ = make(tmp_path, script={"corrupt_steps": {25}}, **{"train.steps": 30})
+    assert ctl2.run()["state"] == "finished"
+    assert FakeGroup.instances[0].restored == [20]
+    status = ctl2.status()
+    assert any("quarantined checkpoint step 25" in e for e in status["events"])
+    assert status["quarantined_steps"] == [25]
+    assert "steps [25]" in dict(status_rows(status))["quarantined"]
+    # Step 25 is set aside, not counted: the good step 20 outlives the commit of 30.
+    assert store.committed_steps() == [20, 30] and store.quarantined_steps() == [25]
 
 
 def test_an_unparsable_newest_manifest_falls_back(tmp_path):
@@ -612,7 +639,16 @@ def test_receipts_of_two_groups_never_mix_into_one_manifest(tmp_path):
             f.write(b"x")
             f.flush()
             entry = store.upload_file(f.name, 10, rel)
-        store.write_receipt(10, attempt, rank, world, [entry], [])
+        store.write_receipt(
+            Receipt(
+                **job_identity(ctl.spec),
+                step=10,
+                attempt=attempt,
+                rank=rank,
+                world_size=world,
+                files=[entry],
+            )
+        )
 
     for rank in (0, 2, 3):
         receipt("old4", rank, 4)

@@ -287,8 +287,20 @@ def test_a_checkpoint_file_symlinked_out_of_its_step_is_never_read(tmp_path: Pat
         store.read_range(1, "../../outside.bin", 0, 4)
 
 
-def _receipt(root: Path, attempt: str, files: list, index: list, folder=None) -> None:
-    body = {"attempt": attempt, "rank": 0, "world_size": 1, "files": files, "index": index}
+def _receipt(root: Path, spec, attempt: str, files: list, index: list, folder=None) -> None:
+    """A well-formed receipt of this job and spec, so only its paths can refuse it."""
+    body = {
+        "job": spec.name,
+        "spec_hash": spec.spec_hash(),
+        "spec": spec.hashed_fields(),
+        "step": 5,
+        "attempt": attempt,
+        "rank": 0,
+        "world_size": 1,
+        "files": files,
+        "index": index,
+        "batch": None,
+    }
     where = root / "step_00000005" / "_receipts" / (folder or attempt) / "rank_00000.json"
     where.parent.mkdir(parents=True, exist_ok=True)
     where.write_text(json.dumps(body))
@@ -303,11 +315,16 @@ def test_receipts_whose_paths_leave_the_step_are_never_committed(tmp_path: Path)
         entry = store.upload_file(f.name, 5, "a-good/rank_00000/state.safetensors")
     root, good = tmp_path / "ckpt", dataclasses.asdict(entry)
     climbing = {**good, "path": "../../../outside.bin"}
-    _receipt(root, "files", [climbing], [])
-    _receipt(root, "index", [good], [{"file": "../outside.bin", "key": "k"}])
-    _receipt(root, "../../..", [good], [], folder="planted")
-    _receipt(root, "absolute", [{**good, "path": "/etc/passwd"}], [])
-    assert store.read_receipts(5) == {}
+    _receipt(root, spec, "files", [climbing], [])
+    _receipt(root, spec, "index", [good], [{"file": "../outside.bin", "key": "k"}])
+    _receipt(root, spec, "../../..", [good], [], folder="planted")
+    _receipt(root, spec, "absolute", [{**good, "path": "/etc/passwd"}], [])
+    scan = store.read_receipts(5)
+    assert scan.receipts == {}
+    assert len(scan.refused) == 4
+    reasons = " | ".join(why for _, why in scan.refused)
+    assert "../../../outside.bin" in reasons and "../outside.bin" in reasons
+    assert "/etc/passwd" in reasons and "group '../../..'" in reasons
     events: list[str] = []
     coord = CommitCoordinator(spec, store, lambda msg, *a: events.append(msg))
     assert coord.commit_from_storage() == []

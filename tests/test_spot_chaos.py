@@ -267,7 +267,7 @@ def test_node_lost_mid_upload_resumes_from_the_latest_commit(
     run = spotline.Job(spec).start()
 
     def ranks_in(step: int) -> set[int]:
-        return {r["rank"] for rs in store.read_receipts(step).values() for r in rs}
+        return {r.rank for rs in store.read_receipts(step).receipts.values() for r in rs}
 
     def complete_steps() -> list[int]:
         return [

@@ -85,8 +85,14 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(reference, tmp_path, c
     out = capsys.readouterr().out
     assert "checkpoint step 30" in out and "failed verification" in out
     assert "falling back to step 20" in out
+    assert "quarantined checkpoint step 30" in out
     (attempt,) = result.attempts
     assert attempt["restored_from"] == 20
+    # Step 30 was saved again beside the quarantined files, which stay for inspection.
+    record = json.loads((tmp_path / "ckpt" / "step_00000030" / "quarantine.json").read_text())
+    assert record["file"] == victim.path and path.exists()
+    bad_attempt = json.loads(record["manifest"])["extra"]["attempt"]
+    assert store.load_manifest(30).extra["attempt"] != bad_attempt
     # Steps 21..30 were retrained from step 20 and match the reference exactly.
     assert [s for s, _ in attempt["losses"]] == list(range(21, 31))
     for step, loss in attempt["losses"]:

@@ -63,6 +63,14 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if s.get("waiting"):
         rows.insert(2, ("waiting", str(s["waiting"])))
+    if s.get("quarantined_steps"):
+        rows.append(
+            (
+                "quarantined",
+                f"steps {s['quarantined_steps']}: failed verification, never restored; "
+                "quarantine.json in each step's folder says why",
+            )
+        )
     if s.get("error"):
         rows.append(("error", str(s["error"])))
     return rows

@@ -1,4 +1,5 @@
-"""The commit coordinator: the one owner of receipts -> manifest -> retention -> restore.
+"""The commit coordinator: the one owner of receipts -> manifest -> retention -> quarantine
+-> restore.
 
 - A step commits when every rank of ONE group (attempt) has written its receipt; the
   manifest lists exactly that group's files (they live under the attempt's own prefix,
@@ -7,7 +8,10 @@
 - A restore goes through one fallback path: an unparsable or unsigned manifest, a
   missing file or a sha256 mismatch falls back to the previous committed step and says
   so; a load error that is not corruption is retried a bounded number of times, then
-  falls back too.
+  falls back too. Once an older step loaded, each step that failed verification is
+  quarantined: kept for inspection, never read again, never counted by keep_last.
+- Receipts read back from storage commit only when they verify (signed, when a key is
+  set) and were written by this job under this spec.
 - A storage error in a commit, in retention or in an artifact write is reported and
   retried later; it never reaches the workers, so it never tears down a healthy group.
 
@@ -16,6 +20,7 @@ The controller talks to storage only through this class.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -24,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from spotline.checkpoint.manifest import FileEntry, Manifest
+from spotline.checkpoint.manifest import Manifest, Receipt
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
     SUMMARY_ARTIFACT,
@@ -32,8 +37,9 @@ from spotline.checkpoint.store import (
     CheckpointStore,
     CorruptCheckpointError,
     StorageError,
+    spec_differences,
 )
-from spotline.checkpoint.transfer import UploadResult, attempt_dir
+from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
 from spotline.config.schema import JobSpec
 
 Event = Callable[..., None]
@@ -85,6 +91,9 @@ class CommitCoordinator:
         self.pinned: Callable[[], Iterable[int]] = tuple
         """The committed steps a reader (a backfill task) still uses: retention keeps them."""
         self._holds: dict[int, float] = {}  # step held for a reader outside the job -> until
+        self.quarantined: list[int] = []
+        """Steps set aside after they failed verification: never restored, never counted."""
+        self._refused: set[tuple[int, str]] = set()  # uploads found in storage, refused
         self._holds_lock = threading.Lock()
 
     # --- saves and receipts -----------------------------------------------------------
@@ -127,27 +136,42 @@ class CommitCoordinator:
 
     def commit_from_storage(self) -> list[Committed]:
         """Commit steps newer than the latest commit whose every rank of one group left a
-        receipt in storage (their completion reports died with the group)."""
+        receipt in storage (their completion reports died with the group). Only receipts
+        this job wrote under this spec commit: an unsigned or badly signed one (when
+        checkpoint.signing_key_env is set), another job's, or one of another spec (a
+        resubmission with other data, seed or batch) is refused, and the step with it."""
         out = []
         try:
             latest = max(self.store.committed_steps(), default=-1)
             for step in self.store.uncommitted_steps():
                 if step <= latest:
                     continue
-                for attempt, receipts in sorted(self.store.read_receipts(step).items()):
-                    world = receipts[0].get("world_size")
-                    if sorted(r["rank"] for r in receipts) != list(range(world or 0)):
+                scan = self.store.read_receipts(step)
+                refused: dict[str, list[str]] = {}  # one line per reason, not per rank
+                for rel, why in scan.refused:
+                    refused.setdefault(why, []).append(rel)
+                for why, rels in refused.items():
+                    more = f" and {len(rels) - 1} more" if len(rels) > 1 else ""
+                    self._refuse(
+                        step,
+                        f"receipt {rels[0]}{more} refused: {why}",
+                        f"if no run of this job wrote it, check who can write to {self.store.uri}",
+                    )
+                for attempt, receipts in sorted(scan.receipts.items()):
+                    why = self._foreign(receipts)
+                    if why is not None:
+                        self._refuse(
+                            step,
+                            f"the receipts of group {attempt} {why}",
+                            "to keep that step instead, resubmit the job and spec that wrote it",
+                        )
+                        continue
+                    world = receipts[0].world_size
+                    ranks = sorted(r.rank for r in receipts)
+                    if ranks != list(range(world)) or any(r.world_size != world for r in receipts):
                         continue
                     results = [
-                        UploadResult(
-                            step,
-                            r["rank"],
-                            attempt,
-                            world,
-                            [FileEntry(**f) for f in r["files"]],
-                            r.get("index", []),
-                            batch=r.get("batch"),
-                        )
+                        UploadResult(step, r.rank, attempt, world, r.files, r.index, batch=r.batch)
                         for r in receipts
                     ]
                     self._event(
@@ -160,6 +184,30 @@ class CommitCoordinator:
         except StorageError as e:
             self._event(f"could not look for finished uploads: {e}", logging.WARNING)
         return out
+
+    def _foreign(self, receipts: list[Receipt]) -> str | None:
+        """Why receipts read back from storage are not this job's under this spec, or None."""
+        ours = self.spec.spec_hash()
+        for r in receipts:
+            if r.job != self.spec.name:
+                return f"belong to job {r.job!r}, and this job is {self.spec.name!r}"
+            if r.spec_hash != ours:
+                return (
+                    f"were written with spec hash {r.spec_hash}, and this job has {ours}"
+                    f"{spec_differences(self.spec, r.spec)}"
+                )
+        return None
+
+    def _refuse(self, step: int, why: str, fix: str) -> None:
+        """Say once (per controller) that uploads found in storage do not commit."""
+        if (step, why) in self._refused:
+            return
+        self._refused.add((step, why))
+        self._event(
+            f"checkpoint step {step} at {self.store.step_uri(step)} is not committed: {why}. "
+            f"The job goes on from its latest commit; {fix}",
+            logging.WARNING,
+        )
 
     def _commit(
         self, step: int, attempt: str, world: int, results: list[UploadResult]
@@ -174,6 +222,7 @@ class CommitCoordinator:
             self._event(f"checkpoint step {step} not committed: {e}", logging.WARNING)
             return None
         self.committed = sorted(set(self.committed) | {step})
+        self.quarantined = [s for s in self.quarantined if s != step]  # saved again since
         self._retention_due = True
         self._retain_after = 0.0
         self._sweep_other_attempts(step, attempt)
@@ -187,9 +236,12 @@ class CommitCoordinator:
         )
 
     def _sweep_other_attempts(self, step: int, keep: str) -> None:
-        """Files of other groups under a committed step (a re-save that died) go."""
+        """Files of other groups under a committed step (a re-save that died) go; not
+        where the step was quarantined before (its files are kept for inspection)."""
         try:
-            for attempt in self.store.read_receipts(step):
+            if self.store.holds_quarantine_record(step):
+                return
+            for attempt in self.store.read_receipts(step).attempts:
                 if attempt != keep:
                     self.store.remove(step, attempt_dir(attempt))
         except StorageError as e:
@@ -269,8 +321,10 @@ class CommitCoordinator:
         self._load_holds()
         steps = sorted(self.store.committed_steps(), reverse=True)
         self.committed = sorted(steps)
+        self._list_quarantined()
         if not steps and self.spec.checkpoint.resume_from is not None:
             return self._restore_resume_from(group, sleep)
+        failed: list[tuple[int, str, str]] = []
         for i, step in enumerate(steps):
             older = steps[i + 1] if i + 1 < len(steps) else None
             then = f"falling back to step {older}" if older is not None else "no older step to try"
@@ -284,10 +338,14 @@ class CommitCoordinator:
                     f"({e.path}: {e.reason}); {then}",
                     logging.WARNING,
                 )
+                failed.append((step, e.path, e.reason))
                 continue
             except FileNotFoundError:  # deleted by retention between listing and reading
                 self._event(f"checkpoint step {step} was deleted while restoring; {then}")
                 continue
+            # Only once an older step loaded: when every step fails, the cause may be
+            # the job's own (a wrong signing key), and the steps must stay as they are.
+            self._quarantine(failed)
             return restored, manifest
         if steps:
             raise CorruptCheckpointError(
@@ -300,6 +358,34 @@ class CommitCoordinator:
                 "move them, or point checkpoint.uri at an empty location.",
             )
         return 0, None
+
+    def _quarantine(self, failed: list[tuple[int, str, str]]) -> None:
+        """Set aside the steps that failed verification, so that no later restore reads
+        them first and keep_last never counts them in place of good steps."""
+        for step, path, reason in failed:
+            try:
+                record = self.store.quarantine(step, path, reason)
+            except StorageError as e:
+                self._event(
+                    f"could not quarantine checkpoint step {step} ({e}); the next restore "
+                    "verifies it again",
+                    logging.WARNING,
+                )
+                continue
+            self.committed = [s for s in self.committed if s != step]
+            self.quarantined = sorted(set(self.quarantined) | {step})
+            self._event(
+                f"quarantined checkpoint step {step} ({path}: {reason}): no restore reads it "
+                f"again and checkpoint.keep_last does not count it. Its files stay at "
+                f"{self.store.step_uri(step)} for inspection ({record} says what failed); "
+                "delete that folder once you are done with it",
+                logging.WARNING,
+            )
+
+    def _list_quarantined(self) -> None:
+        # Only shown in the status: an outage is reported by the restore that follows.
+        with contextlib.suppress(StorageError):
+            self.quarantined = self.store.quarantined_steps()
 
     def _restore_resume_from(
         self, group: Restorable, sleep: Callable[[float], None]
@@ -424,18 +510,19 @@ def build_manifest(
     batch = int(schedule["history"][-1][1]) if schedule else None
     files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
     index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
+    identity = job_identity(spec)
     return Manifest(
         step=step,
         files=files,
         topology=spec.topology(replicas, batch),
         data_position={"next_step": step, "seed": spec.data.seed},
-        spec_hash=spec.spec_hash(),
+        spec_hash=identity["spec_hash"],
         created_at=time.time(),
         extra={
-            "job": spec.name,
+            "job": identity["job"],
             "attempt": attempt,
             "batch": spec.batch_record(replicas, schedule),
-            "spec": spec.hashed_fields(),  # so a refused resume can say what differs
+            "spec": identity["spec"],  # so a refused resume can say what differs
             "vocab_size": spec.vocab_size(),
             "index": index,
             **({"partition": list(partition)} if partition is not None else {}),

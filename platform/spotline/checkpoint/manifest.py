@@ -46,6 +46,44 @@ def sign(raw: dict, key: bytes) -> str:
     return hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
 
 
+def verify(raw: dict, key: bytes | None, what: str, written: str) -> None:
+    """Check and drop the signature of a parsed record (a manifest, a receipt) before
+    any field of it is trusted; ManifestError naming `what` when a key is set and the
+    record is unsigned or signed otherwise. `written`: what happened to it ("committed")."""
+    signature = raw.pop(SIGNATURE_FIELD, None)
+    if key is None:
+        return
+    if not isinstance(signature, str):
+        raise ManifestError(
+            f"{what} is not signed, and checkpoint.signing_key_env is set: it was "
+            "written without the key (or by someone who does not hold it)"
+        )
+    if not hmac.compare_digest(signature, sign(raw, key)):
+        raise ManifestError(
+            f"{what} signature does not verify with the key in checkpoint.signing_key_env: "
+            f"it was changed after it was {written}, or signed with another key"
+        )
+
+
+def _dump_signed(raw: dict, key: bytes | None, indent: int | None = None) -> str:
+    if key is not None:
+        raw[SIGNATURE_FIELD] = sign(raw, key)
+    return json.dumps(raw, indent=indent, sort_keys=True)
+
+
+def _load_signed(s: str | bytes, key: bytes | None, what: str, written: str) -> dict:
+    """The JSON object of a signed record, its signature checked (see `verify`) and
+    dropped; ManifestError naming `what` when it is not a JSON object."""
+    try:
+        raw = json.loads(s)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{what} must be a JSON object (got {type(raw).__name__})")
+    verify(raw, key, what, written)
+    return raw
+
+
 def check_relpath(path: str) -> str:
     """Return ``path`` if it is a safe relative posix path inside a step directory.
 
@@ -144,35 +182,14 @@ class Manifest:
 
     def to_json(self, signing_key: bytes | None = None) -> str:
         """The manifest as JSON; with a key, signed with HMAC-SHA256 (see `from_json`)."""
-        raw: dict[str, Any] = asdict(self)
-        if signing_key is not None:
-            raw[SIGNATURE_FIELD] = sign(raw, signing_key)
-        return json.dumps(raw, indent=1, sort_keys=True)
+        return _dump_signed(asdict(self), signing_key, indent=1)
 
     @classmethod
     def from_json(cls, s: str | bytes, signing_key: bytes | None = None) -> Manifest:
         """Parse (and, with a key, verify) a manifest. The signature is checked before any
         field is trusted, so a manifest written by whoever can write the bucket but does
         not hold the key is refused before a single file it names is read."""
-        try:
-            raw = json.loads(s)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ManifestError(f"manifest must be a JSON object (got {type(raw).__name__})")
-        signature = raw.pop(SIGNATURE_FIELD, None)
-        if signing_key is not None:
-            if not isinstance(signature, str):
-                raise ManifestError(
-                    "manifest is not signed, and checkpoint.signing_key_env is set: it was "
-                    "written without the key (or by someone who does not hold it)"
-                )
-            if not hmac.compare_digest(signature, sign(raw, signing_key)):
-                raise ManifestError(
-                    "manifest signature does not verify with the key in "
-                    "checkpoint.signing_key_env: it was changed after it was committed, or "
-                    "signed with another key"
-                )
+        raw = _load_signed(s, signing_key, "manifest", "committed")
         version = raw.get("format_version", FORMAT_VERSION)
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise ManifestError(
@@ -208,3 +225,68 @@ class Manifest:
             extra=raw.get("extra", {}),
             format_version=version,
         )
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """One rank's record that it finished uploading its files of a step.
+
+    A restarted controller commits a step from its receipts alone, so a receipt is
+    signed like a manifest and names the job and spec that wrote it: one planted in
+    the bucket, or left by a run of another spec, never becomes a commit."""
+
+    job: str
+    """The name of the job whose rank wrote it."""
+    spec_hash: str
+    """``JobSpec.spec_hash()`` of that job; a job with another hash never commits it."""
+    spec: dict
+    """That job's ``hashed_fields``, so a refusal can say which fields changed."""
+    step: int
+    attempt: str
+    """The group (attempt) the rank belonged to; a step commits from one group only."""
+    rank: int
+    world_size: int
+    files: list[FileEntry]
+    index: list[dict] = field(default_factory=list)
+    """Where each saved tensor lies (file, byte range, sha256)."""
+    batch: dict | None = None
+    """The adaptive batch schedule the rank saved, if any."""
+
+    def to_json(self, signing_key: bytes | None = None) -> str:
+        return _dump_signed(asdict(self), signing_key)
+
+    @classmethod
+    def from_json(cls, s: str | bytes, signing_key: bytes | None = None) -> Receipt:
+        """Parse (and, with a key, verify) a receipt; ManifestError when it is malformed
+        or its signature does not verify."""
+        raw = _load_signed(s, signing_key, "receipt", "written")
+        try:
+            files = [FileEntry(f["path"], f["size"], f["sha256"]) for f in raw["files"]]
+            receipt = cls(
+                job=raw["job"],
+                spec_hash=raw["spec_hash"],
+                spec=raw["spec"],
+                step=raw["step"],
+                attempt=raw["attempt"],
+                rank=raw["rank"],
+                world_size=raw["world_size"],
+                files=files,
+                index=raw.get("index") or [],
+                batch=raw.get("batch"),
+            )
+        except (KeyError, TypeError) as e:
+            raise ManifestError(
+                f"receipt is malformed or written by an older Spotline (field {e})"
+            ) from e
+        ints = (receipt.step, receipt.rank, receipt.world_size)
+        strs = (receipt.job, receipt.spec_hash, receipt.attempt)
+        if (
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
+            or not all(isinstance(v, str) for v in strs)
+            or not isinstance(receipt.spec, dict)
+            or not isinstance(receipt.index, list)
+            or not 0 <= receipt.rank < receipt.world_size
+        ):
+            raise ManifestError("receipt has a field of the wrong type or out of range")
+        check_index_files(receipt.index, "receipt")
+        return receipt

@@ -3,10 +3,12 @@
 Layout under the root URI (``file://`` or ``s3://``)::
 
     <root>/step_00000100/<files of the step...>
+    <root>/step_00000100/_receipts/<attempt>/rank_0000N.json   <- signed upload receipts
     <root>/step_00000100/manifest.json      <- written last: the commit
+    <root>/step_00000100/quarantine.json    <- the step failed verification (kept aside)
 
-A step directory without ``manifest.json`` is an upload in progress or an abandoned
-one; it is never restored. Every restored file is checked against the size and
+A step directory without ``manifest.json`` is an upload in progress, an abandoned
+one or a quarantined one; it is never restored. Every restored file is checked against the size and
 sha256 in the manifest before it is used.
 
 This module must never hand back a checkpoint it has not verified, never delete an
@@ -43,7 +45,7 @@ from spotline.checkpoint.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
-    check_index_files,
+    Receipt,
     check_relpath,
 )
 from spotline.config.redact import redact
@@ -58,6 +60,7 @@ TRACE_ARTIFACT = "trace.json"  # Chrome trace of the latest pipeline steps
 SUMMARY_ARTIFACT = "summary.json"  # what `spotline status` / `report` show
 LEDGER_ARTIFACT = "ledger.json"  # the goodput ledger, continued by a restarted controller
 RECEIPTS_DIR = "_receipts"  # per-rank upload receipts; not part of the checkpoint
+QUARANTINE_NAME = "quarantine.json"  # a step that failed verification: why, and its manifest
 HASH_CHUNK_BYTES = 8 * 2**20
 # Files of one step move in parallel; each large S3 object is itself split into
 # concurrent parts by s3fs, so a few threads are enough to fill the link.
@@ -107,6 +110,18 @@ class StorageError(RuntimeError):
 class CheckpointMismatchError(ValueError):
     """The checkpoint URI holds checkpoints this job must not resume or write over (another
     job's, or this job's with a different model, data or training spec). Not retryable."""
+
+
+@dataclasses.dataclass
+class ReceiptScan:
+    """The upload receipts found under one step."""
+
+    receipts: dict[str, list[Receipt]] = dataclasses.field(default_factory=dict)
+    """Those that parsed and verified, by the attempt (group) that wrote them."""
+    refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(path under the step, why) of each one that can never complete a commit."""
+    attempts: set[str] = dataclasses.field(default_factory=set)
+    """Every attempt with a receipt there, refused ones included."""
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -160,6 +175,15 @@ def hash_file(path: str | os.PathLike[str]) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def _fsync(path: str) -> None:
+    """Flush a local file's (or directory's) data and metadata to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _bad_uri(uri: object, why: str) -> StorageError:
@@ -288,6 +312,14 @@ class _LocalBackend(_Backend):
 
         return LocalFileSystem(auto_mkdir=True)
 
+    def put_file(self, fs: Any, local: str, remote: str) -> None:
+        # The manifest that names this file may be written as soon as its receipt is:
+        # the file's bytes, and each directory entry that leads to it, must be on disk
+        # before then, or a crash could leave a committed step with a torn file.
+        fs.put_file(local, remote)
+        _fsync(remote)
+        self._fsync_dirs(remote)
+
     def write_atomic(self, fs: Any, path: str, data: bytes) -> None:
         # Readers list the directory at any moment: they must see either no
         # manifest or the whole one, so write aside, fsync, then rename over.
@@ -303,11 +335,19 @@ class _LocalBackend(_Backend):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        self._fsync_dirs(path)
+
+    def _fsync_dirs(self, path: str) -> None:
+        """fsync every directory from `path`'s own up to the root: a directory created
+        on the way (the step's, the rank's) holds the entry that makes the file findable."""
+        directory = os.path.dirname(path)
+        while True:
+            _fsync(directory)
+            parent = os.path.dirname(directory)
+            inside = directory.startswith(self.root.rstrip("/") + "/")
+            if directory == self.root or not inside or parent == directory:
+                return
+            directory = parent
 
     def explain(self, exc: BaseException) -> str:
         if isinstance(exc, TimeoutError):
@@ -884,34 +924,17 @@ class CheckpointStore:
                 self.fs, self._manifest_path(step), manifest.to_json(self.signing_key()).encode()
             )
 
-    def write_receipt(
-        self,
-        step: int,
-        attempt: str,
-        rank: int,
-        world_size: int,
-        files: list[FileEntry],
-        index: list[dict[str, Any]] | None = None,
-        batch: dict[str, Any] | None = None,
-    ) -> None:
-        """Record that `rank` of the group `attempt` finished uploading its files of `step`
-        (and the adaptive batch schedule it saved, if any).
+    def write_receipt(self, receipt: Receipt) -> None:
+        """Record that a rank of group `receipt.attempt` finished uploading its files of
+        `receipt.step` (signed when checkpoint.signing_key_env is set).
 
         Receipts let a restarted controller commit a step whose uploads all finished
         but whose completion reports were lost with the workers that sent them. They
         live under the attempt that wrote them, so two groups' receipts never mix.
         """
-        body = json.dumps(
-            {
-                "attempt": attempt,
-                "rank": rank,
-                "world_size": world_size,
-                "files": [dataclasses.asdict(f) for f in files],
-                "index": index or [],
-                "batch": batch,
-            }
-        ).encode()
-        path = f"{self._step_path(step)}/{RECEIPTS_DIR}/{attempt}/rank_{rank:05d}.json"
+        step, rank = receipt.step, receipt.rank
+        body = receipt.to_json(self.signing_key()).encode()
+        path = f"{self._step_path(step)}/{RECEIPTS_DIR}/{receipt.attempt}/rank_{rank:05d}.json"
         with self._io(f"writing the upload receipt of rank {rank}, step {step}"):
             self._retrying(lambda: self._backend.write_atomic(self.fs, path, body))
 
@@ -935,31 +958,38 @@ class CheckpointStore:
             except FileNotFoundError:
                 return None
 
-    def read_receipts(self, step: int) -> dict[str, list[dict[str, Any]]]:
-        """Upload receipts of an uncommitted step, by the attempt (group) that wrote them.
-        An unreadable receipt is skipped: it cannot complete a commit."""
+    def read_receipts(self, step: int) -> ReceiptScan:
+        """Upload receipts of a step, by the attempt (group) that wrote them. A receipt
+        that does not parse, is not signed with the key (when one is set) or names
+        another step is refused: it can never complete a commit."""
         base = f"{self._step_path(step)}/{RECEIPTS_DIR}"
-        out: dict[str, list[dict[str, Any]]] = {}
+        key = self.signing_key()
+        scan = ReceiptScan()
         with self._io(f"reading upload receipts of step {step}"):
             try:
                 found = sorted(self.fs.find(base))
             except FileNotFoundError:
-                return {}
+                return scan
             for name in found:
-                if not str(name).endswith(".json"):
+                rel = posixpath.relpath(str(name), self._step_path(step))
+                parts = rel.split("/")
+                if len(parts) < 3 or not rel.endswith(".json"):
                     continue
+                scan.attempts.add(parts[1])
                 try:
-                    receipt = json.loads(self.fs.cat_file(name))
-                except (ValueError, FileNotFoundError):
+                    receipt = Receipt.from_json(self.fs.cat_file(name), key)
+                except FileNotFoundError:
                     continue
-                if isinstance(receipt, dict) and isinstance(receipt.get("attempt"), str):
-                    where = posixpath.relpath(str(name), self._step_path(step))
-                    problem = _receipt_path_problem(receipt, str(name), where)
-                    if problem:
-                        log.warning("step %d: receipt %s ignored: %s", step, where, problem)
-                        continue
-                    out.setdefault(receipt["attempt"], []).append(receipt)
-        return out
+                except ManifestError as e:
+                    scan.refused.append((rel, str(e)))
+                    continue
+                if receipt.step != step or receipt.attempt != parts[1]:
+                    scan.refused.append(
+                        (rel, f"it is for step {receipt.step}, group {receipt.attempt!r}")
+                    )
+                    continue
+                scan.receipts.setdefault(receipt.attempt, []).append(receipt)
+        return scan
 
     def read_range(self, step: int, relpath: str, start: int, length: int) -> bytes:
         """`length` bytes at `start` of a file of `step` (a ranged GET on S3)."""
@@ -997,8 +1027,56 @@ class CheckpointStore:
         )(fn)
 
     def uncommitted_steps(self) -> list[int]:
-        """Step directories without a manifest, ascending (uploads in flight or abandoned)."""
-        return [s for s in self._step_dirs() if not self._is_committed(s)]
+        """Step directories with neither a manifest nor a quarantine record, ascending
+        (uploads in flight or abandoned)."""
+        return [
+            s
+            for s in self._step_dirs()
+            if not self._is_committed(s) and not self.holds_quarantine_record(s)
+        ]
+
+    def quarantined_steps(self) -> list[int]:
+        """Steps set aside after they failed verification (see `quarantine`), ascending."""
+        return [
+            s
+            for s in self._step_dirs()
+            if not self._is_committed(s) and self.holds_quarantine_record(s)
+        ]
+
+    def quarantine(self, step: int, path: str, reason: str) -> str:
+        """Set aside a committed step that failed verification; the URI of its record.
+
+        The record (which file failed, why, and the manifest as it was) is written
+        first, then the manifest goes: from then on no listing offers the step, no
+        restore reads it again and retention neither counts nor deletes it, and its
+        files stay where they are for inspection. A marker rather than a move: on S3 a
+        move is a copy of every file, and a crash halfway would tear the evidence. A
+        crash between the two writes leaves a step that is still committed, so the
+        next restore verifies it again and finishes the job.
+        """
+        record_path = f"{self._step_path(step)}/{QUARANTINE_NAME}"
+        with self._io(f"quarantining step {step}"):
+            try:
+                raw = self.fs.cat_file(self._manifest_path(step))
+            except FileNotFoundError:
+                raw = None
+            record = {
+                "step": step,
+                "file": path,
+                "reason": redact(reason),
+                "quarantined_at": time.time(),
+                "manifest": raw.decode("utf-8", "replace") if raw is not None else None,
+            }
+            self._backend.write_atomic(self.fs, record_path, json.dumps(record, indent=1).encode())
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._manifest_path(step))
+        return f"{self._backend.scheme}://{record_path}"
+
+    def holds_quarantine_record(self, step: int) -> bool:
+        """The step's folder holds a quarantine record: it is quarantined, or was, and a
+        later save of the same step committed beside the files kept for inspection."""
+        with self._io(f"checking the quarantine record of step {step}"):
+            return bool(self.fs.exists(f"{self._step_path(step)}/{QUARANTINE_NAME}"))
 
     # --- reading ----------------------------------------------------------------------
 
@@ -1089,14 +1167,7 @@ class CheckpointStore:
             why = f"belongs to job {job!r}, and this job is {spec.name!r}"
         else:
             why = f"was written with spec hash {their_hash}, and this job has {spec.spec_hash()}"
-        if isinstance(theirs, dict):
-            ours = spec.hashed_fields()
-            diff = [
-                f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
-                for k in spec.changed_fields(theirs)
-            ]
-            if diff:
-                why += " (" + "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "") + ")"
+        why += spec_differences(spec, theirs)
         return (
             f"checkpoint.uri {self.uri}: {what} there {why}. Nothing was written there. Point "
             "checkpoint.uri at a new location (e.g. --set checkpoint.uri=...), or use the "
@@ -1135,6 +1206,7 @@ class CheckpointStore:
 
     def apply_retention(self, keep_last: int, pinned: Iterable[int] = ()) -> list[int]:
         """Delete all but the newest ``keep_last`` committed steps, and abandoned uploads.
+        A quarantined step is not committed: it neither counts nor goes.
 
         A committed step in ``pinned`` (one a reader still uses) is kept past
         ``keep_last`` until a later call no longer pins it. An uncommitted step older
@@ -1152,7 +1224,11 @@ class CheckpointStore:
         held = set(pinned)
         expired = [s for s in committed[:-keep_last] if s not in held]
         committed_set = set(committed)
-        abandoned = [s for s in all_steps if s not in committed_set and s < newest]
+        abandoned = [
+            s
+            for s in all_steps
+            if s not in committed_set and s < newest and not self.holds_quarantine_record(s)
+        ]
         for step in expired:
             with (
                 self._io(f"deleting the manifest of expired step {step}"),
@@ -1227,21 +1303,19 @@ class CheckpointStore:
         return [f.result() for f in futures]
 
 
-def _receipt_path_problem(receipt: dict, name: str, where: str) -> str | None:
-    """Why a receipt must not be used (a path in it leaves the step), or None. Its group
-    is the directory it lies in; every file and index entry stays inside the step."""
-    if receipt["attempt"] != posixpath.basename(posixpath.dirname(name)):
-        return f"it says group {receipt['attempt']!r} but lies in another group's folder"
-    files = receipt.get("files")
-    if not isinstance(files, list):
-        return "its 'files' is not a list"
-    try:
-        for f in files:
-            check_relpath(f.get("path") if isinstance(f, dict) else None)
-        check_index_files(receipt.get("index", []), where)
-    except ManifestError as e:
-        return str(e)
-    return None
+def spec_differences(spec: Any, theirs: Any) -> str:
+    """' (field: theirs there, ours here; ...)' for each hashed field in which `spec`
+    differs from `theirs` (the `hashed_fields` a manifest or receipt recorded), or ''."""
+    if not isinstance(theirs, dict):
+        return ""
+    ours = spec.hashed_fields()
+    diff = [
+        f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
+        for k in spec.changed_fields(theirs)
+    ]
+    if not diff:
+        return ""
+    return " (" + "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "") + ")"
 
 
 def _describe_mismatch(size: int, digest: str | None, entry: FileEntry) -> str | None:

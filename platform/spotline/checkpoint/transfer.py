@@ -17,15 +17,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spotline.checkpoint.manifest import FileEntry
+from spotline.checkpoint.manifest import FileEntry, Receipt
 from spotline.checkpoint.store import CheckpointStore
+
+if TYPE_CHECKING:
+    from spotline.config.schema import JobSpec
 
 
 def attempt_dir(attempt: str) -> str:
     """Where a group's files of a step live: a re-save by another group never mixes."""
     return f"a-{attempt}"
+
+
+def job_identity(spec: JobSpec) -> dict[str, Any]:
+    """What a receipt and a manifest record of the job that wrote them: its name, spec
+    hash and hashed fields (so a refusal can say what changed)."""
+    return {"job": spec.name, "spec_hash": spec.spec_hash(), "spec": spec.hashed_fields()}
 
 
 @dataclass
@@ -59,12 +68,14 @@ class Uploader:
     def __init__(
         self,
         store: CheckpointStore,
+        spec: JobSpec,
         rank: int,
         world_size: int,
         attempt: str,
         max_bytes_per_s: float | None = None,
     ):
         self.store = store
+        self.identity = job_identity(spec)
         self.rank = rank
         self.world_size = world_size
         self.attempt = attempt
@@ -124,7 +135,16 @@ class Uploader:
                 for entry in index:
                     entry["file"] = f"{prefix}/{entry['file']}"
                 self.store.write_receipt(
-                    job.step, self.attempt, self.rank, self.world_size, files, index, job.batch
+                    Receipt(
+                        **self.identity,
+                        step=job.step,
+                        attempt=self.attempt,
+                        rank=self.rank,
+                        world_size=self.world_size,
+                        files=files,
+                        index=index,
+                        batch=job.batch,
+                    )
                 )
                 result = UploadResult(
                     job.step,

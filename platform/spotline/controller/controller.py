@@ -254,6 +254,7 @@ class Controller:
             "failures": r.failures,
             "node_losses": r.node_losses,
             "committed_steps": list(self.coordinator.committed),
+            "quarantined_steps": list(self.coordinator.quarantined),
             "last_checkpoint": (
                 {"step": last, "uri": self.store.step_uri(last)} if last is not None else None
             ),
@@ -346,7 +347,8 @@ class Controller:
 
     _STATUS_KEYS = (
         "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
-        "node_losses", "waiting", "doomed_nodes", "committed_steps", "workers", "error",
+        "node_losses", "waiting", "doomed_nodes", "committed_steps", "quarantined_steps",
+        "workers", "error",
         "batch",
         "partition", "train_loss", "tokens_per_s", "eval", "last_checkpoint", "ledger",
         "heldout_loss",

@@ -31,10 +31,11 @@ import ray
 
 from spotline import constants
 from spotline.bubbles.channel import WindowChannel
-from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
+from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest, StorageError
 from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.checkpoint.staging import check_local_dir
 from spotline.checkpoint.transfer import Uploader
+from spotline.config.loader import SpecError
 from spotline.config.redact import install_log_redaction
 from spotline.config.schema import JobSpec
 from spotline.metrics.export import Metrics, export_gpu_samples
@@ -84,7 +85,12 @@ class TrainWorker:
         self.trainer: Trainer | None = None
         cap = self.spec.checkpoint.upload_max_mb_per_s
         self.uploader = Uploader(
-            store, topo.rank, topo.world_size, attempt, None if cap is None else cap * 1e6
+            store,
+            self.spec,
+            topo.rank,
+            topo.world_size,
+            attempt,
+            None if cap is None else cap * 1e6,
         )
         self.channel: WindowChannel | None = None
         self._lock = threading.Lock()  # the control thread and the training thread
@@ -147,6 +153,12 @@ class TrainWorker:
             pin_process(self.topo.rank)
         # This node's disk, checked before the first step rather than at the first save.
         check_local_dir(self.staging, "checkpoint.staging_dir")
+        # Every receipt this rank writes is signed: a node without the key fails here,
+        # naming the variable, rather than losing each checkpoint to it.
+        try:
+            self.store.signing_key()
+        except StorageError as e:
+            raise SpecError(str(e)) from None
         self._clean_staging()
         backend = init_distributed(self.topo, master_addr, master_port)
         threads = self._threads()
