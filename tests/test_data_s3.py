@@ -228,6 +228,8 @@ def test_prepare_onto_an_s3_dataset_needs_overwrite_and_leaves_no_stale_shard(
         listed = bucket.client.list_objects_v2(Bucket=bucket.name, Prefix="ds/")["Contents"]
         return {o["Key"].removeprefix("ds/") for o in listed}
 
+    # A neighbour whose name starts with the same letters is not in the way.
+    bucket.client.put_object(Bucket=bucket.name, Key="ds-other/index.json", Body=b"{}")
     byte = prepare(str(src), ByteTokenizer(), uri, shard_tokens=3_000, **kw)
     before = {k: bucket.client.head_object(Bucket=bucket.name, Key=f"ds/{k}")["ETag"]
               for k in keys()}  # fmt: skip

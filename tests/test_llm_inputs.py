@@ -240,7 +240,8 @@ def test_init_from_s3_reads_only_the_headers(prepared, tmp_path, s3_bucket):
     for f in hf.iterdir():
         s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=f"hf/{f.name}", Body=f.read_bytes())
     uri = f"s3://{s3_bucket.name}/hf"
-    over = {**over, "model.init_from": uri, "data.endpoint_url": s3_bucket.endpoint_url}
+    over = {**over, "model.init_from": uri, "data.endpoint_url": s3_bucket.endpoint_url,
+            "data.storage_options": {"key": "testing", "secret": "testing"}}  # fmt: skip
     check_offline(spec(prepared, tmp_path, **over))
     assert not (tmp_path / "cache" / "hf").exists()  # nothing downloaded by the preflight
 
