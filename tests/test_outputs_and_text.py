@@ -178,7 +178,9 @@ def test_prepare_refuses_bad_text_past_the_sample(corpus, tmp_path, capsys):
     assert "input long.txt is not text: byte 131072 (0xff) is not UTF-8" in _err(capsys)
 
 
-def test_a_text_corpus_refuses_a_file_that_is_not_text(corpus, tmp_path):
+def test_a_text_corpus_refuses_a_file_that_is_not_text(corpus, tmp_path, capsys):
+    import yaml
+
     from spotline.config import load_spec
     from spotline.data import CorpusError, load_corpus
 
@@ -189,6 +191,14 @@ def test_a_text_corpus_refuses_a_file_that_is_not_text(corpus, tmp_path):
         load_corpus(spec.data)
     msg = str(ei.value)
     assert msg.startswith(f"data.corpus: {bad} is not text") and "\n" not in msg
+    # `spotline validate` finds it before any worker would start.
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "text", "data": {"corpus": str(corpus)},
+        "checkpoint": {"uri": f"file://{tmp_path}/ckpt", "staging_dir": str(tmp_path / "st")},
+    }))  # fmt: skip
+    assert main(["validate", str(config)]) == 2
+    assert _err(capsys) == f"spotline: {msg}"
 
 
 def test_the_stdlib_corpus_is_text(capsys):
