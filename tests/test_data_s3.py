@@ -247,3 +247,42 @@ def test_an_s3_index_whose_shard_leaves_the_dataset_is_refused(
     with pytest.raises(DataError, match=why):
         TokenDataset(spec)
     assert not (tmp_path / "cache" / "shards").exists()
+
+
+def test_prepare_onto_an_s3_dataset_needs_overwrite_and_leaves_no_stale_shard(
+    no_env_creds, tmp_path, bpe_dir
+) -> None:
+    from spotline.data import ByteTokenizer
+
+    bucket = no_env_creds
+    tok = load_tokenizer(
+        load_spec(None, {"tokenizer.kind": "huggingface", "tokenizer.path": str(bpe_dir)})
+        .tokenizer,
+        cache_dir=str(tmp_path / "tc"),
+    )  # fmt: skip
+    src, _ = _corpus(tmp_path)
+    uri = f"s3://{bucket.name}/ds"
+    kw = dict(endpoint_url=bucket.endpoint_url, storage_options=CREDS, progress=False)
+
+    def keys() -> set[str]:
+        listed = bucket.client.list_objects_v2(Bucket=bucket.name, Prefix="ds/")["Contents"]
+        return {o["Key"].removeprefix("ds/") for o in listed}
+
+    # A neighbour whose name starts with the same letters is not in the way.
+    bucket.client.put_object(Bucket=bucket.name, Key="ds-other/index.json", Body=b"{}")
+    byte = prepare(str(src), ByteTokenizer(), uri, shard_tokens=3_000, **kw)
+    before = {k: bucket.client.head_object(Bucket=bucket.name, Key=f"ds/{k}")["ETag"]
+              for k in keys()}  # fmt: skip
+    with pytest.raises(DataError, match=rf"^--out {uri} holds a finished dataset .*--overwrite"):
+        prepare(str(src), tok, uri, shard_tokens=3_000, **kw)
+    assert {k: bucket.client.head_object(Bucket=bucket.name, Key=f"ds/{k}")["ETag"]
+            for k in keys()} == before  # fmt: skip
+
+    index = prepare(str(src), tok, uri, shard_tokens=3_000, overwrite=True, **kw)
+    assert len(index["shards"]) < len(byte["shards"])  # fewer shards: the old tail must go
+    shards = {s["path"] for s in index["shards"]} | {s["docs_path"] for s in index["shards"]}
+    assert {k for k in keys() if k.startswith("shard-")} == shards
+    records = {k for k in keys() if k.startswith("_parts/shard-")}
+    assert records == {f"_parts/shard-{k:05d}.json" for k in range(len(index["shards"]))}
+    got, _ = read_index(uri, endpoint_url=bucket.endpoint_url, storage_options=CREDS)
+    assert got == index

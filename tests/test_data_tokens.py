@@ -359,17 +359,21 @@ def test_prepare_resumes(bpe, corpus_dir: Path, tmp_path: Path, monkeypatch) -> 
     assert prepare(str(corpus_dir), bpe, str(out), **kw) == first
     assert calls and (out / "index.json").read_bytes() == blob
 
-    # Another tokenizer at the same output starts over, and leaves no stale shards.
+    # Another tokenizer at the same output replaces it only when told to, and then
+    # leaves no stale shards.
     def files(index: dict) -> set[str]:
         return {s["path"] for s in index["shards"]} | {s["docs_path"] for s in index["shards"]}
 
     calls.clear()
-    again = prepare(str(corpus_dir), ByteTokenizer(), str(out), **kw)
+    again = prepare(str(corpus_dir), ByteTokenizer(), str(out), overwrite=True, **kw)
     assert len(calls) == n_parts and again["tokenizer_sha256"] == "byte"
     assert len(again["shards"]) > n
     assert {p.name for p in out.glob("shard-*")} == files(again)
-    assert prepare(str(corpus_dir), bpe, str(out), **kw) == first
+    assert prepare(str(corpus_dir), bpe, str(out), overwrite=True, **kw) == first
     assert {p.name for p in out.glob("shard-*")} == files(first)
+    assert {p.name for p in (out / "_parts").glob("shard-*")} == {
+        f"shard-{k:05d}.json" for k in range(n)
+    }
     assert (out / "index.json").read_bytes() == blob
 
 
@@ -382,10 +386,10 @@ class _WideTokenizer(ByteTokenizer):
 def test_dtype_follows_the_vocabulary(tmp_path: Path) -> None:
     src = tmp_path / "in"
     src.mkdir()
-    (src / "a.txt").write_bytes(b"hello\xffworld")  # not UTF-8: the byte tokenizer keeps it
+    (src / "a.txt").write_bytes("hello wörld".encode())
     small = prepare(str(src), ByteTokenizer(), str(tmp_path / "u16"), progress=False)
     assert small["dtype"] == "uint16" and small["eos_id"] is None and small["doc_separator"] == 10
-    np.testing.assert_array_equal(_all_tokens(tmp_path / "u16"), list(b"hello\xffworld\n"))
+    np.testing.assert_array_equal(_all_tokens(tmp_path / "u16"), list("hello wörld\n".encode()))
     wide = prepare(str(src), _WideTokenizer(), str(tmp_path / "u32"), progress=False)
     assert wide["dtype"] == "uint32"
     arr = np.load(tmp_path / "u32" / wide["shards"][0]["path"])

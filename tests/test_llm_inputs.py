@@ -34,7 +34,11 @@ def prepared(tmp_path_factory):
 
 
 def spec(root: Path, tmp: Path, **over):
-    raw = {
+    return load_spec(_raw(root, tmp), over)
+
+
+def _raw(root: Path, tmp: Path) -> dict:
+    return {
         "name": "inputs",
         "model": {"kind": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": 16},
         "tokenizer": {"kind": "huggingface", "path": str(root / "tok")},
@@ -42,7 +46,6 @@ def spec(root: Path, tmp: Path, **over):
         "train": {"global_batch_size": 4},
         "checkpoint": {"uri": f"file://{tmp}/ckpt", "staging_dir": str(tmp / "stage")},
     }
-    return load_spec(raw, over)
 
 
 def _refused(s) -> str:
@@ -145,3 +148,110 @@ def test_a_bad_shard_met_while_training_stops_the_job_naming_it(prepared, tmp_pa
     # And a worker that meets it is not restarted: a restart would read the same bytes.
     kind = classify([ei.value])
     assert kind.name == "bad data" and not kind.retryable
+
+
+# --- model.init_from: every safetensors header is checked in the preflight -------------
+
+
+def _hf_checkpoint(prepared, tmp_path) -> tuple[dict, Path]:
+    """(a spec's overrides, a good HF checkpoint of its model) in tmp_path/hf."""
+    from spotline.models import build_sequential, model_def
+    from spotline.models.hf import save_hf
+
+    s = spec(prepared, tmp_path, **{"model.vocab_size": 300})
+    save_hf(tmp_path / "hf", s.model, 300, build_sequential(model_def(s)).state_dict())
+    return {"model.vocab_size": 300, "model.init_from": str(tmp_path / "hf")}, tmp_path / "hf"
+
+
+def _damage(hf: Path, how: str) -> str:
+    """Damage the checkpoint at `hf` as `how` says; the file the refusal must name."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    st = hf / "model.safetensors"
+    raw = st.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    if how == "absurd header length":
+        st.write_bytes((2**62).to_bytes(8, "little") + raw[8:])
+    elif how == "header not JSON":
+        st.write_bytes(raw[:8] + b"\x89PNG" + b"x" * (n - 4) + raw[8 + n :])
+    elif how == "truncated":
+        st.write_bytes(raw[: len(raw) - 16])
+    elif how == "missing tensor":
+        state = load_file(str(st))
+        del state["model.layers.1.mlp.up_proj.weight"]
+        save_file(state, str(st))
+        return "model.layers.1.mlp.up_proj.weight is missing"
+    elif how == "wrong shape":
+        state = load_file(str(st))
+        state["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 32)
+        save_file(state, str(st))
+        return "model.layers.0.self_attn.k_proj.weight in"
+    elif how == "only a pickle":
+        st.unlink()
+        (hf / "pytorch_model.bin").write_bytes(b"\x80\x04never unpickled")
+        return "pytorch_model.bin"
+    return str(st)
+
+
+HOW = ["absurd header length", "header not JSON", "truncated", "missing tensor",
+       "wrong shape", "only a pickle"]  # fmt: skip
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_init_from_with_bad_weights_is_refused_by_validate(prepared, tmp_path, capsys, how):
+    import yaml
+
+    from spotline.cli import main
+
+    over, hf = _hf_checkpoint(prepared, tmp_path)
+    raw = _raw(prepared, tmp_path)
+    raw["model"].update(vocab_size=300, init_from=over["model.init_from"])
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(config)]) == 0
+    capsys.readouterr()
+    named = _damage(hf, how)
+    assert main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("spotline: model.init_from: ") and named in err, err
+    assert not (tmp_path / "cache" / "hf").exists()  # a local checkpoint is read in place
+
+
+@pytest.mark.parametrize("how", ["header not JSON", "wrong shape", "only a pickle"])
+def test_bad_weights_met_by_a_worker_are_final(prepared, tmp_path, how):
+    from spotline.models import build_sequential, init_from_hf, model_def
+
+    over, hf = _hf_checkpoint(prepared, tmp_path)
+    s = spec(prepared, tmp_path, **over)
+    model = build_sequential(model_def(s))
+    init_from_hf(model, s)
+    named = _damage(hf, how)
+    with pytest.raises(SpecError) as ei:
+        init_from_hf(model, s)
+    assert named in str(ei.value) and "\n" not in str(ei.value)
+    kind = classify([ei.value])
+    assert not kind.retryable and kind.name == "invalid spec"
+
+
+def test_init_from_s3_reads_only_the_headers(prepared, tmp_path, s3_bucket):
+    over, hf = _hf_checkpoint(prepared, tmp_path)
+    for f in hf.iterdir():
+        s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=f"hf/{f.name}", Body=f.read_bytes())
+    uri = f"s3://{s3_bucket.name}/hf"
+    over = {**over, "model.init_from": uri, "data.endpoint_url": s3_bucket.endpoint_url,
+            "data.storage_options": {"key": "testing", "secret": "testing"}}  # fmt: skip
+    check_offline(spec(prepared, tmp_path, **over))
+    assert not (tmp_path / "cache" / "hf").exists()  # nothing downloaded by the preflight
+
+    wrong = spec(prepared, tmp_path, **{**over, "model.ffn_hidden": 64})
+    with pytest.raises(SpecError, match="model.ffn_hidden") as ei:
+        check_offline(wrong)
+    assert "intermediate_size" in str(ei.value)
+    _damage(hf, "header not JSON")
+    st = (hf / "model.safetensors").read_bytes()
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="hf/model.safetensors", Body=st)
+    with pytest.raises(SpecError) as ei:
+        check_offline(spec(prepared, tmp_path, **over))
+    assert f"{uri}/model.safetensors is not a safetensors file" in str(ei.value)

@@ -116,7 +116,7 @@ def _spotline_logits(spec, weights: dict, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_export_loads_in_transformers_and_init_from_it_gives_the_same_model(
-    reference, prepared, tmp_path
+    reference, prepared, tmp_path, capsys
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,6 +127,11 @@ def test_export_loads_in_transformers_and_init_from_it_gives_the_same_model(
     out = tmp_path / "hf"
     assert main(["export", result.checkpoint_uri, "--out", str(out)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    # Into the same folder again: refused, naming what it would replace, unless told to.
+    capsys.readouterr()
+    assert main(["export", result.checkpoint_uri, "--out", str(out)]) == 2
+    assert "it would replace config.json, model.safetensors" in capsys.readouterr().err
+    assert main(["export", result.checkpoint_uri, "--out", str(out), "--overwrite"]) == 0
     hf_model = AutoModelForCausalLM.from_pretrained(out).eval()
     hf_tok = AutoTokenizer.from_pretrained(out)
     ids = torch.tensor([hf_tok.encode("From: someone@example.com\nSubject: hello")[:32]])

@@ -61,6 +61,10 @@ def _add_storage_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_overwrite_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true", help=f"replace {what}")
+
+
 def _job_from_args(args):
     from spotline.config import load_spec
     from spotline.config.loader import validate_dict
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--field", default="text", help="JSONL: the field holding the text")
     prep.add_argument("--column", default=None, help="Parquet: the column (default: --field)")
     prep.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
+    _add_overwrite_arg(prep, "a dataset (or other files) already at --out")
     _add_storage_args(prep)
 
     tok = sub.add_parser("tokenizer", help="tokenizer helpers")
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     train_tok.add_argument("--vocab-size", type=int, default=8192)
     train_tok.add_argument("--out", required=True, help="directory for tokenizer.json & co")
+    _add_overwrite_arg(train_tok, "files already in --out")
 
     sweep = sub.add_parser(
         "sweep", help="sweep job fields with Ray Tune (ASHA, PBT); every trial is a job"
@@ -214,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument(
         "--signing-key-env", default=None, help="as checkpoint.signing_key_env of the job"
     )
+    _add_overwrite_arg(export, "a model (or other files) already in --out")
     _add_storage_args(export)
 
     args = parser.parse_args(argv)
@@ -380,6 +387,7 @@ def _dispatch(args) -> int:
             column=args.column,
             workers=args.workers,
             endpoint_url=args.endpoint_url,
+            overwrite=args.overwrite,
         )
         print(
             f"wrote {index['total_tokens']:,} tokens of {index['documents']:,} documents in "
@@ -391,7 +399,7 @@ def _dispatch(args) -> int:
         from spotline.data.tokenizer import train_bpe
 
         inputs = args.input[0] if args.input == ["stdlib"] else args.input
-        path = train_bpe(inputs, args.out, vocab_size=args.vocab_size)
+        path = train_bpe(inputs, args.out, vocab_size=args.vocab_size, overwrite=args.overwrite)
         print(f"wrote {path}; use it with tokenizer: {{kind: huggingface, path: {args.out}}}")
         return 0
     if args.cmd == "sweep":
@@ -403,7 +411,7 @@ def _dispatch(args) -> int:
         store = CheckpointStore(
             args.checkpoint, endpoint_url=args.endpoint_url, signing_key_env=args.signing_key_env
         )
-        step, out = export_hf(store, args.out, args.step)
+        step, out = export_hf(store, args.out, args.step, overwrite=args.overwrite)
         print(
             f"exported step {step} of {store.uri} to {out}; load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained({out!r})"

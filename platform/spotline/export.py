@@ -4,12 +4,17 @@ Takes a committed step (the latest by default), reads its full fp32 weights from
 rank's shards (sha256-verified, never the optimizer state), and writes config.json, safetensors (sharded for big models)
 and the job's tokenizer files to a local directory or any fsspec URI, so that
 `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer` load it.
+
+A destination that holds anything is refused before a weight is read, naming what the
+export would replace, unless `overwrite`; then the files of an earlier export that this
+one does not write (the shards of a bigger model, its index) are removed, so the
+directory holds one model. Files that are not a model's are left where they are.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,9 +22,16 @@ from typing import Any
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.config.loader import SpecError
 from spotline.config.schema import JobSpec
+from spotline.outputs import files_under, some_names
 
 TOKENIZER_ARTIFACTS = "tokenizer"
 """Where a job keeps copies of its tokenizer files, under the checkpoint's artifacts/."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# What an export writes: config.json, safetensors (one file, or shards and their index)
+# and the tokenizer's files.
+_MODEL_FILE = re.compile(
+    r"^(config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors)$"
+)
 
 
 def job_spec_of(manifest: Manifest) -> JobSpec:
@@ -46,11 +58,38 @@ def job_spec_of(manifest: Manifest) -> JobSpec:
     return validate_dict(raw, f"checkpoint step {manifest.step}")
 
 
-def export_hf(store: CheckpointStore, out: str, step: int | None = None) -> tuple[int, str]:
-    """Export committed `step` (default: the latest) of `store` to `out`; (step, out)."""
+def _is_model_file(name: str) -> bool:
+    return bool(_MODEL_FILE.match(name)) or name in TOKENIZER_FILES
+
+
+def _claim(out: str, overwrite: bool) -> list[str]:
+    """What is at `out` already (refused, unless `overwrite`): the files an export
+    writes, which the next one replaces."""
+    fs, root = _out_fs(out)
+    found = files_under(fs, root)
+    if found == [""]:
+        raise SpecError(f"--out {out} is a file; give a directory for the model")
+    if found and not overwrite:
+        ours = [n for n in found if _is_model_file(n)]
+        rest = [n for n in found if not _is_model_file(n)]
+        what = [f"it would replace {some_names(ours)}"] if ours else []
+        what += [f"it holds {some_names(rest)}"] if rest else []
+        raise SpecError(
+            f"--out {out} is not empty: {'; '.join(what)}; choose an empty or new directory, "
+            "or pass --overwrite to replace the model there"
+        )
+    return [n for n in found if _is_model_file(n)]
+
+
+def export_hf(
+    store: CheckpointStore, out: str, step: int | None = None, *, overwrite: bool = False
+) -> tuple[int, str]:
+    """Export committed `step` (default: the latest) of `store` to `out`; (step, out). A
+    non-empty `out` is refused unless `overwrite`."""
     from spotline.models import provider
     from spotline.train import state
 
+    earlier = _claim(out, overwrite)
     steps = store.committed_steps()
     if not steps:
         raise SpecError(f"{store.uri} holds no committed checkpoint to export")
@@ -72,14 +111,13 @@ def export_hf(store: CheckpointStore, out: str, step: int | None = None) -> tupl
         hf.save_hf(local, spec.model, spec.vocab_size(), weights, **_special_ids(tok))
         for name, data in tok.items():
             (local / name).write_bytes(data)
-        _copy_out(local, out)
+        _copy_out(local, out, stale=[n for n in earlier if not (local / n).exists()])
     return step, out
 
 
 def _tokenizer_files(store: CheckpointStore) -> dict[str, bytes]:
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
     files = {}
-    for name in names:
+    for name in TOKENIZER_FILES:
         data = store.read_artifact(f"{TOKENIZER_ARTIFACTS}/{name}")
         if data is not None:
             files[name] = data
@@ -103,18 +141,26 @@ def _special_ids(tok: dict[str, bytes]) -> dict[str, int | None]:
     return out
 
 
-def _copy_out(local: Path, out: str) -> None:
-    if "://" not in out or out.startswith("file://"):
-        dest = Path(out.removeprefix("file://")).expanduser()
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in local.iterdir():
-            shutil.copy2(f, dest / f.name)
-        return
+def _out_fs(out: str):
+    """(fsspec filesystem, root path) of the destination."""
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(out)
+    if "://" not in out or out.startswith("file://"):
+        dest = Path(out.removeprefix("file://")).expanduser().resolve()
+        return fsspec.filesystem("file"), str(dest)
+    return fsspec.core.url_to_fs(out)
+
+
+def _copy_out(local: Path, out: str, stale: list[str]) -> None:
+    """Put the files of `local` at `out`, after removing `stale` ones of an earlier
+    export that this one does not write."""
+    fs, root = _out_fs(out)
+    root = root.rstrip("/")
+    for name in stale:
+        fs.rm_file(f"{root}/{name}")
+    fs.makedirs(root, exist_ok=True)
     for f in local.iterdir():
-        fs.put_file(str(f), f"{root.rstrip('/')}/{f.name}")
+        fs.put_file(str(f), f"{root}/{f.name}")
 
 
 __all__ = ["TOKENIZER_ARTIFACTS", "export_hf", "job_spec_of"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,8 +24,10 @@ from spotline.checkpoint import (
 from spotline.checkpoint.staging import GB, check_local_dir
 from spotline.config.backfill import SpeculativeTaskSpec
 from spotline.config.loader import SpecError
+from spotline.config.redact import redact
 from spotline.config.schema import RETUNABLE_FIELDS, JobSpec
 from spotline.data import open_dataset
+from spotline.data.corpus import explain_read_error
 from spotline.plan import checkpoint_bytes, memory_problem
 
 
@@ -185,8 +186,9 @@ def user_code_on_path(spec: JobSpec):
 
 def check_model(spec: JobSpec) -> None:
     """The provider imports, its config validates, the pipeline can be cut, and an
-    init_from checkpoint has the spec's shape (only its config.json is read)."""
-    from spotline.models import hf_checkpoint_dir, model_def, provider
+    init_from checkpoint has the spec's shape: its config.json, and every safetensors
+    header's tensor names, dtypes and shapes (the headers only, never the weights)."""
+    from spotline.models import hf_checkpoint_fs, model_def, provider
 
     with user_code_on_path(spec):
         md = model_def(spec)
@@ -201,19 +203,14 @@ def check_model(spec: JobSpec) -> None:
         hf = getattr(provider(spec), "hf", None)
         if hf is None:
             raise SpecError(f"model.init_from: model.kind {spec.model.kind!r} has no HF format")
-        where = hf_checkpoint_dir(spec, init_from)
-        cfg = where / "config.json"
-        if not cfg.is_file():
-            raise SpecError(
-                f"model.init_from: {init_from} has no config.json; give a Hugging Face "
-                "checkpoint directory (config.json and *.safetensors)"
-            )
+        fs, root = hf_checkpoint_fs(spec, init_from)
         try:
-            hf.check_hf_config(
-                json.loads(cfg.read_text()), spec.model, spec.vocab_size(), init_from
-            )
-        except ValueError as e:
-            raise SpecError(str(e)) from None
+            hf.check_checkpoint(fs, root, spec.model, spec.vocab_size(), init_from)
+        except SpecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - storage: unreachable, no credentials
+            why = explain_read_error(init_from, e)
+            raise SpecError(f"model.init_from: {redact(why)}") from None
 
 
 def package_installed(name: str) -> bool:

@@ -9,6 +9,8 @@ tokenizer encodes each file as a document followed by its end-of-text token.
 
 from __future__ import annotations
 
+import codecs
+import functools
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -34,9 +36,15 @@ __all__ = [
     "fsspec_options",
     "is_remote",
     "load_corpus",
+    "not_text",
+    "stdlib_files",
     "stdlib_root",
     "storage_kwargs",
+    "text_problem",
 ]
+
+TEXT_SAMPLE_BYTES = 1 << 16
+"""How much of a file is looked at to tell text from binary before reading it whole."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,41 @@ class Corpus:
 
 def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
+
+
+def text_problem(data: bytes, final: bool = True) -> str | None:
+    """Why `data` is not text, or None. Text is UTF-8 with no NUL byte: random bytes,
+    binaries, UTF-16 and legacy encodings (Latin-1, Big5...) all fail, so a file that
+    merely carries a text suffix is never trained on. `final=False`: `data` is the
+    head of a file, and may end inside a character."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        return f"it holds a NUL byte at offset {nul} (binary data, or UTF-16 text)"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+    except UnicodeDecodeError as e:
+        return f"byte {e.start} (0x{data[e.start]:02x}) is not UTF-8"
+    return None
+
+
+def not_text(where: str, why: str) -> str:
+    """The one-line refusal of a file that is not text."""
+    return (
+        f"{where} is not text: {why}; convert it to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) "
+        "or leave it out"
+    )
+
+
+@functools.lru_cache
+def stdlib_files(suffixes: tuple[str, ...]) -> tuple[Path, ...]:
+    """The 'stdlib' corpus: Python's own source files with these suffixes, less the few
+    test fixtures written in other encodings (Latin-1, Big5...), which are not text by
+    `text_problem`'s rule and are no one's mistake to fix."""
+    return tuple(
+        p
+        for p in _local_files(Path(stdlib_root()), suffixes)
+        if text_problem(p.read_bytes()) is None
+    )
 
 
 def _local_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -232,6 +275,11 @@ def _read_files(files, max_bytes: int, where, read) -> list[bytes]:
             errors += 1
             first_error = first_error or e
             continue
+        why = text_problem(data)
+        if why is not None:
+            raise CorpusError(
+                f"data.corpus: {not_text(str(f), why)} (or narrow data.file_suffixes)"
+            )
         chunks.append(data)
         total += len(data)
         if total >= max_bytes:
@@ -251,7 +299,8 @@ def _read_files(files, max_bytes: int, where, read) -> list[bytes]:
 def _read_chunks(spec: DataSpec) -> list[bytes]:
     src = spec.corpus
     if src == "stdlib":
-        return _read_local(Path(stdlib_root()), spec)
+        files = stdlib_files(tuple(spec.file_suffixes))
+        return _read_files(files, spec.max_bytes, "stdlib", lambda p: p.read_bytes())
     if is_remote(src):
         return _read_fsspec(src, spec)
     return _read_local(local_path(src), spec)

@@ -13,6 +13,12 @@ byte-identical whatever the number of workers. Every finished shard is recorded
 under out/_parts/ with its sha256; a rerun verifies the recorded shards, skips
 them and tokenizes only from where the last one ended. index.json is written
 last: a dataset without one is unfinished.
+
+An output that already holds something is never replaced without `overwrite`: a
+finished dataset (its index.json), an unfinished one of other inputs, tokenizer or
+settings (it says which), or files that are not a dataset. Only an unfinished run of
+the same plan is taken up again as it is. `overwrite` removes the old dataset's index,
+shards and records before anything is written, so no stale shard outlives it.
 """
 
 from __future__ import annotations
@@ -34,12 +40,16 @@ import numpy as np
 
 from spotline.config.redact import redact
 from spotline.data.corpus import (
+    TEXT_SAMPLE_BYTES,
     _local_files,
     explain_read_error,
     is_remote,
     local_path,
+    not_text,
+    stdlib_files,
     stdlib_root,
     storage_kwargs,
+    text_problem,
 )
 from spotline.data.errors import DataError
 from spotline.data.tokenizer import Tokenizer
@@ -52,6 +62,7 @@ from spotline.data.tokens import (
     join_uri,
     token_dtype,
 )
+from spotline.outputs import files_under, some_names
 from spotline.storage import UnsafePathError, join_under
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
@@ -103,8 +114,7 @@ class InputFile:
 def _list_inputs(source: str, fs, remote: bool) -> list[InputFile]:
     """The input's files in a fixed order; DataError when there are none."""
     if source == "stdlib":  # Python's own sources, as the text corpus reads them
-        root = Path(stdlib_root())
-        paths, base = [str(p) for p in _local_files(root, TEXT_SUFFIXES)], str(root)
+        paths, base = [str(p) for p in stdlib_files(TEXT_SUFFIXES)], stdlib_root()
     elif remote:
         _, root_path = _split_remote(source, fs)
         try:
@@ -155,6 +165,20 @@ def _list_inputs(source: str, fs, remote: bool) -> list[InputFile]:
             f"JSON lines ({' '.join(JSONL_SUFFIXES)}) or Parquet (.parquet) files"
         )
     return out
+
+
+def _check_text(files: list[InputFile], fs) -> None:
+    """Refuse, before any work starts, a text input whose first bytes are not text."""
+    for f in files:
+        if f.format != "text":
+            continue
+        try:
+            head = fs.cat_file(f.path, start=0, end=min(f.size, TEXT_SAMPLE_BYTES))
+        except Exception as e:  # noqa: BLE001
+            raise DataError(f"input: {redact(explain_read_error(f.path, e))}") from None
+        why = text_problem(head, final=f.size <= TEXT_SAMPLE_BYTES)
+        if why is not None:
+            raise DataError(not_text(f"input {f.name}", why))
 
 
 def _glob_base(pattern: str) -> str:
@@ -266,8 +290,6 @@ class _Work:
         self.column = column
         self.sep = sep
         self.dtype = dtype
-        # The byte tokenizer maps every byte, valid UTF-8 or not, to itself.
-        self.errors = "surrogateescape" if tokenizer.sha256 == "byte" else "replace"
 
 
 _WORK: _Work | None = None
@@ -323,7 +345,10 @@ def _documents(w: _Work, part: tuple) -> Iterator[str]:
                 raw = w.fs.cat_file(f.path)
             except Exception as e:  # noqa: BLE001
                 raise DataError(f"input: {redact(explain_read_error(f.path, e))}") from None
-            yield raw.decode("utf-8", errors=w.errors)
+            why = text_problem(raw)  # past the head that was checked before the work began
+            if why is not None:
+                raise DataError(not_text(f"input {f.name}", why))
+            yield raw.decode("utf-8")
     elif kind == "jsonl":
         yield from _jsonl(w, w.files[part[1]], part[2], part[3])
     else:
@@ -413,8 +438,6 @@ class _Out:
         self.uri = uri
         self.fs, self.root = _filesystem(uri, endpoint_url, storage_options, "out")
         self.remote = is_remote(uri)
-        if not self.remote:
-            Path(self.root, PARTS_DIR).mkdir(parents=True, exist_ok=True)
 
     def path(self, name: str) -> str:
         return join_uri(self.root, name)
@@ -497,19 +520,81 @@ def _record_name(k: int) -> str:
     return f"{PARTS_DIR}/{_shard_name(k)}.json"
 
 
-def _resume_point(out: _Out, plan_sha: str) -> tuple[list[dict], tuple[int, int]]:
-    """The recorded shards that are still intact (a prefix), and where the next starts:
-    (part, tokens of that part already in shards)."""
-    raw = out.read(f"{PARTS_DIR}/plan.json")
+_PLAN_NAME = f"{PARTS_DIR}/plan.json"
+# What a plan record holds besides its hash, and how a difference is told to the user.
+_PLAN_WHY = {
+    "tokenizer_sha256": "another tokenizer",
+    "input": "another input",
+    "listing_sha256": "other input files",
+    "mtimes_sha256": "input files changed since",
+    "text_field": "another --field",
+    "column": "another --column",
+    "shard_tokens": "another shard size",
+}
+
+
+def _is_dataset_file(name: str) -> bool:
+    """A file `prepare` writes at the top of its output (or a temp file of one)."""
+    return name == INDEX_NAME or name.startswith((f"{PARTS_DIR}/", "shard-"))
+
+
+def _claim(out: _Out, record: dict, overwrite: bool) -> tuple[list[dict], tuple[int, int]]:
+    """Make `out` this run's: (recorded shards to keep, where to start). Refuses (unless
+    `overwrite`) anything already there but an unfinished run of the same plan;
+    `overwrite` removes the old dataset's files, its index first."""
+    found = files_under(out.fs, out.root)
+    if found == [""]:
+        raise DataError(f"--out {out.uri} is a file; give a directory for the dataset")
+    raw = out.read(_PLAN_NAME) if found else None
     try:
-        plan = json.loads(raw) if raw is not None else {}
+        plan = json.loads(raw) if raw is not None else None
     except ValueError:
-        plan = {}
-    if not isinstance(plan, dict) or plan.get("plan_sha256") != plan_sha:
-        for name in out.listdir(PARTS_DIR):  # another input or tokenizer: start over
-            if name.startswith("shard-"):
-                out.remove(f"{PARTS_DIR}/{name}")
-        return [], (0, 0)
+        plan = None
+    plan = plan if isinstance(plan, dict) else None
+    finished = INDEX_NAME in found
+    if not finished and plan is not None and plan.get("plan_sha256") == record["plan_sha256"]:
+        return _resume_point(out)
+    if found and not overwrite:
+        fix = "pass --overwrite to replace it, or choose another --out"
+        if finished:
+            raise DataError(f"--out {out.uri} holds a finished dataset ({_about(out)}); {fix}")
+        if plan is not None:
+            why = [w for k, w in _PLAN_WHY.items() if plan.get(k, record[k]) != record[k]]
+            raise DataError(
+                f"--out {out.uri} holds an unfinished dataset of "
+                f"{', '.join(why) if why else 'other inputs or settings'} (finish it with "
+                f"the input and tokenizer it was started with); {fix}"
+            )
+        raise DataError(
+            f"--out {out.uri} is not empty and not a prepared dataset (it holds "
+            f"{some_names(found)}); choose an empty or new --out, or pass --overwrite to "
+            "write the dataset beside those files"
+        )
+    if INDEX_NAME in found:  # first: from here on the old dataset is no longer whole
+        out.remove(INDEX_NAME)
+    for name in found:
+        if _is_dataset_file(name):
+            out.remove(name)
+    if not out.remote:
+        Path(out.root, PARTS_DIR).mkdir(parents=True, exist_ok=True)
+    return [], (0, 0)
+
+
+def _about(out: _Out) -> str:
+    """A few words on the finished dataset at `out`, from its index."""
+    try:
+        index = json.loads(out.read(INDEX_NAME) or b"{}")
+        return (
+            f"{int(index['total_tokens']):,} tokens, tokenizer "
+            f"{str(index['tokenizer_sha256'])[:12]}, from {index['inputs'][0]['uri']}"
+        )
+    except (ValueError, KeyError, TypeError, IndexError):
+        return INDEX_NAME
+
+
+def _resume_point(out: _Out) -> tuple[list[dict], tuple[int, int]]:
+    """The recorded shards of the same plan that are still intact (a prefix), and where
+    the next starts: (part, tokens of that part already in shards)."""
     done: list[dict] = []
     while True:
         raw = out.read(_record_name(len(done)))
@@ -545,12 +630,13 @@ def prepare(
     endpoint_url: str | None = None,
     storage_options: dict | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenize `input` with `tokenizer` into a sharded token dataset at `out` (a local
     path or fsspec URI); returns its index. `endpoint_url` / `storage_options` apply to
     s3:// input and output. Resumes an interrupted run at `out` (same input and
-    tokenizer); the output is identical whatever `workers` (default: this machine's
-    cores).
+    tokenizer); anything else already at `out` is refused unless `overwrite`. The
+    output is identical whatever `workers` (default: this machine's cores).
 
     Workers are spawned processes, never forked (the tokenizers library's threads do
     not survive a fork). As with any spawned process pool, they import the caller's
@@ -567,6 +653,7 @@ def prepare(
         else (_filesystem(stdlib_root(), None, None, "input"))
     )
     files = _list_inputs(input, in_fs, is_remote(input) and input != "stdlib")
+    _check_text(files, in_fs)
     parts = _plan_parts(files, in_fs, column)
     listing = "".join(f"{f.name}\t{f.size}\t{f.format}\n" for f in files).encode()
     inputs = [
@@ -591,11 +678,19 @@ def prepare(
         "parts": [list(p[:-1]) for p in parts],
         "mtimes": [f.mtime for f in files],
     }
-    plan_sha = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+    record = {
+        "plan_sha256": hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest(),
+        "tokenizer_sha256": tokenizer.sha256,
+        "input": input,
+        "listing_sha256": inputs[0]["listing_sha256"],
+        "mtimes_sha256": hashlib.sha256(json.dumps(plan["mtimes"]).encode()).hexdigest(),
+        "text_field": text_field,
+        "column": column,
+        "shard_tokens": shard_tokens,
+    }
     o = _Out(out, endpoint_url, storage_options)
-    done, (p0, off0) = _resume_point(o, plan_sha)
-    o.remove(INDEX_NAME)  # until the new one is written, this is not a dataset
-    o.write_json(f"{PARTS_DIR}/plan.json", {"plan_sha256": plan_sha})
+    done, (p0, off0) = _claim(o, record, overwrite)
+    o.write_json(_PLAN_NAME, record)
     work = _Work(tokenizer, in_fs, files, text_field, column, sep, dtype)
     writer = _ShardWriter(o, shard_tokens, dtype, start=(p0, off0), first_shard=len(done))
     shards = [r["entry"] for r in done]

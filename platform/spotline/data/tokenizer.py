@@ -27,7 +27,6 @@ from spotline.data.corpus import (
     explain_read_error,
     is_remote,
     local_path,
-    stdlib_root,
     storage_kwargs,
 )
 from spotline.data.errors import DataError
@@ -357,12 +356,15 @@ def text_files(
 ) -> list[Path]:
     """Local text files: each input a file, a directory (recursively, by suffix, sorted,
     skipping site-packages and __pycache__) or 'stdlib' (Python's own sources)."""
-    from spotline.data.corpus import _local_files
+    from spotline.data.corpus import _local_files, stdlib_files
 
     items = [inputs] if isinstance(inputs, str) else list(inputs)
     out: list[Path] = []
     for item in items:
-        root = Path(stdlib_root()) if item == "stdlib" else local_path(item)
+        if item == "stdlib":
+            out.extend(stdlib_files(suffixes))
+            continue
+        root = local_path(item)
         if not root.exists():
             raise DataError(f"{item} does not exist; give text files, directories or 'stdlib'")
         out.extend(_local_files(root, suffixes))
@@ -372,13 +374,18 @@ def text_files(
 
 
 def _texts(files: list[Path], max_bytes: int | None) -> Iterator[str]:
+    from spotline.data.corpus import not_text, text_problem
+
     used = 0
     for f in files:
-        raw = f.read_bytes()
+        raw = whole = f.read_bytes()
         if max_bytes is not None:
             raw = raw[: max_bytes - used]
+        why = text_problem(raw, final=len(raw) == len(whole))
+        if why is not None:
+            raise DataError(not_text(str(f), why))
         used += len(raw)
-        yield raw.decode("utf-8", errors="replace")
+        yield raw.decode("utf-8", errors="ignore")  # only a character cut at max_bytes
         if max_bytes is not None and used >= max_bytes:
             return
 
@@ -392,12 +399,25 @@ def train_bpe(
     special_tokens: Sequence[str] = ("<|endoftext|>",),
     max_bytes: int | None = None,
     model_max_length: int = NO_LIMIT,
+    overwrite: bool = False,
 ) -> Path:
     """Train a byte-level BPE tokenizer (the `tokenizers` library's BpeTrainer; byte-level
     pre-tokenizer and decoder, so any text round-trips) on `inputs` (files, directories,
     or 'stdlib'; at most `max_bytes` of them), and write `out_dir` with tokenizer.json,
     tokenizer_config.json and special_tokens_map.json. The first special token is the
-    end-of-text (and begin-of-text) token. Returns the tokenizer.json path."""
+    end-of-text (and begin-of-text) token. A non-empty `out_dir` is refused unless
+    `overwrite`. Returns the tokenizer.json path."""
+    import fsspec
+
+    from spotline.outputs import files_under, some_names
+
+    found = files_under(fsspec.filesystem("file"), str(Path(out_dir).expanduser().resolve()))
+    if found and not overwrite:
+        there = "is a file" if found == [""] else f"is not empty (it holds {some_names(found)})"
+        raise DataError(
+            f"--out {out_dir} {there}; choose an empty or new directory, or pass --overwrite "
+            f"to replace {TOKENIZER_JSON} and its config files there"
+        )
     tokenizers = _import_tokenizers()
     from tokenizers import decoders, models, pre_tokenizers, trainers
 

@@ -35,6 +35,7 @@ __all__ = [
     "build_pipeline_module",
     "build_sequential",
     "hf_checkpoint_dir",
+    "hf_checkpoint_fs",
     "init_from_hf",
     "layer_param_counts",
     "lm_loss",
@@ -91,6 +92,19 @@ def model_def(spec: JobSpec) -> ModelDef:
     )
 
 
+def hf_checkpoint_fs(spec: JobSpec, uri: str):
+    """(fsspec filesystem, root path) of the Hugging Face checkpoint at `uri`: a local
+    path or file:// URI, or any fsspec URI, reached with data's credentials."""
+    import fsspec
+
+    if "://" not in uri or uri.startswith("file://"):
+        local = Path(uri.removeprefix("file://")).expanduser().resolve()
+        return fsspec.filesystem("file"), str(local)
+    from spotline.data.corpus import fsspec_options
+
+    return fsspec.core.url_to_fs(uri, **fsspec_options(uri, spec.data, "model.init_from"))
+
+
 def hf_checkpoint_dir(spec: JobSpec, uri: str) -> Path:
     """A local directory holding the Hugging Face checkpoint at `uri` (a local path as
     is; any other fsspec URI copied into data.cache_dir once, with data's credentials)."""
@@ -98,14 +112,10 @@ def hf_checkpoint_dir(spec: JobSpec, uri: str) -> Path:
         return Path(uri.removeprefix("file://")).expanduser()
     import hashlib
 
-    import fsspec
-
-    from spotline.data.corpus import fsspec_options
-
     local = Path(spec.data.cache_dir) / "hf" / hashlib.sha256(uri.encode()).hexdigest()[:16]
     if (local / "config.json").is_file():
         return local
-    fs, root = fsspec.core.url_to_fs(uri, **fsspec_options(uri, spec.data))
+    fs, root = hf_checkpoint_fs(spec, uri)
     tmp = local.with_name(local.name + ".part")
     tmp.mkdir(parents=True, exist_ok=True)
     for name in fs.ls(root, detail=False):
@@ -118,12 +128,18 @@ def hf_checkpoint_dir(spec: JobSpec, uri: str) -> Path:
 
 def init_from_hf(module: nn.Module, spec: JobSpec) -> None:
     """Load `model.init_from` (a Hugging Face checkpoint) into `module`: the whole model,
-    or one pipeline stage of it (only that stage's parameters are copied)."""
+    or one pipeline stage of it (only that stage's parameters are copied). A checkpoint
+    that cannot be loaded raises a SpecError, which no restart retries."""
     m = spec.model
     hf = getattr(provider(spec), "hf", None)
     if hf is None:
         raise SpecError(f"model.init_from: model.kind {m.kind!r} has no Hugging Face format")
-    state = hf.load_hf(hf_checkpoint_dir(spec, m.init_from), m, spec.vocab_size())
+    try:
+        state = hf.load_hf(hf_checkpoint_dir(spec, m.init_from), m, spec.vocab_size())
+    except SpecError:
+        raise
+    except ValueError as e:  # a provider's own loader: its refusal is as final
+        raise SpecError(f"model.init_from: {m.init_from}: {e}") from None
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name not in state:

@@ -1,9 +1,15 @@
 """Hugging Face interop for the `llama` model kind: config.json, weight names, and
 checkpoints in safetensors (the layout `LlamaForCausalLM.from_pretrained` reads).
 
-Pure functions on local directories; no network, and never pickle: only `config.json`,
-`*.safetensors` and `model.safetensors.index.json` are read or written. Fetching a
-remote checkpoint (fsspec URIs) is the caller's business (`spotline.models`).
+Never pickle: only `config.json`, `*.safetensors` and `model.safetensors.index.json` are
+read or written. Loading and saving work on local directories; fetching a remote
+checkpoint (fsspec URIs) is the caller's business (`spotline.models`). `check_checkpoint`
+reads through whatever fsspec filesystem it is given, and only config.json, the index
+and each safetensors header (a ranged read), so the preflight checks a checkpoint in
+object storage without downloading its weights.
+
+A checkpoint that cannot be loaded raises `HFCheckpointError`, a `SpecError`: the same
+bytes fail the same way on every restart, so a worker that meets one is never retried.
 
 Names (L = n_layers, k = 0..L-1, Spotline layer i = k + 1):
 
@@ -22,13 +28,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from spotline.config.loader import SpecError
 from spotline.config.model import LlamaModelSpec
-from spotline.storage import UnsafePathError, join_under
+from spotline.storage import UnsafePathError, check_relpath
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -42,6 +50,25 @@ _HF_DEFAULT_EPS = 1e-6
 
 _ATTN = ("q", "k", "v", "o")
 _MLP = ("gate", "up", "down")
+
+MAX_HEADER_BYTES = 100_000_000
+"""The safetensors library's own bound on a header; a longer one is not a real file."""
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_RESAVE = (
+    "re-save it with safetensors (transformers: save_pretrained(dir, "
+    "safe_serialization=True)), or point model.init_from elsewhere"
+)
+
+
+class HFCheckpointError(SpecError):
+    """model.init_from cannot be loaded: its config.json disagrees with the spec, a
+    safetensors header is not one, a tensor is missing, extra or misshapen, or only
+    pickles are there. One line naming the file and the tensor; final, as a restart
+    would read the same bytes."""
 
 
 # --- config --------------------------------------------------------------------------
@@ -244,6 +271,38 @@ def _vocab(
     return int(t.shape[0])
 
 
+def _check_shapes(
+    found: dict[str, tuple[int, ...]],
+    names: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    side: str,
+    where: Callable[[str], str] = lambda name: "",
+    source: str = "",
+) -> None:
+    """ValueError for a tensor of `names` (source names) missing from `found` (name ->
+    shape), one of `found` not in `names`, or one whose shape is not `shapes`' (keyed
+    by source name). `where(name)` says where a found tensor is (" in <file>"),
+    `source` where they all come from (" from <dir>")."""
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(
+            f"{side} tensor {missing[0]} is missing{source}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    extra = [n for n in found if n not in names]
+    if extra:
+        raise ValueError(
+            f"{side} tensor {extra[0]}{where(extra[0])} is not part of this llama shape"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+        )
+    for src in names:
+        if tuple(found[src]) != shapes[src]:
+            raise ValueError(
+                f"{side} tensor {src}{where(src)} has shape {tuple(found[src])}, expected "
+                f"{shapes[src]}"
+            )
+
+
 def _convert(
     state: dict[str, torch.Tensor],
     names: dict[str, str],
@@ -252,27 +311,16 @@ def _convert(
 ) -> dict[str, torch.Tensor]:
     """Rename `state` by `names` (source -> target), refusing missing, extra and
     wrong-shape tensors; `shapes` is keyed by source name."""
-    missing = [n for n in names if n not in state]
-    if missing:
-        raise ValueError(
-            f"{side} tensor {missing[0]} is missing"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-        )
-    extra = [n for n in state if n not in names]
-    if extra:
-        raise ValueError(
-            f"{side} tensor {extra[0]} is not part of this llama shape"
-            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
-        )
-    out = {}
-    for src, dst in names.items():
-        t = state[src]
-        if tuple(t.shape) != shapes[src]:
-            raise ValueError(
-                f"{side} tensor {src} has shape {tuple(t.shape)}, expected {shapes[src]}"
-            )
-        out[dst] = t
-    return out
+    _check_shapes({k: tuple(t.shape) for k, t in state.items()}, names, shapes, side)
+    return {dst: state[src] for src, dst in names.items()}
+
+
+def _hf_names(
+    spec: LlamaModelSpec, vocab_size: int
+) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """(HF name -> Spotline name, HF name -> shape) of this llama shape."""
+    names, shapes = _name_map(spec), _shapes(spec, vocab_size)
+    return {hf: sl for sl, hf in names.items()}, {hf: shapes[sl] for sl, hf in names.items()}
 
 
 def to_hf(
@@ -304,9 +352,7 @@ def from_hf(
             )
         hf_state = {k: t for k, t in hf_state.items() if k != "lm_head.weight"}
     v = _vocab(hf_state, "model.embed_tokens.weight", spec, vocab_size)
-    names, shapes = _name_map(spec), _shapes(spec, v)
-    inverse = {hf: sl for sl, hf in names.items()}
-    return _convert(hf_state, inverse, {hf: shapes[sl] for sl, hf in names.items()}, "HF")
+    return _convert(hf_state, *_hf_names(spec, v), "HF")
 
 
 # --- checkpoints ---------------------------------------------------------------------
@@ -366,70 +412,219 @@ def save_hf(
 def read_hf_config(dir: Path) -> dict[str, Any]:
     """config.json of a local Hugging Face checkpoint directory."""
     path = Path(dir) / CONFIG
+    if not path.is_file():
+        raise HFCheckpointError(f"{path} does not exist: not a Hugging Face checkpoint")
+    return _parse_config(path.read_bytes(), str(path))
+
+
+def _parse_config(raw: bytes, name: str) -> dict[str, Any]:
     try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path} does not exist: not a Hugging Face checkpoint") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        cfg = json.loads(raw)
+    except ValueError as e:
+        raise HFCheckpointError(f"model.init_from: {name} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path} is not a JSON object")
+        raise HFCheckpointError(f"model.init_from: {name} is not a JSON object")
     return cfg
 
 
-def shard_path(dir: Path, fname: object) -> str:
-    """Where a shard named in `dir`'s safetensors index lies: a file of `dir` itself,
-    never a path outside it (ValueError naming the entry). Symlinks are followed: the
-    Hugging Face hub cache links every file of a snapshot into ../../blobs/, and the
-    folder is the user's own `model.init_from`, not storage others write to."""
+def safetensors_header(
+    read: Callable[[int, int], bytes], size: int, name: str
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor: (dtype, shape)} of the safetensors file `name` of `size` bytes, from its
+    header alone: an 8-byte little-endian length, bounded by the file and
+    MAX_HEADER_BYTES, then that much JSON whose every entry must lie inside the file.
+    `read(start, end)` returns those bytes of the file. HFCheckpointError naming it."""
+    if size < 8:
+        raise HFCheckpointError(
+            f"model.init_from: {name} is {size} bytes, too short for safetensors; {_RESAVE}"
+        )
+    n = int.from_bytes(read(0, 8), "little")
+    if n > min(size - 8, MAX_HEADER_BYTES):
+        raise HFCheckpointError(
+            f"model.init_from: {name} is not a safetensors file: its header length is "
+            f"{n:,} bytes, in a file of {size:,}; {_RESAVE}"
+        )
     try:
-        path = join_under(dir, fname)
+        header = json.loads(read(8, 8 + n))
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise HFCheckpointError(
+            f"model.init_from: {name} is not a safetensors file: its header is not a JSON "
+            f"object; {_RESAVE}"
+        )
+    data = size - 8 - n
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for tensor, meta in header.items():
+        if tensor == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+            ok = (
+                all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end))
+                and begin <= end <= data
+                and end - begin == math.prod(shape) * _DTYPE_BYTES[dtype]
+            )
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise HFCheckpointError(
+                f"model.init_from: {name}: the header entry of tensor {tensor} is malformed "
+                f"or lies past the end of the file ({size:,} bytes): truncated or not "
+                f"safetensors; {_RESAVE}"
+            )
+        if dtype not in _FLOAT_DTYPES:
+            raise HFCheckpointError(
+                f"model.init_from: HF tensor {tensor} in {name} has dtype {dtype}; weights "
+                f"must be floating point ({', '.join(sorted(_FLOAT_DTYPES))}); {_RESAVE}"
+            )
+        out[tensor] = (dtype, shape)
+    return out
+
+
+def _check_shard_name(fname: object, where: str) -> None:
+    """Refuse a shard name from the safetensors index that is not a plain file of the
+    checkpoint folder itself (the one path rule, plus: no subfolder, safetensors only)."""
+    try:
+        check_relpath(fname)
     except UnsafePathError as e:
         why = e.why
     else:
-        if "/" in str(fname):
+        if "/" in fname:  # type: ignore[operator]
             why = "lies in a subfolder"
-        elif not path.endswith(".safetensors"):
+        elif not fname.endswith(".safetensors"):  # type: ignore[union-attr]
             why = "is not a .safetensors file"
         else:
-            return path
-    raise ValueError(
-        f"{Path(dir) / INDEX} names shard {fname!r}, which {why}: not a shard in {dir}"
+            return
+    raise HFCheckpointError(
+        f"model.init_from: {where}/{INDEX} names shard {fname!r}, which {why}: not a shard "
+        f"in {where}"
     )
+
+
+def _weight_files(files: dict[str, int], read_index: Callable[[], bytes], where: str):
+    """(the safetensors files that hold the weights, the index's weight_map or None)."""
+    if INDEX in files:
+        try:
+            weight_map = json.loads(read_index())["weight_map"]
+            values = list(weight_map.values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HFCheckpointError(
+                f"model.init_from: {where}/{INDEX} is not a safetensors index: {e}"
+            ) from None
+        for fname in values:
+            _check_shard_name(fname, where)
+        names = sorted(set(values))
+        for fname in names:
+            if fname not in files:
+                raise HFCheckpointError(
+                    f"model.init_from: {where}/{INDEX} lists {fname}, which is not in {where}"
+                )
+        return names, weight_map
+    if SINGLE in files:
+        return [SINGLE], None
+    pickles = sorted(n for n in files if n.endswith((".bin", ".pt", ".pth")))
+    hint = (
+        f" (only {', '.join(pickles)}: pickles, which Spotline never reads; convert them to "
+        "safetensors with transformers' save_pretrained(dir, safe_serialization=True))"
+        if pickles
+        else "; give a Hugging Face checkpoint directory (config.json and *.safetensors)"
+    )
+    raise HFCheckpointError(f"model.init_from: {where} holds no {SINGLE} nor {INDEX}{hint}")
+
+
+def check_checkpoint(fs, root: str, spec: LlamaModelSpec, vocab_size: int, where: str) -> list[str]:
+    """Check everything about the Hugging Face checkpoint at `root` (through the fsspec
+    filesystem `fs`) that can be known without reading its weights: config.json against
+    `spec`; which safetensors files hold the weights (never pickles); every header; and
+    every tensor's name, dtype and shape against the model `spec` describes. Returns the
+    safetensors files' names. HFCheckpointError naming the file (as `where`/name) and
+    the tensor."""
+    root = root.rstrip("/")
+    try:
+        listing = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        raise HFCheckpointError(
+            f"model.init_from: {where} does not exist; give a Hugging Face checkpoint "
+            "directory (config.json and *.safetensors)"
+        ) from None
+    files = {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+        for e in listing
+        if e.get("type") == "file"
+    }
+    if CONFIG not in files:
+        raise HFCheckpointError(
+            f"model.init_from: {where} has no {CONFIG}; give a Hugging Face checkpoint "
+            "directory (config.json and *.safetensors)"
+        )
+    cfg = _parse_config(fs.cat_file(f"{root}/{CONFIG}"), f"{where}/{CONFIG}")
+    try:
+        check_hf_config(cfg, spec, vocab_size, where)
+    except ValueError as e:
+        raise HFCheckpointError(str(e)) from None
+    names, weight_map = _weight_files(files, lambda: fs.cat_file(f"{root}/{INDEX}"), where)
+    found: dict[str, tuple[int, ...]] = {}
+    home: dict[str, str] = {}
+    for fname in names:
+        path = f"{root}/{fname}"
+        header = safetensors_header(
+            lambda a, b, path=path: fs.cat_file(path, start=a, end=b),
+            files[fname],
+            f"{where}/{fname}",
+        )
+        for tensor, (_, shape) in header.items():
+            if weight_map is not None and weight_map.get(tensor) != fname:
+                raise HFCheckpointError(
+                    f"model.init_from: HF tensor {tensor} is in {where}/{fname} but {INDEX} "
+                    f"puts it in {weight_map.get(tensor)}; {_RESAVE}"
+                )
+            found[tensor], home[tensor] = shape, f"{where}/{fname}"
+    if weight_map is not None:
+        missing = [n for n in weight_map if n not in found]
+        if missing:
+            raise HFCheckpointError(
+                f"model.init_from: HF tensor {missing[0]} is in {where}/{INDEX} but in none "
+                f"of its shards; {_RESAVE}"
+            )
+    found = {k: v for k, v in found.items() if not k.endswith("rotary_emb.inv_freq")}
+    if spec.tie_embeddings and "lm_head.weight" in found:  # its values are compared on load
+        if found["lm_head.weight"] != found.get("model.embed_tokens.weight"):
+            raise HFCheckpointError(
+                f"model.init_from: HF tensor lm_head.weight in {home['lm_head.weight']} differs "
+                "from model.embed_tokens.weight but model.tie_embeddings is true; set "
+                "model.tie_embeddings: false"
+            )
+        del found["lm_head.weight"]
+    try:
+        _check_shapes(found, *_hf_names(spec, vocab_size), "HF", lambda n: f" in {home[n]}",
+                      f" from {where}")  # fmt: skip
+    except ValueError as e:
+        raise HFCheckpointError(
+            f"model.init_from: {e}; it is not a checkpoint of this model: fix the model "
+            "section, or point model.init_from elsewhere"
+        ) from None
+    return names
 
 
 def load_hf(dir: Path, spec: LlamaModelSpec, vocab_size: int) -> dict[str, torch.Tensor]:
     """The weights of a local Hugging Face Llama checkpoint, by Spotline name, in the
-    checkpoint's dtype. config.json is checked against `spec` first (`check_hf_config`);
-    only safetensors are read (model.safetensors, or the shards its index lists)."""
+    checkpoint's dtype. Everything `check_checkpoint` checks is checked first; only
+    safetensors are read (model.safetensors, or the shards its index lists)."""
+    import fsspec
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     dir = Path(dir)
-    check_hf_config(read_hf_config(dir), spec, vocab_size, str(dir))
-    if (dir / INDEX).is_file():
+    names = check_checkpoint(fsspec.filesystem("file"), str(dir.resolve()), spec, vocab_size,
+                             str(dir))  # fmt: skip
+    state: dict[str, torch.Tensor] = {}
+    for fname in names:
         try:
-            weight_map = json.loads((dir / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{dir / INDEX} is not a safetensors index: {e}") from None
-        paths = {fname: shard_path(dir, fname) for fname in weight_map.values()}
-        state: dict[str, torch.Tensor] = {}
-        for fname, path in sorted(paths.items()):
-            if not Path(path).is_file():
-                raise ValueError(f"{dir / INDEX} lists {fname}, which is not in {dir}")
-            for name, t in load_file(path).items():
-                if weight_map.get(name) != fname:
-                    raise ValueError(
-                        f"HF tensor {name} is in {fname} but {INDEX} puts it in "
-                        f"{weight_map.get(name)}"
-                    )
-                state[name] = t
-        missing = [n for n in weight_map if n not in state]
-        if missing:
-            raise ValueError(f"HF tensor {missing[0]} is in {INDEX} but in none of its shards")
-    elif (dir / SINGLE).is_file():
-        state = load_file(str(dir / SINGLE))
-    else:
-        others = sorted(p.name for p in dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = f" ({', '.join(others)} are pickles, never read: convert them)" if others else ""
-        raise ValueError(f"{dir} holds no {SINGLE} nor {INDEX}{hint}")
-    return from_hf(state, spec, vocab_size=vocab_size)
+            state.update(load_file(str(dir / fname)))
+        except SafetensorError as e:
+            raise HFCheckpointError(f"model.init_from: {dir / fname}: {e}; {_RESAVE}") from None
+    try:
+        return from_hf(state, spec, vocab_size=vocab_size)
+    except ValueError as e:
+        raise HFCheckpointError(f"model.init_from: {dir}: {e}") from None
