@@ -535,13 +535,9 @@ class JobSpec(_Section):
                     "in the model's context; lower max_new_tokens"
                 )
         # Any process that builds this spec can then mask its secrets in free text.
-        register_secrets(
-            {
-                "checkpoint": self.checkpoint.model_dump(),
-                "data": self.data.model_dump(),
-                "deepspeed": self.deepspeed,
-            }
-        )
+        # The whole spec: a custom model's config, a tracker URI or runtime_env may
+        # carry credentials as much as storage_options do.
+        register_secrets(self.model_dump())
         return self
 
     def _check_adaptive(self) -> None:
