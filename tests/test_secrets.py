@@ -127,3 +127,16 @@ def test_a_spec_with_uri_credentials_registers_them(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as ei:
         load_spec({"name": "sec", "tracking": [bad]})
     assert "an0ther-s3cr3t" not in str(ei.value) and "tracking[0].tracking_uri" in str(ei.value)
+
+
+def test_manifests_record_a_custom_models_config_with_its_secrets_masked(tmp_path: Path) -> None:
+    def spec(width: int):
+        config = {"width": width, "depth": 2, "api_token": "hf_UserProviderToken123"}
+        model = {"kind": "custom", "provider": "custom_model:PROVIDER", "config": config}
+        return load_spec({"name": "c", "model": model, "checkpoint": {"uri": str(tmp_path)}})
+
+    recorded = spec(16).recorded_fields()
+    assert recorded["model.config.api_token"] == "***" and recorded["model.config.width"] == 16
+    assert "hf_UserProviderToken123" not in json.dumps(recorded)
+    # What a refused resume reports compares like with like, and never the token.
+    assert spec(32).changed_fields(recorded) == ["model.config.width"]

@@ -106,10 +106,19 @@ def test_a_job_with_storage_options_leaves_them_out_of_the_gcs(
         )
     key, secret = _credentials()
     data_key, data_secret = _credentials()
+    _, api_token = _credentials()
     spec = tiny_spec(
         tmp_path,
         "sealed-job",
         **{
+            "model": {
+                "kind": "custom",
+                "provider": "custom_model:PROVIDER",
+                "config": {"width": 16, "depth": 2, "api_token": api_token},
+                "seq_len": 32,
+            },
+            "runtime_env.working_dir": str(Path(__file__).parent),
+            "runtime_env.excludes": ["*.pyc", "__pycache__"],
             "checkpoint.uri": s3_bucket.uri("jobs/sealed"),
             "checkpoint.endpoint_url": s3_bucket.endpoint_url,
             "checkpoint.storage_options": {"key": key, "secret": secret},
@@ -134,5 +143,20 @@ def test_a_job_with_storage_options_leaves_them_out_of_the_gcs(
     result = run.wait(verbose=False)
     assert result.committed_steps == [2, 4]
     assert any(":backfill:" in n for n in names) and any(":watcher:" in n for n in names)
-    held = _gcs_holds([key, secret, data_key, data_secret])
+    held = _gcs_holds([key, secret, data_key, data_secret, api_token])
     assert not any(held.values()), held
+    # Nor does anything the job wrote: manifests, receipts, artifacts.
+    bucket = s3_bucket.client
+    listed = bucket.list_objects_v2(Bucket=s3_bucket.name, Prefix="jobs/sealed/")["Contents"]
+    assert any(o["Key"].endswith("/manifest.json") for o in listed)
+    assert any("/artifacts/" in o["Key"] for o in listed)
+    for o in listed:
+        body = bucket.get_object(Bucket=s3_bucket.name, Key=o["Key"])["Body"].read()
+        for s in (key, secret, data_key, data_secret, api_token):
+            assert s.encode() not in body, (o["Key"], s)
+    manifest = json.loads(
+        bucket.get_object(Bucket=s3_bucket.name, Key="jobs/sealed/step_00000004/manifest.json")[
+            "Body"
+        ].read()
+    )
+    assert manifest["extra"]["spec"]["model.config.api_token"] == "***"

@@ -435,7 +435,7 @@ def build_manifest(
             "job": spec.name,
             "attempt": attempt,
             "batch": spec.batch_record(replicas, schedule),
-            "spec": spec.hashed_fields(),  # so a refused resume can say what differs
+            "spec": spec.recorded_fields(),  # so a refused resume can say what differs
             "vocab_size": spec.vocab_size(),
             "index": index,
             **({"partition": list(partition)} if partition is not None else {}),

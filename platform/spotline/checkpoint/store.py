@@ -1129,7 +1129,7 @@ class CheckpointStore:
         else:
             why = f"was written with spec hash {their_hash}, and this job has {spec.spec_hash()}"
         if isinstance(theirs, dict):
-            ours = spec.hashed_fields()
+            ours = spec.recorded_fields()
             diff = [
                 f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
                 for k in spec.changed_fields(theirs)
