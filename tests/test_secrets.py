@@ -140,3 +140,15 @@ def test_manifests_record_a_custom_models_config_with_its_secrets_masked(tmp_pat
     assert "hf_UserProviderToken123" not in json.dumps(recorded)
     # What a refused resume reports compares like with like, and never the token.
     assert spec(32).changed_fields(recorded) == ["model.config.width"]
+
+
+def test_log_records_mask_uri_userinfo(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from spotline.config.redact import install_log_redaction
+
+    install_log_redaction()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("s3fs.test").info("opening %s", URI)
+    assert "s3://***@bucket/x" in caplog.text
+    _clean(caplog.text)
