@@ -67,10 +67,11 @@ def test_sealed_job_gives_an_actor_its_secrets_and_the_gcs_none(ray_session, tmp
         def credentials(self) -> list:
             c, d = self.spec.checkpoint.storage_options, self.spec.data.storage_options
             store_options = self.store.__getstate__()["args"][2]
-            return [c["key"], c["secret"], d["secret"], store_options["secret"]]
+            return [c["key"], c["secret"], d["secret"], store_options]
 
     key, secret = _credentials()
     _, data_secret = _credentials()
+    profile = f"profile-{uuid.uuid4().hex}"  # not secret by its name, but an option
     marker = f"plain-argument-{uuid.uuid4().hex}"  # a top-level argument: the GCS keeps it
     spec = load_spec(
         {
@@ -78,7 +79,7 @@ def test_sealed_job_gives_an_actor_its_secrets_and_the_gcs_none(ray_session, tmp
             "checkpoint": {
                 "uri": "s3://bucket/ckpt",
                 "endpoint_url": "http://127.0.0.1:9",
-                "storage_options": {"key": key, "secret": secret},
+                "storage_options": {"key": key, "secret": secret, "profile": profile},
             },
             "data": {"storage_options": {"secret": data_secret}},
         }
@@ -88,10 +89,11 @@ def test_sealed_job_gives_an_actor_its_secrets_and_the_gcs_none(ray_session, tmp
     )
     job = SealedJob(spec, store)
     probe = ray.remote(Probe).options(num_cpus=0).remote(job, marker)
-    assert ray.get(probe.credentials.remote()) == [key, secret, data_secret, secret]
-    held = _gcs_holds([marker, key, secret, data_secret])
+    options = {"key": key, "secret": secret, "profile": profile}
+    assert ray.get(probe.credentials.remote()) == [key, secret, data_secret, options]
+    held = _gcs_holds([marker, key, secret, data_secret, profile])
     assert held[marker], "the scan finds what the GCS keeps"
-    assert not any(held[s] for s in (key, secret, data_secret)), held
+    assert not any(held[s] for s in (key, secret, data_secret, profile)), held
     ray.kill(probe)
 
 

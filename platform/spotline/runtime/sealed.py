@@ -56,9 +56,10 @@ class SealedJob:
         if self.store_state is None:
             raise ValueError("this SealedJob was made without a store")
         secrets = self._resolve()
+        state = join_secrets(json.loads(json.dumps(self.store_state)), secrets["store"])
+        state["args"][2] = state.pop("storage_options")
         store = CheckpointStore.__new__(CheckpointStore)
-        state = json.loads(json.dumps(self.store_state))
-        store.__setstate__(join_secrets(state, secrets["store"]))
+        store.__setstate__(state)
         return self.open_spec(secrets), store
 
 
@@ -66,4 +67,8 @@ def _store_state(store: CheckpointStore | None) -> Any:
     if store is None:
         return None
     # Through JSON: split_secrets walks dicts and lists (the state holds a tuple).
-    return json.loads(json.dumps(store.__getstate__()))
+    state = json.loads(json.dumps(store.__getstate__()))
+    # Under the name the spec gives them, so that every option is masked (a profile
+    # name too), not only those named like a secret.
+    state["storage_options"], state["args"][2] = state["args"][2], None
+    return state
