@@ -798,6 +798,7 @@ class CheckpointStore:
             b.options,
             multipart_chunksize=self._multipart_chunksize,
             signing_key_env=self.signing_key_env,
+            fields=self.fields._replace(uri="checkpoint.resume_from.uri"),
         )
 
     def __repr__(self) -> str:
