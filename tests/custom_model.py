@@ -19,6 +19,7 @@ class MixerConfig(BaseModel):
 
     width: int = Field(32, gt=0)
     depth: int = Field(2, gt=0)
+    api_token: str | None = None  # a provider may fetch its own assets with a credential
 
 
 class Embed(nn.Module):

@@ -507,6 +507,7 @@ def test_an_unexpected_controller_error_fails_the_job_and_leaves_no_actor_behind
 
     from spotline.controller.actor import ControllerActor, controller_name
     from spotline.job import JobRun
+    from spotline.runtime.sealed import SealedJob
 
     spec = _spot_spec(
         tmp_path,
@@ -521,8 +522,8 @@ def test_an_unexpected_controller_error_fails_the_job_and_leaves_no_actor_behind
     class Buggy(ControllerActor):
         """The real controller actor, with a bug in its running state from step 40 on."""
 
-        def __init__(self, spec_json: str, store: CheckpointStore) -> None:
-            super().__init__(spec_json, store)
+        def __init__(self, job: SealedJob) -> None:
+            super().__init__(job)
             c = self.controller
             running = c._running
 
@@ -544,7 +545,7 @@ def test_an_unexpected_controller_error_fails_the_job_and_leaves_no_actor_behind
     controller = (
         ray.remote(Buggy)
         .options(name=controller_name(spec.name), num_cpus=0, max_concurrency=4)
-        .remote(spec.model_dump_json(), CheckpointStore(spec.resolved_checkpoint_uri()))
+        .remote(SealedJob(spec, CheckpointStore(spec.resolved_checkpoint_uri())))
     )
     run = JobRun(spec, controller)
     _wait(run, lambda s: s["step"] >= 3 and s["state"] == "running", "training")

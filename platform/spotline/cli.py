@@ -22,6 +22,7 @@ from spotline.config.redact import (
     join_secrets,
     masked_paths,
     read_secrets_package,
+    register_secrets,
 )
 from spotline.config.redact import redact as _redact
 from spotline.data import CorpusError
@@ -223,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_overwrite_arg(export, "a model (or other files) already in --out")
     _add_storage_args(export)
 
+    # Credentials in a URI argument (s3://KEY:SECRET@bucket) are masked wherever a
+    # message, log line or library error echoes them, with or without their URI.
+    register_secrets(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("SPOTLINE_DEBUG", "") not in ("", "0")
     install_log_redaction()
@@ -390,9 +394,11 @@ def _dispatch(args) -> int:
             overwrite=args.overwrite,
         )
         print(
-            f"wrote {index['total_tokens']:,} tokens of {index['documents']:,} documents in "
-            f"{len(index['shards'])} shard(s) to {args.out}; train on it with data: "
-            f"{{kind: tokens, uri: {args.out}}}"
+            _one_line(
+                f"wrote {index['total_tokens']:,} tokens of {index['documents']:,} documents "
+                f"in {len(index['shards'])} shard(s) to {args.out}; train on it with data: "
+                f"{{kind: tokens, uri: {args.out}}}"
+            )
         )
         return 0
     if args.cmd == "tokenizer":
@@ -405,16 +411,21 @@ def _dispatch(args) -> int:
     if args.cmd == "sweep":
         return _sweep(args)
     if args.cmd == "export":
-        from spotline.checkpoint import CheckpointStore
+        from spotline.checkpoint import CheckpointStore, StoreFields
         from spotline.export import export_hf
 
         store = CheckpointStore(
-            args.checkpoint, endpoint_url=args.endpoint_url, signing_key_env=args.signing_key_env
+            args.checkpoint,
+            endpoint_url=args.endpoint_url,
+            signing_key_env=args.signing_key_env,
+            fields=StoreFields.argument("CHECKPOINT"),
         )
         step, out = export_hf(store, args.out, args.step, overwrite=args.overwrite)
         print(
-            f"exported step {step} of {store.uri} to {out}; load it with "
-            f"transformers.AutoModelForCausalLM.from_pretrained({out!r})"
+            _one_line(
+                f"exported step {step} of {store.uri} to {out}; load it with "
+                f"transformers.AutoModelForCausalLM.from_pretrained({out!r})"
+            )
         )
         return 0
     return 2
@@ -468,9 +479,9 @@ def _running_job(address: str) -> str:
 
 def _job_store(target: str):
     """The store of a finished job at `target`; SpecError when nothing of a job is there."""
-    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
+    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore, StoreFields
 
-    store = CheckpointStore(target)
+    store = CheckpointStore(target, fields=StoreFields.argument("JOB"))
     if store.read_artifact(SUMMARY_ARTIFACT) is None and not store.committed_steps():
         raise SpecError(
             f"{store.uri} holds no Spotline job (no checkpoints, no artifacts/"

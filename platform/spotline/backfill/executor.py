@@ -39,6 +39,7 @@ from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.config.redact import install_log_redaction
 from spotline.config.schema import JobSpec
 from spotline.runtime.cpu import idle_priority, pin_process
+from spotline.runtime.sealed import SealedJob
 
 log = logging.getLogger("spotline.backfill")
 
@@ -51,16 +52,15 @@ _FIRST_UNIT_ROOM = 0.8  # an unmeasured kind starts only with this much of a med
 class BackfillExecutor:
     def __init__(
         self,
-        spec_json: str,
+        job: SealedJob,
         rank: int,
         stage: int,
         channel_path: str,
-        store: CheckpointStore,
         threads: int = 1,
         pin_core: int | None = None,
     ):
         install_log_redaction()
-        self.spec = JobSpec.model_validate_json(spec_json)
+        self.spec, store = job.open()
         self.rank = rank
         self.stage = stage
         self.channel_path = channel_path
@@ -326,7 +326,9 @@ def sidecar_factory(spec: JobSpec, store: CheckpointStore):
     from spotline.runtime.actor import channel_path
     from spotline.runtime.group import worker_name
 
-    spec_json = spec.model_dump_json()
+    # Held by this closure while the executors may restart: their secrets stay in the
+    # object store until then.
+    sealed = SealedJob(spec, store)
     threads = max(1, int(spec.resources.cpus_per_worker))
     cls = ray.remote(concurrency_groups={"control": 1})(BackfillExecutor)
 
@@ -338,11 +340,10 @@ def sidecar_factory(spec: JobSpec, store: CheckpointStore):
             scheduling_strategy=where,
             max_restarts=-1,  # a crashed task's executor comes back for the next task
         ).remote(
-            spec_json,
+            sealed,
             topo.rank,
             topo.stage,
             channel_path(spec, attempt, topo.rank),
-            store,
             threads,
             topo.rank if constants.SPOTLINE_PIN_CORES else None,
         )

@@ -12,6 +12,7 @@ from spotline.checkpoint.store import (
     CheckpointStore,
     CorruptCheckpointError,
     StorageError,
+    StoreFields,
     hash_file,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "StorageError",
+    "StoreFields",
     "hash_file",
 ]

@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from spotline import constants
 from spotline.checkpoint.manifest import (
@@ -90,10 +90,30 @@ SUPPORTED_URI_FORMS = (
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _URI_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _S3_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_CREDENTIALS_FIX = (
-    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role, "
-    "or put key/secret (or profile) in checkpoint.storage_options"
-)
+
+
+class StoreFields(NamedTuple):
+    """What a store's settings are called in its messages: the spec's fields by default,
+    or the command-line arguments that gave them (`argument`), so that a message names
+    what the user actually typed."""
+
+    uri: str = "checkpoint.uri"
+    endpoint_url: str = "checkpoint.endpoint_url"
+    storage_options: str | None = "checkpoint.storage_options"
+
+    @classmethod
+    def argument(cls, name: str) -> StoreFields:
+        """A store named by the command-line argument `name` (no storage options)."""
+        return cls(uri=f"the {name} argument", endpoint_url="--endpoint-url", storage_options=None)
+
+    def credentials_fix(self) -> str:
+        fix = "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role"
+        if self.storage_options:
+            fix += f", or put key/secret (or profile) in {self.storage_options}"
+        return fix
+
+
+SPEC_FIELDS = StoreFields()
 
 
 class StorageError(RuntimeError):
@@ -186,9 +206,9 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _bad_uri(uri: object, why: str) -> StorageError:
+def _bad_uri(uri: object, why: str, fields: StoreFields) -> StorageError:
     forms = "; ".join(SUPPORTED_URI_FORMS)
-    return StorageError(f"checkpoint.uri {uri!r} is not usable: {why}. Supported forms: {forms}")
+    return StorageError(f"{fields.uri} {uri!r} is not usable: {why}. Supported forms: {forms}")
 
 
 def _run_with_deadline(fn: Callable[[], Any], timeout_s: float) -> Any:
@@ -233,8 +253,15 @@ class _Backend:
     scheme = ""
 
     def __init__(
-        self, uri: str, rest: str, bare: bool, endpoint_url: str | None, options: dict
+        self,
+        uri: str,
+        rest: str,
+        bare: bool,
+        endpoint_url: str | None,
+        options: dict,
+        fields: StoreFields,
     ) -> None:
+        self.fields = fields
         self.endpoint_url = endpoint_url
         self.options = dict(options)
         self.uri = ""  # normalized, set by subclasses
@@ -270,22 +297,29 @@ class _LocalBackend(_Backend):
     scheme = "file"
 
     def __init__(
-        self, uri: str, rest: str, bare: bool, endpoint_url: str | None, options: dict
+        self,
+        uri: str,
+        rest: str,
+        bare: bool,
+        endpoint_url: str | None,
+        options: dict,
+        fields: StoreFields,
     ) -> None:
-        super().__init__(uri, rest, bare, endpoint_url, options)
+        super().__init__(uri, rest, bare, endpoint_url, options, fields)
+        f = fields
         if endpoint_url:
             raise StorageError(
-                f"checkpoint.endpoint_url ({endpoint_url!r}) is set but checkpoint.uri {uri!r} "
-                "is a local path; endpoint_url only applies to s3:// URIs (did you mean "
+                f"{f.endpoint_url} ({endpoint_url!r}) is set but {f.uri} {uri!r} is a local "
+                "path; an endpoint URL only applies to s3:// URIs (did you mean "
                 "s3://bucket/prefix?)"
             )
         if options:
             # LocalFileSystem would take them and ignore them: a typo'd s3 option, or
             # credentials meant for another URI, must not pass silently.
             raise StorageError(
-                f"checkpoint.storage_options ({', '.join(sorted(map(str, options)))}) are set "
-                f"but checkpoint.uri {uri!r} is a local path, which takes none; remove them, "
-                "or use an s3:// checkpoint.uri"
+                f"{f.storage_options} ({', '.join(sorted(map(str, options)))}) are set "
+                f"but {f.uri} {uri!r} is a local path, which takes none; remove them, "
+                f"or make {f.uri} an s3:// URI"
             )
         if bare:
             path = os.path.expanduser(rest)
@@ -296,13 +330,14 @@ class _LocalBackend(_Backend):
         elif rest in (".", "..") or rest.startswith(("./", "../", "~")):
             path = os.path.expanduser(rest)
         elif not rest:
-            raise _bad_uri(uri, "'file://' is followed by no path")
+            raise _bad_uri(uri, "'file://' is followed by no path", f)
         else:
             raise _bad_uri(
                 uri,
                 f"'file://{rest}' names no absolute path; write file:///{rest} for the "
                 f"absolute path /{rest} or file://./{rest} for a path relative to the "
                 "working directory",
+                f,
             )
         self.root = os.path.normpath(os.path.abspath(path))
         self.uri = "file://" + self.root
@@ -357,16 +392,18 @@ class _LocalBackend(_Backend):
             )
         if isinstance(exc, PermissionError):
             return (
-                f"permission denied under {self.root} ({exc}); point checkpoint.uri at a "
+                f"permission denied under {self.root} ({exc}); point {self.fields.uri} at a "
                 "directory this user can write, or fix its permissions"
             )
         if isinstance(exc, (NotADirectoryError, FileExistsError)):
             return (
                 f"a path component of {self.root} is a file, not a directory ({exc}); "
-                "choose another checkpoint.uri"
+                f"choose another {self.fields.uri}"
             )
         if isinstance(exc, OSError) and exc.errno is not None:
-            return f"{os.strerror(exc.errno)} ({exc}); free space or choose another checkpoint.uri"
+            return (
+                f"{os.strerror(exc.errno)} ({exc}); free space or choose another {self.fields.uri}"
+            )
         return f"{type(exc).__name__}: {exc}"
 
 
@@ -424,12 +461,12 @@ def _s3fs_option_names() -> set[str] | None:
     return names - {"self"}
 
 
-def _import_s3fs() -> Any:
+def _import_s3fs(fields: StoreFields = SPEC_FIELDS) -> Any:
     try:
         import s3fs
     except ImportError as e:
         raise StorageError(
-            f"s3:// checkpoint.uri needs the optional S3 packages, which are not installed "
+            f"s3:// {fields.uri} needs the optional S3 packages, which are not installed "
             f"({e}); run: pip install 'spotline[s3]'"
         ) from e
     return s3fs
@@ -441,34 +478,45 @@ class _S3Backend(_Backend):
     scheme = "s3"
 
     def __init__(
-        self, uri: str, rest: str, bare: bool, endpoint_url: str | None, options: dict
+        self,
+        uri: str,
+        rest: str,
+        bare: bool,
+        endpoint_url: str | None,
+        options: dict,
+        fields: StoreFields,
     ) -> None:
-        super().__init__(uri, rest, bare, endpoint_url, options)
+        super().__init__(uri, rest, bare, endpoint_url, options, fields)
+        f = fields
         if not rest or rest.startswith("/"):
-            raise _bad_uri(uri, "no bucket name after 's3://'")
+            raise _bad_uri(uri, "no bucket name after 's3://'", f)
         if "?" in rest or "#" in rest:
-            raise _bad_uri(uri, "query strings and fragments are not supported")
+            raise _bad_uri(uri, "query strings and fragments are not supported", f)
         bucket, _, prefix = rest.partition("/")
+        if "@" in bucket:
+            fix = f.credentials_fix()
+            raise _bad_uri(uri, f"credentials in an s3:// URI are never read; {fix}", f)
         if not _S3_BUCKET_RE.match(bucket) or ".." in bucket:
             raise _bad_uri(
                 uri,
                 f"{bucket!r} is not a valid S3 bucket name (3-63 lower-case letters, digits, "
                 "'.' or '-', starting and ending with a letter or digit)",
+                f,
             )
         parts = [p for p in prefix.split("/") if p]
         if any(p in (".", "..") for p in parts):
-            raise _bad_uri(uri, "the prefix must not contain '.' or '..' segments")
+            raise _bad_uri(uri, "the prefix must not contain '.' or '..' segments", f)
         self.bucket = bucket
         self.root = "/".join([bucket, *parts])
         self.uri = "s3://" + self.root
         self.multipart_chunksize: int | None = None
-        check_s3_options(self.options, "checkpoint.storage_options")
+        check_s3_options(self.options, f.storage_options or "storage options")
         self._client: Any = False  # False: not built yet; None: use s3fs
         self._client_lock = threading.Lock()
         self._extra_args: dict = {}
 
     def make_fs(self, probe_timeout_s: float | None = None) -> Any:
-        s3fs = _import_s3fs()
+        s3fs = _import_s3fs(self.fields)
         opts = dict(self.options)
         client_kwargs = dict(opts.pop("client_kwargs", None) or {})
         if self.endpoint_url:
@@ -492,7 +540,7 @@ class _S3Backend(_Backend):
             )
         except (TypeError, KeyError, ValueError) as e:
             raise StorageError(
-                f"checkpoint.storage_options ({', '.join(sorted(map(str, self.options)))}) "
+                f"{self.fields.storage_options} ({', '.join(sorted(map(str, self.options)))}) "
                 f"were refused by s3fs ({redact(str(e))}); fix or remove them"
             ) from e
         if probe_timeout_s is not None:
@@ -575,7 +623,7 @@ class _S3Backend(_Backend):
             opts.get("secret") or opts.get("password") or client_kwargs.get("aws_secret_access_key")
         ):
             return
-        _import_s3fs()
+        _import_s3fs(self.fields)
         import botocore.exceptions
         import botocore.session
 
@@ -587,14 +635,17 @@ class _S3Backend(_Backend):
             raise StorageError(
                 f"AWS profile {profile or os.environ.get('AWS_PROFILE')!r} for {self.uri} was "
                 f"not found ({e}); fix the profile name in AWS_PROFILE or "
-                "checkpoint.storage_options.profile, or add it to ~/.aws/config"
+                f"{self.fields.storage_options}.profile, or add it to ~/.aws/config"
             ) from e
         except botocore.exceptions.BotoCoreError as e:
             raise StorageError(
-                f"could not load AWS credentials for {self.uri} ({e}); {_CREDENTIALS_FIX}"
+                f"could not load AWS credentials for {self.uri} ({e}); "
+                f"{self.fields.credentials_fix()}"
             ) from e
         if creds is None:
-            raise StorageError(f"no AWS credentials found for {self.uri}: {_CREDENTIALS_FIX}")
+            raise StorageError(
+                f"no AWS credentials found for {self.uri}: {self.fields.credentials_fix()}"
+            )
 
     def storage_errors(self) -> tuple[type[BaseException], ...]:
         try:
@@ -629,18 +680,19 @@ class _S3Backend(_Backend):
             bx = None
         for e in _exception_chain(exc):
             if bx is not None and isinstance(e, bx.NoCredentialsError):
-                return f"no AWS credentials found for {self.uri}: {_CREDENTIALS_FIX}"
+                fix = self.fields.credentials_fix()
+                return f"no AWS credentials found for {self.uri}: {fix}"
             if bx is not None and isinstance(
                 e, (bx.ConnectionError, bx.HTTPClientError)
             ):  # refused, DNS, TLS, connect/read timeouts
                 return (
                     f"cannot reach the S3 endpoint {self._where()} ({e}); check "
-                    "checkpoint.endpoint_url, that the service is running, and the "
+                    f"{self.fields.endpoint_url}, that the service is running, and the "
                     "network/firewall between this node and it"
                 )
             if isinstance(e, TimeoutError):
                 return (
-                    f"the S3 endpoint {self._where()} gave {e}; check checkpoint.endpoint_url "
+                    f"the S3 endpoint {self._where()} gave {e}; check {self.fields.endpoint_url} "
                     "and the network, or raise SPOTLINE_STORAGE_CHECK_TIMEOUT_S"
                 )
             code = _client_error_code(e, bx)
@@ -655,7 +707,7 @@ class _S3Backend(_Backend):
                 return (
                     f"bucket {self.bucket!r} does not exist at {self._where()} or is not "
                     f"visible to these credentials ({e}); create it (e.g. `aws s3 mb "
-                    f"s3://{self.bucket}`) or fix checkpoint.uri / checkpoint.endpoint_url"
+                    f"s3://{self.bucket}`) or fix {self.fields.uri} / {self.fields.endpoint_url}"
                 )
         return f"{type(exc).__name__}: {exc}"
 
@@ -671,9 +723,11 @@ _BACKENDS: dict[str, type[_Backend]] = {"file": _LocalBackend, "s3": _S3Backend}
 """Storage backends by URI scheme; a plain path means 'file'."""
 
 
-def _make_backend(uri: str, endpoint_url: str | None, options: dict) -> _Backend:
+def _make_backend(
+    uri: str, endpoint_url: str | None, options: dict, fields: StoreFields
+) -> _Backend:
     if not isinstance(uri, str) or not uri.strip():
-        raise _bad_uri(uri, "it is empty")
+        raise _bad_uri(uri, "it is empty", fields)
     uri = uri.strip()
     if "://" in uri:
         scheme, rest = uri.split("://", 1)
@@ -683,12 +737,13 @@ def _make_backend(uri: str, endpoint_url: str | None, options: dict) -> _Backend
                 uri,
                 f"unknown scheme {scheme + '://'!r} (supported schemes: "
                 f"{', '.join(s + '://' for s in _BACKENDS)})",
+                fields,
             )
-        return backend(uri, rest, False, endpoint_url, options)
+        return backend(uri, rest, False, endpoint_url, options, fields)
     if _URI_SCHEME_RE.match(uri):
         scheme = uri.split(":", 1)[0]
-        raise _bad_uri(uri, f"it starts with '{scheme}:' but has no '//' after it")
-    return _LocalBackend(uri, uri, True, endpoint_url, options)
+        raise _bad_uri(uri, f"it starts with '{scheme}:' but has no '//' after it", fields)
+    return _LocalBackend(uri, uri, True, endpoint_url, options, fields)
 
 
 # --- the store ----------------------------------------------------------------------
@@ -709,6 +764,7 @@ class CheckpointStore:
         *,
         multipart_chunksize: int | None = None,
         signing_key_env: str | None = None,
+        fields: StoreFields = SPEC_FIELDS,
     ) -> None:
         """
         Args:
@@ -722,8 +778,11 @@ class CheckpointStore:
             signing_key_env: name of an environment variable holding the manifest
                 signing key (read in each process that commits or restores; the key is
                 never pickled, stored or logged).
+            fields: what the URI, endpoint and options are called in messages (the
+                spec's checkpoint fields, or `StoreFields.argument(...)` for the CLI).
         """
-        self._backend = _make_backend(uri, endpoint_url, storage_options or {})
+        self._backend = _make_backend(uri, endpoint_url, storage_options or {}, fields)
+        self.fields = fields
         if multipart_chunksize is not None:
             if multipart_chunksize < S3_MIN_PART_BYTES:
                 raise ValueError(
@@ -744,6 +803,7 @@ class CheckpointStore:
         return {
             "args": (self.uri, b.endpoint_url, b.options, self._multipart_chunksize),
             "signing_key_env": self.signing_key_env,
+            "fields": tuple(self.fields),
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -754,6 +814,7 @@ class CheckpointStore:
             options,
             multipart_chunksize=chunk,
             signing_key_env=state.get("signing_key_env"),
+            fields=StoreFields(*state.get("fields", SPEC_FIELDS)),
         )
 
     def signing_key(self) -> bytes | None:
@@ -782,6 +843,7 @@ class CheckpointStore:
             b.options,
             multipart_chunksize=self._multipart_chunksize,
             signing_key_env=self.signing_key_env,
+            fields=self.fields._replace(uri="checkpoint.resume_from.uri"),
         )
 
     def __repr__(self) -> str:
@@ -1169,8 +1231,8 @@ class CheckpointStore:
             why = f"was written with spec hash {their_hash}, and this job has {spec.spec_hash()}"
         why += spec_differences(spec, theirs)
         return (
-            f"checkpoint.uri {self.uri}: {what} there {why}. Nothing was written there. Point "
-            "checkpoint.uri at a new location (e.g. --set checkpoint.uri=...), or use the "
+            f"{self.fields.uri} {self.uri}: {what} there {why}. Nothing was written there. "
+            f"Point {self.fields.uri} at a new location (e.g. --set checkpoint.uri=...), or use the "
             "original job name and spec to resume it"
         )
 
@@ -1270,7 +1332,7 @@ class CheckpointStore:
             fs.rm_file(probe)
             if back != payload:
                 raise StorageError(
-                    f"checkpoint.uri {self.uri}: a probe object read back different bytes than "
+                    f"{self.fields.uri} {self.uri}: a probe object read back different bytes than "
                     "were written; the storage (or a proxy in front of it) is not reliable"
                 )
 
@@ -1280,7 +1342,7 @@ class CheckpointStore:
             raise
         except (*self._backend.storage_errors(), TimeoutError) as e:
             raise StorageError(
-                f"checkpoint.uri {self.uri} is not writable: {self._backend.explain(e)}"
+                f"{self.fields.uri} {self.uri} is not writable: {self._backend.explain(e)}"
             ) from e
 
     # --- helpers ----------------------------------------------------------------------
@@ -1308,7 +1370,7 @@ def spec_differences(spec: Any, theirs: Any) -> str:
     differs from `theirs` (the `hashed_fields` a manifest or receipt recorded), or ''."""
     if not isinstance(theirs, dict):
         return ""
-    ours = spec.hashed_fields()
+    ours = spec.recorded_fields()
     diff = [
         f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
         for k in spec.changed_fields(theirs)

@@ -33,8 +33,8 @@ def attempt_dir(attempt: str) -> str:
 
 def job_identity(spec: JobSpec) -> dict[str, Any]:
     """What a receipt and a manifest record of the job that wrote them: its name, spec
-    hash and hashed fields (so a refusal can say what changed)."""
-    return {"job": spec.name, "spec_hash": spec.spec_hash(), "spec": spec.hashed_fields()}
+    hash and hashed fields with secrets masked (so a refusal can say what changed)."""
+    return {"job": spec.name, "spec_hash": spec.spec_hash(), "spec": spec.recorded_fields()}
 
 
 @dataclass

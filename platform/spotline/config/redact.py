@@ -6,6 +6,8 @@ What is secret:
   credential, ...), at any depth;
 - everything under `storage_options` (endpoint credentials, session tokens, profile
   names: the options are passed to a client and never needed in a message);
+- the userinfo of any URI (`s3://KEY:SECRET@bucket`, `https://user:pass@host`),
+  wherever the URI appears: a spec field, a command-line argument, a library's error;
 - in free text, every such value a spec of this process carried, and the values of
   environment variables whose names say they hold a secret.
 
@@ -40,6 +42,11 @@ _MIN_SECRET_LEN = 8  # shorter values would mask ordinary words and numbers in f
 _known: set[str] = set()
 _known_lock = threading.Lock()
 
+# `scheme://userinfo@`: the userinfo runs to the last '@' before the host's end ('/',
+# '?', '#', whitespace or a quote), so a password holding an unencoded '@' is masked
+# whole. Masking a little more than the userinfo of a malformed URI is the safe error.
+_URI_USERINFO_RE = re.compile(r"""([A-Za-z][A-Za-z0-9+.-]*://)([^\s/?#"<>\\]+)@""")
+
 
 def is_secret_key(key: object) -> bool:
     return isinstance(key, str) and bool(SECRET_KEY_RE.search(key))
@@ -51,8 +58,27 @@ def is_secret_path(parts: list[Any]) -> bool:
     return any(is_secret_key(p) or p in _MASKED_SECTIONS for p in parts)
 
 
+def uri_userinfo(text: str) -> set[str]:
+    """The credentials in the URIs of `text`: each whole userinfo and its user and
+    password parts, percent-decoded too (long enough to be masked in free text)."""
+    from urllib.parse import unquote
+
+    out: set[str] = set()
+    for m in _URI_USERINFO_RE.finditer(text):
+        info = m.group(2)
+        for part in (info, *info.split(":", 1)):
+            out |= {part, unquote(part)}
+    return {v for v in out if len(v) >= _MIN_SECRET_LEN}
+
+
+def mask_uri_userinfo(text: str) -> str:
+    """`text` with the userinfo of every URI in it replaced by the mask."""
+    return _URI_USERINFO_RE.sub(rf"\1{MASK}@", text)
+
+
 def secret_values(value: Any, _masked: bool = False) -> set[str]:
-    """Every secret leaf value in a nested dict/list (as strings)."""
+    """Every secret leaf value in a nested dict/list (as strings), and the userinfo of
+    every URI in its strings."""
     out: set[str] = set()
     if isinstance(value, dict):
         for k, v in value.items():
@@ -65,11 +91,14 @@ def secret_values(value: Any, _masked: bool = False) -> set[str]:
         text = str(value)
         if len(text) >= _MIN_SECRET_LEN:
             out.add(text)
+    elif isinstance(value, str):
+        out |= uri_userinfo(value)
     return out
 
 
 def register_secrets(value: Any) -> None:
-    """Remember the secret leaves of `value` (a spec dump) for masking free text."""
+    """Remember the secret leaves of `value` (a spec dump, command-line arguments) for
+    masking free text."""
     found = secret_values(value)
     if found:
         with _known_lock:
@@ -100,6 +129,14 @@ def _redact(value: Any, masked: bool, known: set[str]) -> Any:
     if masked and value is not None and not isinstance(value, bool):
         return MASK
     if isinstance(value, str):
+        found = uri_userinfo(value)
+        if found:
+            # Echoes of the same credentials without their URI (a client library's
+            # "invalid bucket 'KEY:SECRET@bucket'") are masked too, here and later.
+            with _known_lock:
+                _known.update(found)
+            known = known | found
+            value = mask_uri_userinfo(value)
         # Longest first, so a secret that contains another is masked whole.
         for secret in sorted(known, key=len, reverse=True):
             if secret in value:
@@ -154,6 +191,9 @@ def split_secrets(raw: dict[str, Any]) -> tuple[dict[str, Any], list[list[Any]]]
         if masked and value is not None and not isinstance(value, (bool, dict, list)):
             secrets.append([path, value])
             return MASK
+        if isinstance(value, str) and mask_uri_userinfo(value) != value:
+            secrets.append([path, value])  # a URI with credentials in it
+            return mask_uri_userinfo(value)
         return value
 
     return walk(raw, [], False), secrets
@@ -170,12 +210,14 @@ def join_secrets(public: dict[str, Any], secrets: list[list[Any]]) -> dict[str, 
 
 
 def masked_paths(raw: Any, path: str = "") -> list[str]:
-    """Dotted paths of values that are still the mask (secrets that did not arrive)."""
+    """Dotted paths of values that are still the mask, or URIs whose userinfo is (secrets
+    that did not arrive)."""
     if isinstance(raw, dict):
         return [p for k, v in raw.items() for p in masked_paths(v, f"{path}.{k}" if path else k)]
     if isinstance(raw, list):
         return [p for i, v in enumerate(raw) for p in masked_paths(v, f"{path}[{i}]")]
-    return [path] if raw == MASK else []
+    masked = raw == MASK or (isinstance(raw, str) and f"://{MASK}@" in raw)
+    return [path] if masked else []
 
 
 def write_secrets_package(root: Path, secrets: list[list[Any]]) -> str:

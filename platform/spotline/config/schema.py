@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from spotline.config.backfill import BackfillSpec
 from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
-from spotline.config.redact import register_secrets
+from spotline.config.redact import register_secrets, split_secrets
 from spotline.config.tracking import TrackerSpec, check_kinds
 from spotline.config.urls import check_http_url
 from spotline.registry import DATASETS
@@ -535,13 +535,9 @@ class JobSpec(_Section):
                     "in the model's context; lower max_new_tokens"
                 )
         # Any process that builds this spec can then mask its secrets in free text.
-        register_secrets(
-            {
-                "checkpoint": self.checkpoint.model_dump(),
-                "data": self.data.model_dump(),
-                "deepspeed": self.deepspeed,
-            }
-        )
+        # The whole spec: a custom model's config, a tracker URI or runtime_env may
+        # carry credentials as much as storage_options do.
+        register_secrets(self.model_dump())
         return self
 
     def _check_adaptive(self) -> None:
@@ -784,8 +780,16 @@ class JobSpec(_Section):
 
     def hashed_fields(self) -> dict[str, Any]:
         """Everything that changes the training math (not where it runs, logs, or which
-        credentials read its data), flattened to dotted keys. Manifests record it, so a
-        refused resume can say which fields differ."""
+        credentials read its data), flattened to dotted keys."""
+        return flatten_dotted(self._hashed_tree())
+
+    def recorded_fields(self) -> dict[str, Any]:
+        """`hashed_fields` with every secret masked (a custom model's `config` may hold
+        an API token): what manifests record, so a refused resume can say which fields
+        differ, and what they are compared with."""
+        return flatten_dotted(split_secrets(self._hashed_tree())[0])
+
+    def _hashed_tree(self) -> dict[str, Any]:
         data_where = {"endpoint_url", "storage_options", "cache_dir", "prefetch", "uri"}
         fields = self.model_dump(
             mode="json",
@@ -811,7 +815,7 @@ class JobSpec(_Section):
         fields["elastic"] = {"batch_policy": self.elastic.batch_policy}
         if self.elastic.batch_policy == "scaled":  # the reference size of batch and lr
             fields["elastic"]["max_replicas"] = self.elastic.max_replicas
-        return flatten_dotted(fields)
+        return fields
 
     def retuned_fields(self, their_hash: str | None, theirs: Any) -> list[str] | None:
         """How this spec differs from the one a checkpoint was written with (`theirs`: the
@@ -825,13 +829,13 @@ class JobSpec(_Section):
         changed = self.changed_fields(theirs)
         if not changed or any(k not in RETUNABLE_FIELDS for k in changed):
             return None
-        ours = self.hashed_fields()
+        ours = self.recorded_fields()
         return [f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed]
 
     def changed_fields(self, theirs: dict[str, Any]) -> list[str]:
-        """The `hashed_fields` keys whose value differs from `theirs` (a manifest's
+        """The `recorded_fields` keys whose value differs from `theirs` (a manifest's
         record of the spec it was written with), sorted."""
-        ours = self.hashed_fields()
+        ours = self.recorded_fields()
         return [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
 
     def spec_hash(self) -> str:

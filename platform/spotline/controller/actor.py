@@ -11,6 +11,7 @@ from typing import Any
 from spotline.checkpoint import CheckpointStore
 from spotline.config.schema import JobSpec
 from spotline.controller.controller import Controller
+from spotline.runtime.sealed import SealedJob
 
 
 def controller_name(job: str) -> str:
@@ -18,7 +19,7 @@ def controller_name(job: str) -> str:
 
 
 class ControllerActor:
-    def __init__(self, spec_json: str, store: CheckpointStore):
+    def __init__(self, job: SealedJob):
         import logging
 
         import ray
@@ -30,7 +31,7 @@ class ControllerActor:
         # Events also go to this actor's log, which the Ray dashboard shows: redacted.
         install_log_redaction()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-        spec = JobSpec.model_validate_json(spec_json)
+        spec, store = job.open()
         device = resolve_device(spec)
         pool = sidecar = None
         if spec.backfill.enabled:
@@ -133,4 +134,4 @@ def start_controller(spec: JobSpec, store: CheckpointStore):
         # User code (a custom model) the job imports; the workers and executors the
         # controller starts inherit it.
         runtime_env=uploaded_runtime_env(spec),
-    ).remote(spec.model_dump_json(), store)
+    ).remote(SealedJob(spec, store))

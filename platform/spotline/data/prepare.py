@@ -658,7 +658,7 @@ def prepare(
     listing = "".join(f"{f.name}\t{f.size}\t{f.format}\n" for f in files).encode()
     inputs = [
         {
-            "uri": input,
+            "uri": redact(input),  # the index is read by anyone who reads the dataset
             "files": len(files),
             "bytes": sum(f.size for f in files),
             "listing_sha256": hashlib.sha256(listing).hexdigest(),

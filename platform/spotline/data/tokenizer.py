@@ -106,9 +106,16 @@ class HuggingFaceTokenizer:
     from tokenizer_config.json (or special_tokens_map.json) beside it, else from the
     well-known names (<|endoftext|>, </s>, <eos>, <|end_of_text|>)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, source: str | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        source: str | None = None,
+        field: str = "tokenizer.path",
+    ):
         """`path`: a local tokenizer.json or the directory holding it; `source`: where it
-        came from, for messages (a URI it was copied from)."""
+        came from, for messages (a URI it was copied from); `field`: the spec field or
+        argument that named it, for messages."""
         p = Path(path)
         where = source or str(p)
         if p.is_dir():
@@ -117,20 +124,20 @@ class HuggingFaceTokenizer:
             raw = p.read_bytes()
         except FileNotFoundError:
             raise DataError(
-                f"tokenizer.path: {where} does not exist (or has no {TOKENIZER_JSON}); give a "
+                f"{field}: {where} does not exist (or has no {TOKENIZER_JSON}); give a "
                 f"directory holding {TOKENIZER_JSON}, the file, or its URI (`spotline "
                 "tokenizer train` makes one)"
             ) from None
         except OSError as e:
-            raise DataError(f"tokenizer.path: cannot read {where}: {e.strerror or e}") from None
-        tok = _parse_tokenizer_json(raw, where)
+            raise DataError(f"{field}: cannot read {where}: {e.strerror or e}") from None
+        tok = _parse_tokenizer_json(raw, where, field)
         self.path = p
         self.source = where
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self._tok = tok
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
-        config = _read_side_config(p.parent, where)
+        config = _read_side_config(p.parent, where, field)
         self.eos_id = self._special(config.get("eos_token"), EOS_CANDIDATES)
         self.bos_id = self._special(config.get("bos_token"), BOS_CANDIDATES)
         self._fast = hasattr(tok, "encode_batch_fast")
@@ -177,19 +184,19 @@ def _import_tokenizers():
     return tokenizers
 
 
-def _parse_tokenizer_json(raw: bytes, where: str):
+def _parse_tokenizer_json(raw: bytes, where: str, field: str):
     tokenizers = _import_tokenizers()
     try:
         return tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # noqa: BLE001 - the library's parse errors have no common type
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(
-            f"tokenizer.path: not a tokenizer.json: {where} ({first[:200]}); point it at a "
+            f"{field}: not a tokenizer.json: {where} ({first[:200]}); point it at a "
             "Hugging Face tokenizer.json or the directory holding one"
         ) from None
 
 
-def _read_side_config(folder: Path, where: str) -> dict:
+def _read_side_config(folder: Path, where: str, field: str) -> dict:
     """tokenizer_config.json's keys over special_tokens_map.json's ({} if neither)."""
     out: dict = {}
     for name in (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):
@@ -200,8 +207,7 @@ def _read_side_config(folder: Path, where: str) -> dict:
             data = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise DataError(
-                f"tokenizer.path: {name} beside {where} is not readable JSON ({e}); fix or "
-                "remove it"
+                f"{field}: {name} beside {where} is not readable JSON ({e}); fix or remove it"
             ) from None
         if isinstance(data, dict):
             out.update(data)
@@ -211,7 +217,7 @@ def _read_side_config(folder: Path, where: str) -> dict:
 # --- loading -----------------------------------------------------------------------
 
 
-def _fetch_remote(uri: str, opts: dict, cache_dir: str) -> Path:
+def _fetch_remote(uri: str, opts: dict, cache_dir: str, field: str) -> Path:
     """Copy the tokenizer files at `uri` (a directory or its tokenizer.json) into
     cache_dir/tokenizers/<hash of uri>/ (temp names, then renamed); the local copy."""
     import fsspec
@@ -229,10 +235,10 @@ def _fetch_remote(uri: str, opts: dict, cache_dir: str) -> Path:
                 data[name] = fs.cat_file(other)
     except FileNotFoundError:
         raise DataError(
-            f"tokenizer.path: {uri} does not exist (or has no {TOKENIZER_JSON}); check the URI"
+            f"{field}: {uri} does not exist (or has no {TOKENIZER_JSON}); check the URI"
         ) from None
     except Exception as e:  # noqa: BLE001 - any backend error means unreadable
-        raise DataError(f"tokenizer.path: {redact(explain_read_error(uri, e))}") from None
+        raise DataError(f"{field}: {redact(explain_read_error(uri, e))}") from None
     local = Path(cache_dir) / "tokenizers" / hashlib.sha256(uri.encode()).hexdigest()[:16]
     local.mkdir(parents=True, exist_ok=True)
     for name, blob in data.items():
@@ -252,20 +258,23 @@ def load_tokenizer(
     endpoint_url: str | None = None,
     storage_options: dict | None = None,
     cache_dir: str,
+    field: str = "tokenizer.path",
 ) -> Tokenizer:
     """The tokenizer `spec` describes. tokenizer.path may be a directory holding
     tokenizer.json, the file itself, or an fsspec URI of either (copied into
     `cache_dir` first, read with `endpoint_url` and `storage_options`). A set
-    tokenizer.sha256 must match. DataError naming tokenizer.path otherwise."""
+    tokenizer.sha256 must match. DataError naming `field` (where the path came from)
+    otherwise."""
     if spec.kind == "byte":
         tok: Tokenizer = ByteTokenizer()
     elif spec.kind == "huggingface":
         path = str(spec.path)
         if is_remote(path):
             opts = storage_kwargs(path, endpoint_url=endpoint_url, storage_options=storage_options)
-            tok = HuggingFaceTokenizer(_fetch_remote(path, opts, cache_dir), source=path)
+            local = _fetch_remote(path, opts, cache_dir, field)
+            tok = HuggingFaceTokenizer(local, source=path, field=field)
         else:
-            tok = HuggingFaceTokenizer(local_path(path), source=path)
+            tok = HuggingFaceTokenizer(local_path(path), source=path, field=field)
     else:
         tok = _custom(spec, endpoint_url, storage_options, cache_dir)
     if spec.sha256 is not None and spec.kind != "byte" and tok.sha256 != spec.sha256:
@@ -328,7 +337,11 @@ def load_tokenizer_at(
     spec = TokenizerSpec(kind="huggingface", path=path)
     cache = cache_dir or os.path.join(tempfile.gettempdir(), "spotline-data")
     return load_tokenizer(
-        spec, endpoint_url=endpoint_url, storage_options=storage_options, cache_dir=cache
+        spec,
+        endpoint_url=endpoint_url,
+        storage_options=storage_options,
+        cache_dir=cache,
+        field="--tokenizer",
     )
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotline import constants
-from spotline.config.schema import JobSpec
 from spotline.preemption.sources import Notice, make_source
 from spotline.preemption.watcher import NoticeWatcher
+
+if TYPE_CHECKING:
+    from spotline.runtime.sealed import SealedJob
 
 log = logging.getLogger("spotline.preemption")
 
@@ -27,9 +29,9 @@ def watcher_name(job: str, node_id: str) -> str:
 
 
 class NodeWatcherActor:
-    def __init__(self, spec_json: str, node_id: str, controller: Any):
+    def __init__(self, job: SealedJob, node_id: str, controller: Any):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-        spec = JobSpec.model_validate_json(spec_json)
+        spec = job.open_spec()
         self.node_id = node_id
         self.controller = controller
         sources = [

@@ -31,7 +31,7 @@ import ray
 
 from spotline import constants
 from spotline.bubbles.channel import WindowChannel
-from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest, StorageError
+from spotline.checkpoint import CorruptCheckpointError, Manifest, StorageError
 from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.checkpoint.staging import check_local_dir
 from spotline.checkpoint.transfer import Uploader
@@ -43,6 +43,7 @@ from spotline.metrics.flops import device_peak
 from spotline.metrics.memory import measure_peak
 from spotline.preemption import make_source
 from spotline.runtime.cpu import pin_process
+from spotline.runtime.sealed import SealedJob
 from spotline.train.trainer import Topology, Trainer, import_deepspeed, init_distributed
 
 log = logging.getLogger("spotline.worker")
@@ -73,10 +74,10 @@ def _empty_report() -> dict[str, Any]:
 
 
 class TrainWorker:
-    def __init__(self, spec_json: str, topo: Topology, store: CheckpointStore, attempt: str):
+    def __init__(self, job: SealedJob, topo: Topology, attempt: str):
         install_log_redaction()
         import_deepspeed()  # first, so that no later import pulls it in the slow way
-        self.spec = JobSpec.model_validate_json(spec_json)
+        self.spec, store = job.open()
         self.topo = topo
         self.store = store
         self.attempt = attempt

@@ -87,6 +87,7 @@ class RayClusterView:
         self.device = device
         self.controller = controller  # handle the watchers push notices to
         self._watchers: dict[str, Any] = {}
+        self._sealed: Any = None  # the spec the watchers are given (SealedJob)
 
     def capacity(self, held_workers: int = 0) -> int:
         import ray
@@ -179,6 +180,7 @@ class RayClusterView:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from spotline.preemption.actor import NodeWatcherActor, watcher_name
+        from spotline.runtime.sealed import SealedJob
 
         alive = self._alive_nodes()
         if alive is None:
@@ -186,7 +188,8 @@ class RayClusterView:
         for node in list(self._watchers):
             if node not in alive:
                 self._watchers.pop(node)
-        spec_json = self.spec.model_dump_json()
+        if self._sealed is None:  # kept while watchers may start: it holds their secrets
+            self._sealed = SealedJob(self.spec)
         for node in sorted(alive - set(self._watchers)):
             name = watcher_name(self.spec.name, node)
             with contextlib.suppress(ValueError):  # a watcher of an earlier controller
@@ -199,7 +202,7 @@ class RayClusterView:
                     max_restarts=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
                 )
-                .remote(spec_json, node, self.controller)
+                .remote(self._sealed, node, self.controller)
             )
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.config.redact import redact
 from spotline.config.schema import JobSpec
+from spotline.runtime.sealed import SealedJob
 from spotline.train.trainer import Topology
 
 PROCESS_DIED = "worker process died (killed, out of memory, or its node was lost)"
@@ -272,7 +273,8 @@ class RayWorkerGroup:
                     )
                 },
             )
-        spec_json = self.spec.model_dump_json()
+        # Kept while the workers live: it holds their secrets in the object store.
+        self._sealed = SealedJob(self.spec, self.store)
         cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         # With a sidecar the worker leaves a fraction of its GPU to it; both are in the
         # same bundle, so Ray gives them the same physical device.
@@ -290,7 +292,7 @@ class RayWorkerGroup:
                     name=f"spotline:{self.spec.name}:{worker_name(topo)}:{self.attempt}",
                     scheduling_strategy=where,
                     max_restarts=0,
-                ).remote(spec_json, topo, self.store, self.attempt)
+                ).remote(self._sealed, topo, self.attempt)
             )
             if self.sidecar is not None:
                 self.sidecars.append(self.sidecar(topo, where, bundle, self.attempt))

@@ -1,0 +1,74 @@
+"""A job's spec and checkpoint store as an actor's constructor argument, with its secrets
+out of Ray's records.
+
+Ray's GCS keeps every actor's creation task, constructor arguments included, for as
+long as the cluster runs. So an actor gets a `SealedJob`: the spec and the store's
+settings with every secret masked (`split_secrets`: keys such as key, secret, token,
+everything under storage_options, URI userinfo), plus an object reference to the
+secrets. Ray resolves only top-level references; one nested in an argument travels as
+its id, and the actor resolves it in its constructor (`open`). The secrets themselves
+stay in the object store (see the README for what an operator can still see).
+
+This is the one way a spec or a store reaches an actor. Never pass `model_dump_json()`
+or a `CheckpointStore` (which pickles its options in clear) as an actor argument.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from spotline.checkpoint import CheckpointStore
+from spotline.config.redact import join_secrets, split_secrets
+from spotline.config.schema import JobSpec
+
+
+class SealedJob:
+    """`spec` (and `store`) for actors, secrets by reference.
+
+    The creator keeps this object while its actors may still start or restart: the
+    reference inside keeps the secrets in the object store.
+    """
+
+    def __init__(self, spec: JobSpec, store: CheckpointStore | None = None) -> None:
+        import ray
+
+        spec_public, spec_secrets = split_secrets(spec.model_dump(mode="json"))
+        store_public, store_secrets = split_secrets(_store_state(store))
+        self.spec_json = json.dumps(spec_public)
+        self.store_state = store_public
+        secrets = {"spec": spec_secrets, "store": store_secrets}
+        # In a list, so Ray hands the actor the reference rather than the value.
+        self._secrets = [ray.put(secrets)] if spec_secrets or store_secrets else []
+
+    def _resolve(self) -> dict[str, list]:
+        import ray
+
+        return ray.get(self._secrets[0]) if self._secrets else {"spec": [], "store": []}
+
+    def open_spec(self, secrets: dict[str, list] | None = None) -> JobSpec:
+        """The spec, secrets restored (in the actor that was given this)."""
+        spec_secrets = (secrets or self._resolve())["spec"]
+        return JobSpec.model_validate(join_secrets(json.loads(self.spec_json), spec_secrets))
+
+    def open(self) -> tuple[JobSpec, CheckpointStore]:
+        """The spec and the store, secrets restored (in the actor that was given this)."""
+        if self.store_state is None:
+            raise ValueError("this SealedJob was made without a store")
+        secrets = self._resolve()
+        state = join_secrets(json.loads(json.dumps(self.store_state)), secrets["store"])
+        state["args"][2] = state.pop("storage_options")
+        store = CheckpointStore.__new__(CheckpointStore)
+        store.__setstate__(state)
+        return self.open_spec(secrets), store
+
+
+def _store_state(store: CheckpointStore | None) -> Any:
+    if store is None:
+        return None
+    # Through JSON: split_secrets walks dicts and lists (the state holds a tuple).
+    state = json.loads(json.dumps(store.__getstate__()))
+    # Under the name the spec gives them, so that every option is masked (a profile
+    # name too), not only those named like a secret.
+    state["storage_options"], state["args"][2] = state["args"][2], None
+    return state
