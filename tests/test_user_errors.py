@@ -127,6 +127,40 @@ def test_an_error_outside_the_users_code_is_not_called_theirs() -> None:
         assert user_code_error(e) is None
 
 
+def test_a_framework_failure_inside_a_call_from_user_code_is_not_theirs(
+    tmp_path, monkeypatch
+) -> None:
+    """A collective that fails inside the user's forward (a ZeRO-3 gather hook, a lost
+    peer) is the framework's, and transient: only what fails in their own frames is
+    theirs."""
+    from spotline.registry import import_object
+
+    (tmp_path / "user_calls_framework.py").write_text(
+        textwrap.dedent(
+            """
+            from spotline.config.urls import check_scheme
+
+            def through_spotline():
+                check_scheme("hdfs://nn/x", "field", ("file",))
+
+            def own():
+                return {}["missing"]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    through = import_object("user_calls_framework:through_spotline", "backfill.tasks[0].kind")
+    own = import_object("user_calls_framework:own", "backfill.tasks[0].kind")
+    with pytest.raises(ValueError) as ei:
+        through()
+    assert user_code_error(ei.value) is None
+    with pytest.raises(KeyError) as ei:
+        own()
+    theirs = user_code_error(ei.value)
+    assert theirs is not None and "user_calls_framework.own" in str(theirs)
+    assert "backfill.tasks[0].kind 'user_calls_framework:own'" in str(theirs)
+
+
 def test_integrity_errors_in_a_worker_are_final() -> None:
     from spotline.checkpoint import CorruptCheckpointError
     from spotline.checkpoint.layout import CheckpointFormatError

@@ -268,6 +268,12 @@ def _no_cluster(e: Exception, args: argparse.Namespace | None) -> str:
             f"`ray status` shows on its head node), or read the job from storage: spotline "
             f"{cmd} CHECKPOINT_URI (its checkpoint.uri)"
         )
+    if cmd in ("run", "sweep"):
+        where = os.environ.get("RAY_ADDRESS") or args.address
+        return (
+            f"cannot reach the Ray cluster at {where} ({why}); fix --address (or "
+            "RAY_ADDRESS), or leave both unset to start a local cluster"
+        )
     return (
         f"cannot reach a Ray cluster ({why}); start one with `ray start --head`, pass "
         "--address, or give a checkpoint URI to read a finished job"

@@ -33,12 +33,13 @@ def is_import_path(name: str) -> bool:
 # `module:attr` (or code of the same top-level package, or a layer class a custom
 # provider returned). Which code that is gets recorded here as it is imported, in
 # every process (driver, controller, workers, executors), so each one can tell its
-# own traceback apart: a frame whose module belongs to a recorded package is theirs.
-# Only what a spec names is recorded, never "whatever lies outside Spotline", so a
+# own traceback apart: a frame whose module belongs to a recorded package is theirs,
+# unless what failed below it is the framework's (`_FRAMEWORK`). Only what a spec names is recorded, never "whatever lies outside Spotline", so a
 # bug in Spotline called from a test or a library is still called Spotline's.
 
-_USER_CODE: dict[str, tuple[str, str]] = {}
-"""Top-level package of user code -> (spec field, `module:attr`) that brought it in."""
+_USER_CODE: dict[str, list[tuple[str, str, str]]] = {}
+"""Top-level package of user code -> (module, spec field, `module:attr`) of each part
+of it that a spec named."""
 
 
 class UserCodeError(Exception):
@@ -59,12 +60,35 @@ def note_user_code(module_name: str, field: str, target: str) -> None:
     """Record `module_name`'s top-level package as user code brought in by `field`."""
     top = module_name.split(".", 1)[0]
     if top and top != "spotline":
-        _USER_CODE.setdefault(top, (field, target))
+        parts = _USER_CODE.setdefault(top, [])
+        if (module_name, field, target) not in parts:
+            parts.append((module_name, field, target))
+
+
+def _named_by(module: str, function: str) -> tuple[str, str]:
+    """(field, target) of the part of the spec that best accounts for code of `module`
+    running `function`: the same attribute, else the same module, else its package."""
+    head = function.split(".", 1)[0]
+
+    def score(part: tuple[str, str, str]) -> tuple[bool, bool]:
+        m, _, target = part
+        same = m == module
+        return same and target.partition(":")[2].split(".", 1)[0] == head, same
+
+    _, field, target = max(_USER_CODE[module.split(".", 1)[0]], key=score)  # first of equals
+    return field, target
+
+
+_FRAMEWORK = ("spotline.", "deepspeed.", "torch.distributed.", "ray.")
+"""Modules whose failure inside a call from the user's code is not the user's: a lost
+peer in a collective that a ZeRO-3 hook runs within their forward, or Spotline's own
+check of what their code asked for."""
 
 
 def _user_frame(exc: BaseException) -> tuple[str, traceback.FrameSummary] | None:
     """(module, frame) of the innermost frame of `exc`'s traceback (its causes
-    included) that runs recorded user code; None when no frame does."""
+    included) that runs recorded user code, when nothing of the framework failed
+    below it; None otherwise."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
@@ -76,6 +100,8 @@ def _user_frame(exc: BaseException) -> tuple[str, traceback.FrameSummary] | None
                 code = frame.f_code
                 name = getattr(code, "co_qualname", code.co_name)
                 found = (module, traceback.FrameSummary(code.co_filename, lineno, name))
+            elif found is not None and (module + ".").startswith(_FRAMEWORK):
+                return None
         if found is not None:
             return found
         # What Spotline raised `from None` hides its context: that error was handled.
@@ -91,7 +117,7 @@ def user_code_error(exc: BaseException) -> UserCodeError | None:
     if found is None:
         return None
     module, frame = found
-    field, target = _USER_CODE[module.split(".", 1)[0]]
+    field, target = _named_by(module, frame.name)
     text = " ".join(str(exc).split()) or "(no message)"
     return UserCodeError(
         f"error in your code, not in Spotline: {type(exc).__name__}: {text} (raised in "

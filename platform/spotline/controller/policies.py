@@ -81,11 +81,7 @@ def classify(causes: list[BaseException], text: str = "") -> FailureKind:
     ):
         return FailureKind("out of memory", False, _OOM_FIX)
     if "UserCodeError" in names:
-        return FailureKind(
-            "error in your code",
-            False,
-            "a restart would run the same code on the same input; fix your module",
-        )
+        return FailureKind("error in your code", False, "fix your module named above")
     if names & {"CorruptCheckpointError", "CheckpointFormatError"}:
         return FailureKind(
             "corrupt checkpoint",
