@@ -219,6 +219,16 @@ def test_the_spec_and_the_store_agree_on_checkpoint_schemes() -> None:
     assert set(_BACKENDS) == set(CHECKPOINT_SCHEMES)
 
 
+def test_a_prompts_file_that_is_not_utf8_says_so(tmp_path, capsys) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("caf\xe9\n".encode("latin-1"))
+    task = f"backfill={{enabled: true, tasks: [{{kind: speculative, prompts: '{prompts}'}}]}}"
+    argv = ["validate", str(QUICKSTART), "--offline", "--set", task]
+    line = _one_line(argv, capsys)
+    assert "backfill.tasks[0].prompts" in line and "is not UTF-8 text" in line
+    assert "save it as UTF-8" in line
+
+
 # --- overrides ----------------------------------------------------------------------
 
 
