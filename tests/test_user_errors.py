@@ -212,6 +212,13 @@ def test_cli_uri_arguments_in_an_unsupported_scheme(tmp_path, capsys) -> None:
     assert "--out: the scheme 'hdfs://' is not supported" in line
 
 
+def test_export_from_a_path_that_does_not_exist_says_so(tmp_path, capsys) -> None:
+    line = _one_line(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], capsys)
+    assert f"file://{tmp_path}/nope does not exist" in line
+    line = _one_line(["export", str(tmp_path), "--out", str(tmp_path / "o")], capsys)
+    assert "holds no committed checkpoint" in line
+
+
 def test_the_spec_and_the_store_agree_on_checkpoint_schemes() -> None:
     from spotline.checkpoint.store import _BACKENDS
     from spotline.config.urls import CHECKPOINT_SCHEMES

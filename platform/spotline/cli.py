@@ -509,7 +509,7 @@ def _job_store(target: str):
     from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
 
     store = CheckpointStore(target)
-    if store.uri.startswith("file://") and not os.path.exists(store.uri.removeprefix("file://")):
+    if store.root_missing():
         raise SpecError(
             f"{target} does not exist; give the job's checkpoint.uri with {{job}} filled in "
             "(e.g. ./spotline-runs/NAME/checkpoints), or the name of a running job"

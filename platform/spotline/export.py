@@ -52,6 +52,8 @@ def export_hf(store: CheckpointStore, out: str, step: int | None = None) -> tupl
     from spotline.models import provider
     from spotline.train import state
 
+    if store.root_missing():
+        raise SpecError(f"{store.uri} does not exist; give the job's checkpoint.uri")
     steps = store.committed_steps()
     if not steps:
         raise SpecError(f"{store.uri} holds no committed checkpoint to export")
