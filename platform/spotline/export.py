@@ -90,7 +90,10 @@ def _corrupt(
     if others:
         fix = f"export another step with --step {others[-1]} (committed: {steps})"
     else:
-        fix = "no other step is committed there; restore the file from a copy, or resume the job to commit a new step"
+        fix = (
+            "no other step is committed there; restore the file from a copy, or resume "
+            "the job to commit a new step"
+        )
     return CorruptCheckpointError(
         step,
         path,
