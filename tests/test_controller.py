@@ -624,6 +624,28 @@ def test_an_unexpected_controller_error_tears_everything_down(tmp_path, monkeypa
     assert FakeGroup.instances[0].shut and ctl.fake_cluster.closed
 
 
+def test_an_error_in_user_code_run_by_the_controller_is_called_theirs(tmp_path, monkeypatch):
+    """The controller runs user code too (a notice source named by module:attr): what it
+    raises is the user's, not 'a Spotline bug'."""
+    from spotline.registry import import_object
+
+    (tmp_path / "user_notice_source.py").write_text(
+        "def poll(*args, **kwargs):\n    raise RuntimeError('metadata server answered 500')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    poll = import_object("user_notice_source:poll", "preemption.sources[0].kind")
+    ctl, _ = make(tmp_path)
+    run_until(ctl, lambda: ctl.step_count >= 5)
+    monkeypatch.setattr(ctl, "_grow_decision", poll)
+    ctl.step()
+    assert isinstance(ctl.state, Failed)
+    error = ctl.state.error
+    assert "error in your code" in error and "Spotline bug" not in error
+    assert "user_notice_source.poll, user_notice_source.py line 2" in error
+    assert "preemption.sources[0].kind 'user_notice_source:poll'" in error
+    assert FakeGroup.instances[0].shut and ctl.fake_cluster.closed
+
+
 # --- the commit protocol ------------------------------------------------------------
 
 

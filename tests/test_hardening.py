@@ -536,12 +536,13 @@ def _bad_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["status", "s3:/x"], "has no '//'"),
         (["report", "s3:/x"], "has no '//'"),
         (["trace", "s3:/x"], "has no '//'"),
-        (["trace", str(tmp_path / "no" / "such")], "holds no Spotline job"),
-        (["status", str(tmp_path / "no" / "such")], "holds no Spotline job"),
+        (["trace", str(tmp_path / "no" / "such")], "no/such does not exist"),
+        (["status", str(tmp_path / "no" / "such")], "no/such does not exist"),
         (
             ["report", f"file://{tmp_path}/none", "--out", str(tmp_path / "r")],
-            "holds no Spotline job",
+            "none does not exist",
         ),
+        (["status", str(tmp_path)], "holds no Spotline job"),  # it exists: nothing of a job
     ]
 
 

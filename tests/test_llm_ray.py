@@ -260,3 +260,62 @@ def test_backfill_evaluates_and_decodes_with_a_llama_target(ray_session, prepare
     spec_runs = [r for r in results if r["kind"] == "speculative"]
     assert spec_runs and all(r["all_equal_target_greedy"] for r in spec_runs)
     assert all(r["new_tokens"] == 2 * 6 for r in spec_runs)
+
+
+def test_export_of_an_altered_step_is_one_line_that_names_another_step(reference, tmp_path, capsys):
+    """An altered file is refused naming the step, the file and a step to export instead;
+    the user's input is bad, so: exit 2, one line, no 'Spotline bug'."""
+    from spotline.cli import main
+
+    _, result, _ = reference
+    src = Path(result.checkpoint_uri.removeprefix("file://"))
+    copy = tmp_path / "ckpt"
+    shutil.copytree(src, copy)  # the reference's own checkpoints stay intact
+    store = CheckpointStore(str(copy))
+    steps = store.committed_steps()
+    latest = steps[-1]
+    # A byte of a master weight: what an export reads (never the optimizer state).
+    index = store.load_manifest(latest).extra["index"]
+    entry = next(e for e in index if e["kind"] == "fp32")
+    victim = entry["file"]
+    path = copy / CheckpointStore.step_name(latest) / victim
+    data = bytearray(path.read_bytes())
+    data[entry["offset"]] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code = main(["export", str(copy), "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert f"step {latest} of file://{copy}: {victim} is corrupt" in lines[0]
+    assert f"--step {steps[-2]}" in lines[0] and "Spotline bug" not in err
+    assert main(["export", str(copy), "--out", str(tmp_path / "hf"), "--step", str(steps[-2])]) == 0
+
+
+def test_an_error_in_the_users_model_code_fails_once_naming_their_module(ray_session, tmp_path):
+    """The blocks' forward raises in the workers: one attempt, no retry, and the error
+    names the user's module, not a rendezvous or a Spotline bug."""
+    from conftest import tiny_spec
+
+    spec = tiny_spec(
+        tmp_path,
+        "faulty-model",
+        **{
+            "model": {
+                "kind": "custom",
+                "provider": "faulty_model:PROVIDER",
+                "config": {"width": 16, "depth": 2},
+                "seq_len": 32,
+            },
+            "runtime_env.working_dir": str(Path(__file__).parent),
+            "runtime_env.excludes": ["*.pyc", "__pycache__"],
+            "train.steps": 4,
+            "failure.max_failures": 3,
+        },
+    )
+    with pytest.raises(spotline.JobFailed) as ei:
+        spotline.Job(spec).run(verbose=False)
+    res = ei.value.result
+    assert res.failures == 0 and len(res.attempts) == 1, res.attempts
+    assert "error in your code" in res.error and "faulty_model.BrokenMixer.forward" in res.error
+    assert "width 16 is not supported by this block" in res.error
+    assert "max_failures" not in res.error and "Spotline bug" not in res.error

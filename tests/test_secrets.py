@@ -100,12 +100,18 @@ def test_prepare_keeps_uri_credentials_out_of_its_output_and_the_index(
 ) -> None:
     import fsspec
 
+    from spotline.data import ByteTokenizer
+    from spotline.data.prepare import prepare
+
     source = f"memory://{KEY}:{SECRET}@bucket/in.txt"
     with fsspec.open(source, "w") as f:
         f.write("some text to tokenize\n")
     out = f"memory://{KEY}:{SECRET}@bucket/data"
-    code, _ = _run(capsys, "prepare", source, "--tokenizer", "byte", "--out", out, "--workers", "1")
-    assert code == 0
+    # The command refuses a scheme it does not write to, without echoing the userinfo.
+    code, err = _run(capsys, "prepare", source, "--tokenizer", "byte", "--out", out)
+    assert code == 2 and "memory://" in err
+    # The library writes to any fsspec filesystem; its index records the input masked.
+    prepare(source, ByteTokenizer(), out, workers=1, progress=False)
     fs = fsspec.filesystem("memory")
     index = json.loads(fs.cat_file(f"/{KEY}:{SECRET}@bucket/data/index.json"))
     _clean(json.dumps(index))

@@ -180,7 +180,7 @@ def test_s3_checkpoints_commit_and_resume(ray_session, s3_bucket, tmp_path):
 def test_bad_uri_fails_before_any_worker_starts(ray_session, tmp_path):
     import ray
 
-    spec = tiny_spec(tmp_path, "baduri", **{"checkpoint.uri": "ftp://nowhere/x"})
+    spec = tiny_spec(tmp_path, "baduri", **{"checkpoint.uri": "file://nowhere/x"})
     before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
     with pytest.raises(spotline.checkpoint.StorageError, match="checkpoint.uri"):
         spotline.Job(spec).run(verbose=False)

@@ -27,6 +27,7 @@ from spotline.config.redact import (
 from spotline.config.redact import redact as _redact
 from spotline.data import CorpusError
 from spotline.job import JobFailed
+from spotline.registry import user_code_error
 from spotline.runtime.cluster import connect_ray
 
 # Errors whose message is the whole story: bad input, found before anything ran.
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
-        code, line = _explain(e)
+        code, line = _explain(e, args)
     except KeyboardInterrupt:
         if debug:
             raise
@@ -244,23 +245,49 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _explain(e: Exception) -> tuple[int, str]:
+def _explain(e: Exception, args: argparse.Namespace | None = None) -> tuple[int, str]:
     """(exit code, message) for an error that ends a command."""
+    theirs = user_code_error(e)
+    if theirs is not None:
+        return 2, str(theirs)
     if isinstance(e, USER_ERRORS):
         return 2, str(e)
     if isinstance(e, JobFailed):
         print(e.result.summary(), file=sys.stderr)
         return 1, f"job failed: {e}"
     if isinstance(e, ConnectionError) or type(e).__name__ in ("RaySystemError", "GetTimeoutError"):
-        return 2, (
-            f"cannot reach a Ray cluster ({type(e).__name__}: {e}); start one with `ray start "
-            "--head`, pass --address, or give a checkpoint URI to read a finished job"
-        )
+        return 2, _no_cluster(e, args)
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return 2, f"{e.filename or ''}: {e.strerror or e}; check the path".lstrip(": ")
     return 1, (
         f"unexpected error: {type(e).__name__}: {e}. This is a Spotline bug; rerun with "
         "--debug for the traceback"
+    )
+
+
+def _no_cluster(e: Exception, args: argparse.Namespace | None) -> str:
+    """What to do when no Ray cluster answers; for a command that reads a running job,
+    which job it looked for and how to point at its cluster."""
+    why = f"{type(e).__name__}: {e}"
+    cmd = getattr(args, "cmd", None)
+    if cmd in ("status", "report", "trace"):
+        job = f"the running job {args.job!r}" if args.job else "the running job"
+        where = os.environ.get("RAY_ADDRESS") or args.address
+        return (
+            f"cannot reach a Ray cluster at {where} to find {job} ({why}); point at the "
+            "cluster the job runs on with --address HOST:PORT or RAY_ADDRESS (the address "
+            f"`ray status` shows on its head node), or read the job from storage: spotline "
+            f"{cmd} CHECKPOINT_URI (its checkpoint.uri)"
+        )
+    if cmd in ("run", "sweep"):
+        where = os.environ.get("RAY_ADDRESS") or args.address
+        return (
+            f"cannot reach the Ray cluster at {where} ({why}); fix --address (or "
+            "RAY_ADDRESS), or leave both unset to start a local cluster"
+        )
+    return (
+        f"cannot reach a Ray cluster ({why}); start one with `ray start --head`, pass "
+        "--address, or give a checkpoint URI to read a finished job"
     )
 
 
@@ -319,7 +346,26 @@ def _one_line(text: str) -> str:
     return _redact(" ".join(str(text).split()))
 
 
+def _check_uri_args(args) -> None:
+    """The URI arguments of `prepare` and `export` in schemes Spotline reads and writes
+    (the spec's URIs are checked as it loads)."""
+    from spotline.config.urls import READ_SCHEMES, WRITE_SCHEMES, check_scheme
+
+    named = {
+        "prepare": [("INPUT", "input", READ_SCHEMES), ("--out", "out", WRITE_SCHEMES)],
+        "export": [("--out", "out", WRITE_SCHEMES)],
+    }.get(args.cmd, [])
+    if args.cmd == "prepare" and args.tokenizer != "byte":
+        named.append(("--tokenizer", "tokenizer", READ_SCHEMES))
+    for name, attr, schemes in named:
+        try:
+            check_scheme(getattr(args, attr), name, schemes)
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+
+
 def _dispatch(args) -> int:
+    _check_uri_args(args)
     if args.cmd == "run":
         job = _job_from_args(args)
         result = job.run(address=args.address)
@@ -482,6 +528,11 @@ def _job_store(target: str):
     from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore, StoreFields
 
     store = CheckpointStore(target, fields=StoreFields.argument("JOB"))
+    if store.root_missing():
+        raise SpecError(
+            f"{target} does not exist; give the job's checkpoint.uri with {{job}} filled in "
+            "(e.g. ./spotline-runs/NAME/checkpoints), or the name of a running job"
+        )
     if store.read_artifact(SUMMARY_ARTIFACT) is None and not store.committed_steps():
         raise SpecError(
             f"{store.uri} holds no Spotline job (no checkpoints, no artifacts/"

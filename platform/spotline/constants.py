@@ -36,6 +36,9 @@ SPOTLINE_STORAGE_CHECK_TIMEOUT_S = _env_float("SPOTLINE_STORAGE_CHECK_TIMEOUT_S"
 # Attempts of one storage call (upload, receipt, ranged read) before its error is
 # reported; the waits between them grow exponentially, with jitter.
 SPOTLINE_STORAGE_RETRIES = int(_env_float("SPOTLINE_STORAGE_RETRIES", 5))
+# How long the driver waits for a TCP answer from a Ray cluster's address before it
+# calls the cluster unreachable (Ray itself retries a dead address for minutes).
+SPOTLINE_RAY_CONNECT_TIMEOUT_S = _env_float("SPOTLINE_RAY_CONNECT_TIMEOUT_S", 10.0)
 # How long the driver waits between two status polls of the controller.
 SPOTLINE_DRIVER_POLL_S = _env_float("SPOTLINE_DRIVER_POLL_S", 1.0)
 

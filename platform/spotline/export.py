@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
+from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.config.loader import SpecError
 from spotline.config.schema import JobSpec
 from spotline.outputs import files_under, some_names
@@ -89,6 +90,11 @@ def export_hf(
     from spotline.models import provider
     from spotline.train import state
 
+    if store.root_missing():
+        raise SpecError(
+            f"{store.fields.uri} {store.uri} does not exist; give the job's checkpoint URI "
+            "(its checkpoint.uri with {job} filled in)"
+        )
     earlier = _claim(out, overwrite)
     steps = store.committed_steps()
     if not steps:
@@ -97,14 +103,17 @@ def export_hf(
         step = steps[-1]
     elif step not in steps:
         raise SpecError(f"step {step} is not committed at {store.uri}; committed: {steps}")
-    manifest = store.load_manifest(step)
-    spec = job_spec_of(manifest)
-    hf = getattr(provider(spec), "hf", None)
-    if hf is None:
-        raise SpecError(
-            f"model.kind {spec.model.kind!r} has no Hugging Face format; export supports llama"
-        )
-    weights = state.full_params(manifest.extra["index"], state.store_reader(store, step))
+    try:
+        manifest = store.load_manifest(step)
+        spec = job_spec_of(manifest)
+        hf = getattr(provider(spec), "hf", None)
+        if hf is None:
+            raise SpecError(
+                f"model.kind {spec.model.kind!r} has no Hugging Face format; export supports llama"
+            )
+        weights = state.full_params(manifest.extra["index"], state.store_reader(store, step))
+    except (CorruptCheckpointError, CheckpointFormatError) as e:
+        raise _corrupt(store, step, steps, e.path, e.reason) from None
     with tempfile.TemporaryDirectory(prefix="spotline-export-") as tmp:
         local = Path(tmp) / "hf"
         tok = _tokenizer_files(store)
@@ -113,6 +122,27 @@ def export_hf(
             (local / name).write_bytes(data)
         _copy_out(local, out, stale=[n for n in earlier if not (local / n).exists()])
     return step, out
+
+
+def _corrupt(
+    store: CheckpointStore, step: int, steps: list[int], path: str, reason: str
+) -> CorruptCheckpointError:
+    """The refusal to export a step that fails verification, naming another one."""
+    others = [s for s in steps if s != step]
+    if others:
+        fix = f"export another step with --step {others[-1]} (committed: {steps})"
+    else:
+        fix = (
+            "no other step is committed there; restore the file from a copy, or resume "
+            "the job to commit a new step"
+        )
+    return CorruptCheckpointError(
+        step,
+        path,
+        reason,
+        uri=store.uri,
+        message=f"step {step} of {store.uri}: {path} is corrupt ({reason}); {fix}",
+    )
 
 
 def _tokenizer_files(store: CheckpointStore) -> dict[str, bytes]:

@@ -49,8 +49,13 @@ def resolve_prompts(task: SpeculativeTaskSpec, field: str) -> None:
     else:
         path = Path(task.prompts)
         try:
-            prompts = [line for line in path.read_text().splitlines() if line.strip()]
-        except (OSError, UnicodeDecodeError) as e:
+            prompts = [line for line in path.read_text("utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError as e:
+            raise SpecError(
+                f"{field}.prompts: {str(path)!r} is not UTF-8 text (byte {e.start} cannot be "
+                "decoded); save it as UTF-8"
+            ) from None
+        except OSError as e:
             why = getattr(e, "strerror", None) or e
             raise SpecError(
                 f"{field}.prompts: cannot read {str(path)!r} ({why}); give a path relative "

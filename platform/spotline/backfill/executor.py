@@ -38,6 +38,7 @@ from spotline.bubbles.channel import BUSY_CLOCK, BUSY_THREAD, WindowChannel
 from spotline.checkpoint import CheckpointStore, Manifest
 from spotline.config.redact import install_log_redaction
 from spotline.config.schema import JobSpec
+from spotline.registry import UserCodeError, user_code_error
 from spotline.runtime.cpu import idle_priority, pin_process
 from spotline.runtime.sealed import SealedJob
 
@@ -157,12 +158,15 @@ class BackfillExecutor:
                 result = dict(done.value or {})
                 break
             except Exception as e:
-                tb = traceback.format_exc(limit=6)
-                raise RuntimeError(
+                where = (
                     f"backfill task {getattr(task, 'kind', task)!r} on rank {self.rank} "
-                    f"(stage {self.stage}) failed at checkpoint step {manifest.step}: "
-                    f"{type(e).__name__}: {e}\n{tb}"
-                ) from e
+                    f"(stage {self.stage}) failed at checkpoint step {manifest.step}"
+                )
+                theirs = user_code_error(e)  # the pool does not retry these
+                if theirs is not None:
+                    raise UserCodeError(f"{where}: {theirs}", theirs.module, theirs.field) from e
+                tb = traceback.format_exc(limit=6)
+                raise RuntimeError(f"{where}: {type(e).__name__}: {e}\n{tb}") from e
             finally:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()  # the unit's device work is done: its time counts

@@ -26,6 +26,7 @@ from spotline.backfill.governor import BackfillDecision, SlowdownGovernor
 from spotline.backfill.tasks import PythonTask
 from spotline.checkpoint import Manifest
 from spotline.config.schema import JobSpec
+from spotline.registry import UserCodeError
 
 log = logging.getLogger("spotline.backfill")
 
@@ -202,6 +203,8 @@ class BackfillPool:
                     self._busy.add(ex)  # out of rotation until a ping answers
                     self._probes[self._executors[ex].stats.remote()] = ex
             retries = getattr(rec.task, "retries", 0)
+            if isinstance(getattr(e, "cause", None) or e, UserCodeError):
+                retries = 0  # the same code fails the same way on any executor
             if rec.attempts <= retries:
                 rec.state = "queued"
                 with self._lock:

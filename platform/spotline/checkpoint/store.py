@@ -858,6 +858,11 @@ class CheckpointStore:
     def endpoint_url(self) -> str | None:
         return self._backend.endpoint_url
 
+    def root_missing(self) -> bool:
+        """True when the root is a local directory that does not exist (an object store
+        has no directories: an empty prefix is simply empty)."""
+        return isinstance(self._backend, _LocalBackend) and not os.path.exists(self._backend.root)
+
     @property
     def fs(self) -> Any:
         """The fsspec filesystem (created on first use)."""

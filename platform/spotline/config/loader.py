@@ -147,14 +147,29 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | list[str]) 
         node = out
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)
+            if not isinstance(nxt, dict) and (nxt is not None or _is_value(parts[: i + 1])):
+                where = ".".join(parts[: i + 1])
+                raise SpecError(
+                    f"override {dotted}: {where} is a value, not a section; set it "
+                    f"directly, e.g. --set {where}=VALUE"
+                )
             if nxt is None:
                 nxt = node[part] = {}
-            if not isinstance(nxt, dict):
-                where = ".".join(parts[: i + 1])
-                raise SpecError(f"override {dotted}: {where} is a value, not a section")
             node = nxt
         node[parts[-1]] = value
     return out
+
+
+def _is_value(path: list[str]) -> bool:
+    """True when the spec field at `path` holds a plain value (a number, a string, a
+    choice), not a section; False when it is a section or not known."""
+    ann: Any = JobSpec
+    for part in path:
+        ann = _step(ann, part)
+        if ann is None:
+            return False
+    ann = _unwrap(ann)
+    return ann in (int, float, str, bool) or typing.get_origin(ann) is typing.Literal
 
 
 def validate_dict(raw: dict[str, Any], where: str = "<dict>") -> JobSpec:

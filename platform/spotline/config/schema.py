@@ -21,7 +21,7 @@ from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
 from spotline.config.redact import register_secrets, split_secrets
 from spotline.config.tracking import TrackerSpec, check_kinds
-from spotline.config.urls import check_http_url
+from spotline.config.urls import CHECKPOINT_SCHEMES, READ_SCHEMES, check_http_url, check_scheme
 from spotline.registry import DATASETS
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -442,6 +442,27 @@ class JobSpec(_Section):
     @classmethod
     def _tracker_kinds(cls, v: Any) -> Any:
         return check_kinds(v)
+
+    @model_validator(mode="after")
+    def _uri_schemes(self) -> JobSpec:
+        """Every URI of the spec in a scheme Spotline reads (or writes), checked here so
+        that `hdfs://...` is one line at load, not a failure deep in a library."""
+        d, c = self.data, self.checkpoint
+        uris = [("checkpoint.uri", c.uri, CHECKPOINT_SCHEMES)]
+        if c.resume_from is not None:
+            uris.append(("checkpoint.resume_from.uri", c.resume_from.uri, CHECKPOINT_SCHEMES))
+        if d.kind == "text":
+            uris.append(("data.corpus", d.corpus, READ_SCHEMES))
+        for i, src in enumerate(d.sources):
+            field = "data.uri" if len(d.sources) == 1 else f"data.sources[{i}].uri"
+            uris.append((field, src.uri, READ_SCHEMES))
+        if self.tokenizer.path:
+            uris.append(("tokenizer.path", self.tokenizer.path, READ_SCHEMES))
+        if getattr(self.model, "init_from", None):
+            uris.append(("model.init_from", self.model.init_from, READ_SCHEMES))
+        for field, value, schemes in uris:
+            check_scheme(value, field, schemes)
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:

@@ -7,6 +7,7 @@ same everywhere and is caught before anything starts.
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 
 
@@ -34,3 +35,28 @@ def check_host_port(value: str, field: str, example: str) -> str:
     if not sep or not host or "/" in value or not port.isdigit() or int(port) == 0:
         raise ValueError(f"{field}: {value!r} must be {example}")
     return value
+
+
+CHECKPOINT_SCHEMES = ("file", "s3")
+"""Where checkpoints live: the checkpoint store's backends."""
+READ_SCHEMES = ("file", "s3", "gs", "http", "https")
+"""Where a job reads a corpus, prepared data, a tokenizer or Hugging Face weights from
+(through fsspec; gs:// needs gcsfs installed)."""
+WRITE_SCHEMES = ("file", "s3")
+"""Where `spotline prepare` and `spotline export` write."""
+
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def check_scheme(value: str, field: str, schemes: tuple[str, ...]) -> str:
+    """`value` if it is a plain path or a URI of one of `schemes`; ValueError naming
+    `field`, the scheme and the supported ones otherwise. The value is not echoed: a
+    URI may carry credentials."""
+    m = _SCHEME_RE.match(value)
+    if m is None or m.group(1).lower() in schemes:
+        return value
+    listed = ", ".join(f"{s}://" for s in schemes)
+    raise ValueError(
+        f"{field}: the scheme {m.group(1) + '://'!r} is not supported; use {listed} or a "
+        "plain local path"
+    )

@@ -75,6 +75,7 @@ from spotline.controller.state import (
 from spotline.controller.telemetry import Telemetry
 from spotline.models.partition import imbalance
 from spotline.plan import memory_per_device, predict_step
+from spotline.registry import user_code_error
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.group import Progress, WorkerFailure, WorkerGroup
 
@@ -430,9 +431,12 @@ class Controller:
             # Storage unreachable while scheduling or restoring: a restart retries it.
             self.state = self._on_failure(f"checkpoint storage: {e}")
         except Exception as e:  # noqa: BLE001 - nothing may leave workers behind
+            theirs = user_code_error(e)  # a notice source, a provider built here
             log.exception("unexpected error in the controller")
             self.state = self._fail(
-                f"internal error in the controller while {state.name}: "
+                str(theirs)
+                if theirs is not None
+                else f"internal error in the controller while {state.name}: "
                 f"{type(e).__name__}: {e}. This is a Spotline bug; the job resumes from its "
                 "latest committed checkpoint when resubmitted"
             )

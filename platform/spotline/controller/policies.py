@@ -68,8 +68,8 @@ def classify(causes: list[BaseException], text: str = "") -> FailureKind:
     """Sort a failure into the ones a restart cannot fix and the transient rest.
 
     Out of memory, a missing path, a permission error, an import error (user code not
-    shipped to the workers) and a spec/checkpoint mismatch fail the same way on every
-    restart; a dead process, a lost peer, a timeout or a storage outage may not.
+    shipped to the workers), an error raised in the user's own code, a corrupt
+    checkpoint file and a spec/checkpoint mismatch fail the same way on every restart; a dead process, a lost peer, a timeout or a storage outage may not.
     Pure: decided from exception types and messages alone.
     """
     names = {c.__name__ for e in causes for c in type(e).__mro__}
@@ -80,6 +80,14 @@ def classify(causes: list[BaseException], text: str = "") -> FailureKind:
         or any(m in blob for m in _OOM_MARKERS)
     ):
         return FailureKind("out of memory", False, _OOM_FIX)
+    if "UserCodeError" in names:
+        return FailureKind("error in your code", False, "fix your module named above")
+    if names & {"CorruptCheckpointError", "CheckpointFormatError"}:
+        return FailureKind(
+            "corrupt checkpoint",
+            False,
+            "restore the file named above, or start from another committed step",
+        )
     if "SpecError" in names:
         return FailureKind("invalid spec", False, "fix the field named above")
     if "DataError" in names:  # ShardError included: a missing, truncated or altered shard

@@ -7,6 +7,7 @@ checkpoints, FLOPs and backfill all use (see `spotline.models.provider`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from spotline.models.provider import (
     lm_loss,
     stage_bounds,
 )
-from spotline.registry import MODELS
+from spotline.registry import MODELS, note_user_code
 
 __all__ = [
     "LayerDef",
@@ -84,12 +85,34 @@ def provider_config(spec: JobSpec, prov: ModelProvider) -> Any:
 def model_def(spec: JobSpec) -> ModelDef:
     """The job's architecture, built from its provider."""
     prov = provider(spec)
-    return prov.build(
+    md = prov.build(
         provider_config(spec, prov),
         vocab_size=spec.vocab_size(),
         seq_len=spec.model.seq_len,
         seed=spec.train.seed,
     )
+    if spec.model.kind == "custom":
+        # The layers may live in other modules than the provider: an error in their
+        # forward is the user's too (see spotline.registry.user_code_error). Parts taken
+        # from installed libraries (a torch layer, a torch loss) are not.
+        parts = [ld.cls for ld in md.layers] + [md.block_class, md.loss, md.post_build]
+        for module in {getattr(p, "__module__", None) for p in parts if p is not None}:
+            if module and not _installed(module):
+                note_user_code(module, "model.provider", spec.model.provider)
+    return md
+
+
+def _installed(module: str) -> bool:
+    """True for a module of the standard library or an installed package."""
+    import sys
+    import sysconfig
+
+    path = getattr(sys.modules.get(module), "__file__", None)
+    if path is None:
+        return True  # built in, or not a file: not the user's source
+    roots = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    path = os.path.realpath(path)
+    return any(path.startswith(os.path.realpath(r) + os.sep) for r in roots if r)
 
 
 def hf_checkpoint_fs(spec: JobSpec, uri: str):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from spotline.constants import SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S
 from spotline.preemption.sources import Notice, NoticeSource
+from spotline.registry import user_code_error
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,12 @@ class NoticeWatcher:
     def _poll_source(self, src: NoticeSource) -> list[Notice]:
         try:
             found = src.poll_all()
-        except Exception:
-            logger.exception("notice source %r failed; polling it again next interval", src)
+        except Exception as e:
+            theirs = user_code_error(e)
+            if theirs is None:
+                logger.exception("notice source %r failed; polling it again next interval", src)
+            else:
+                logger.error("notice source %r: %s; polling it again next interval", src, theirs)
             return []
         new = []
         for notice in found:

@@ -42,6 +42,7 @@ from spotline.metrics.export import Metrics, export_gpu_samples
 from spotline.metrics.flops import device_peak
 from spotline.metrics.memory import measure_peak
 from spotline.preemption import make_source
+from spotline.registry import blames_user_code
 from spotline.runtime.cpu import pin_process
 from spotline.runtime.sealed import SealedJob
 from spotline.train.trainer import Topology, Trainer, import_deepspeed, init_distributed
@@ -131,6 +132,7 @@ class TrainWorker:
         """This worker's torch thread budget: its stage's CPUs."""
         return max(1, int(self.spec.resources.stage(self.topo.stage).cpus))
 
+    @blames_user_code
     def probe(self) -> dict[str, Any]:
         """This worker's speed and memory, and on replica 0 of each stage each layer's
         cost on this device: what the balanced stage partition is cut by. Runs before
@@ -147,6 +149,7 @@ class TrainWorker:
             replicas=self.topo.replicas,
         )
 
+    @blames_user_code
     def setup(
         self, master_addr: str, master_port: int, bounds: list[int] | None = None
     ) -> dict[str, Any]:
@@ -190,6 +193,7 @@ class TrainWorker:
 
     # --- restore: read everything first, then load ----------------------------------
 
+    @blames_user_code
     def fetch_checkpoint(self, manifest_json: str, source: str | None = None) -> dict[str, Any]:
         """Read (ranged, sha256-verified) just what this rank needs of a committed step
         (under `source`, a root URI, when it is not the job's own); raises
@@ -203,6 +207,7 @@ class TrainWorker:
             raise CorruptCheckpointError(manifest.step, e.path, e.reason, uri=store.uri) from None
         return {"rank": self.topo.rank, "bytes_read": self._restored.bytes_read}
 
+    @blames_user_code
     def load_checkpoint(self) -> int:
         assert self.trainer is not None and self._restored is not None
         fetched, self._restored = self._restored, None
@@ -250,6 +255,7 @@ class TrainWorker:
         self._stall_seen = stall
         return out
 
+    @blames_user_code
     def run(self, target: int) -> dict[str, Any]:
         """Train to step `target`, or until every rank agreed to stop; returns where.
 
@@ -327,6 +333,7 @@ class TrainWorker:
     def wait_uploads(self, timeout_s: float) -> bool:
         return self.uploader.wait(timeout_s)
 
+    @blames_user_code
     def heldout_loss(self) -> float:
         assert self.trainer is not None
         return self.trainer.heldout_loss()

@@ -45,10 +45,41 @@ def connect_ray(address: str | None) -> None:
 
     if ray.is_initialized():
         return
+    check_reachable(address)
     bind_to_loopback()
     # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
     # the driver prints the controller's events, and failures arrive grouped by rank.
     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+
+
+def check_reachable(address: str | None) -> None:
+    """ConnectionError at once when nothing listens at the cluster's address (`address`,
+    or RAY_ADDRESS, which Ray prefers): `ray.init` would retry a dead address for
+    minutes. A new local cluster (no address) and addresses Ray cannot find or parse are
+    left to `ray.init`, which says so itself."""
+    target = os.environ.get("RAY_ADDRESS") or address
+    if not target or target == "local":
+        return
+    target = target.removeprefix("ray://").partition("/")[0]
+    try:
+        from ray._private import services
+
+        if target == "auto":
+            target = services.get_ray_address_from_environment("auto", None)
+        host, port = services.parse_address(target) or ("", "")
+        # Ray itself dials a loopback address at the node's own IP.
+        hosts = dict.fromkeys([host, services.resolve_ip_for_localhost(host)])
+    except Exception:  # noqa: BLE001 - no cluster found, or no address: ray.init tells
+        return
+    timeout = constants.SPOTLINE_RAY_CONNECT_TIMEOUT_S
+    why = ""
+    for h in hosts:
+        try:
+            socket.create_connection((h.strip("[]"), int(port)), timeout=timeout).close()
+            return
+        except (OSError, ValueError) as e:
+            why = getattr(e, "strerror", None) or type(e).__name__
+    raise ConnectionError(f"nothing answers at {host}:{port} ({why})")
 
 
 class ClusterView(Protocol):
