@@ -117,6 +117,79 @@ def test_plan_warns_naming_the_field_for_a_big_bubble_and_a_slow_save(tmp_path) 
     assert not make_plan(_spec(tmp_path)).warnings
 
 
+def _repo_config(path: Path, tmp_path: Path):
+    """A config of the repository, its tokenizer and dataset files (made by the README's
+    walk-through) stood in for by the byte tokenizer, at the same vocabulary size."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    raw["checkpoint"]["uri"] = f"file://{tmp_path}/c"
+    if raw.get("tokenizer", {}).get("kind") == "huggingface":
+        raw["tokenizer"] = {"kind": "byte"}
+        raw["data"] = {"corpus": "stdlib"}
+        raw["model"].setdefault("vocab_size", 2048)
+    return load_spec(raw)
+
+
+def _follow(spec, warning: str):
+    """`spec` with the bubble warning's own advice taken."""
+    import re
+
+    raw = spec.model_dump(mode="json")
+    cut = re.search(r"parallel\.partition: (\[[\d, ]+\])", warning)
+    more = re.search(r"raise parallel\.micro_batches from (\d+) to (\d+)", warning)
+    if cut:
+        raw["parallel"]["partition"] = json.loads(cut.group(1))
+    elif more:
+        assert int(more.group(1)) == spec.parallel.micro_batches, warning
+        m = int(more.group(2))
+        assert m > spec.parallel.micro_batches, warning
+        raw["parallel"]["micro_batches"] = m
+        raw["train"]["global_batch_size"] = spec.micro_batch_size() * m * spec.elastic.max_replicas
+    else:
+        raise AssertionError(f"no advice to follow in: {warning}")
+    return load_spec(raw)
+
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "config",
+    [c for c in CONFIGS if c.name not in ("sweep.yaml",)],
+    ids=lambda c: c.name,
+)
+def test_the_bubble_warning_of_each_repo_config_agrees_with_it(config, tmp_path) -> None:
+    """What the warning says of the spec is so, and its advice clears it: the
+    micro-batches it asks to raise are the spec's and fewer than it asks for, and the
+    layer cut it proposes brings the bubble under the threshold."""
+    spec = _repo_config(config, tmp_path)
+    for warning in make_plan(spec).warnings:
+        if "pipeline bubble" not in warning:
+            continue
+        m = spec.grad_accum(spec.replica_counts()[0])
+        assert f"{m} micro-batch" in warning, warning
+        after = make_plan(_follow(spec, warning))
+        assert not [w for w in after.warnings if "pipeline bubble" in w], after.warnings
+
+
+@pytest.mark.unit
+def test_a_bubble_from_unequal_stages_asks_for_a_cut_not_more_micro_batches(tmp_path) -> None:
+    # The tiny Llama's head (d x 2048) makes its last stage 60% heavier at the uniform
+    # cut: with 4 micro-batches the equal-stage bubble is 20%, the real one 30%.
+    spec = _repo_config(CONFIGS[[c.name for c in CONFIGS].index("llama-tiny.yaml")], tmp_path)
+    assert spec.parallel.micro_batches == 4
+    (warning,) = [w for w in make_plan(spec).warnings if "pipeline bubble" in w]
+    assert "raise parallel.micro_batches" not in warning
+    assert "stage 1 does 60% more work per micro-batch than stage 0" in warning
+    assert "parallel.partition: [4, 2]" in warning
+    # Too few micro-batches is still said as such, with the spec's own count.
+    few = _spec(tmp_path, "parallel.micro_batches=1", "train.global_batch_size=2")
+    (warning,) = make_plan(few).warnings
+    assert "raise parallel.micro_batches from 1 to 3 or more" in warning
+
+
 @pytest.mark.unit
 def test_plan_says_an_adaptive_batch_grows(tmp_path) -> None:
     fixed = make_plan(_spec(tmp_path))
