@@ -133,7 +133,12 @@ def _summary(text: str) -> dict[str, str]:
     return dict(re.findall(r"^  ([a-z -]+?)\s{2,}(.+)$", block, re.MULTILINE))
 
 
-def test_a_running_job_is_watched_by_name_and_sigterm_ends_it_like_ctrl_c(tmp_path: Path):
+def test_a_running_job_is_watched_by_name_and_sigterm_ends_it_like_ctrl_c(
+    ray_session, tmp_path: Path
+):
+    # `ray_session`: this process's own cluster runs beside the one `spotline run`
+    # starts, as another cluster often does on a workstation; Ray's "auto" would pick
+    # either of the two.
     config = _config(tmp_path)
     driver = _Driver(tmp_path, "first", str(config))
     try:
