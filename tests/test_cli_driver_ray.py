@@ -24,6 +24,7 @@ import psutil
 import pytest
 import yaml
 
+from conftest import tiny_spec
 from spotline.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.ray
@@ -33,24 +34,14 @@ _TIMEOUT_S = 300
 
 
 def _config(tmp_path: Path) -> Path:
-    raw = {
-        "name": NAME,
-        "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32},
-        "data": {"max_bytes": 300_000},
-        "parallel": {"pipeline_stages": 2, "micro_batches": 2},
-        "elastic": {"min_replicas": 2, "max_replicas": 2},
-        # Far more steps than the test waits for: it is ended by SIGTERM.
-        "train": {"steps": 100_000, "global_batch_size": 8, "warmup_steps": 5, "log_every": 5},
-        "checkpoint": {
-            "uri": f"file://{tmp_path}/ckpt",
-            "interval_steps": 5,
-            "keep_last": 3,
-            "staging_dir": str(tmp_path / "staging"),
-        },
-        "resources": {"cpus_per_worker": 0.5},
-    }
+    # Far more steps than the test waits for: it is ended by SIGTERM.
+    spec = tiny_spec(
+        tmp_path,
+        NAME,
+        **{"train.steps": 100_000, "train.log_every": 5, "checkpoint.interval_steps": 5},
+    )
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     return path
 
 
