@@ -468,12 +468,17 @@ def _on_clusters(address: str, look):
     if here in candidates:
         candidates.remove(here)
         candidates.insert(0, here)
-    found = None
-    for where in candidates:
+    found, looked = None, False
+    for i, where in enumerate(candidates):
         if ray.is_initialized() and where not in (here, None, "auto"):
             ray.shutdown()
-        connect_ray(where)
-        here = ray.get_runtime_context().gcs_address
+        try:
+            connect_ray(where)
+        except ConnectionError:
+            if i == len(candidates) - 1 and not looked:
+                raise
+            continue  # one of several local clusters going away: look at the others
+        here, looked = ray.get_runtime_context().gcs_address, True
         found = look()
         if found:
             break
