@@ -133,3 +133,31 @@ def test_legends_cover_nothing_drawn(figure):
         box = legend.get_window_extent(renderer)
         for ax in fig.axes:
             assert not box.overlaps(ax.get_window_extent(renderer)), ax
+
+
+def test_watching_a_job_that_ends_shows_how_it_ended(tmp_path):
+    """The job's driver stops the controller once the job is done; the watch then shows
+    the summary stored beside the checkpoints instead of failing on the gone actor."""
+    import io
+    import json
+
+    from ray.exceptions import ActorDiedError
+    from rich.console import Console
+
+    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
+    from spotline.report import print_status
+
+    uri = f"file://{tmp_path}/ckpt"
+    running = _summary() | {"state": "running", "waiting": None, "checkpoint_uri": uri}
+    final = running | {"state": "finished", "step": 300}
+    CheckpointStore(uri).write_artifact(SUMMARY_ARTIFACT, json.dumps(final).encode())
+    answers = iter([running])
+
+    def fetch():
+        for s in answers:
+            return s
+        raise ActorDiedError()
+
+    out = io.StringIO()
+    print_status(fetch, watch=0.01, console=Console(file=out, width=120))
+    assert "finished" in out.getvalue() and "300 / 300" in out.getvalue()

@@ -120,16 +120,37 @@ def print_status(fetch, watch: float | None = None, console=None) -> None:
     if not watch:
         console.print(render_status(fetch()))
         return
-    with Live(render_status(fetch()), console=console, refresh_per_second=4) as live:
+    s = fetch()
+    with Live(render_status(s), console=console, refresh_per_second=4) as live:
         try:
             while True:
                 time.sleep(watch)
-                s = fetch()
+                try:
+                    s = fetch()
+                except Exception as e:
+                    # The job ended between two refreshes and its driver stopped the
+                    # controller: what it stored beside the checkpoints is how it ended.
+                    s = _final_summary(s, e)
                 live.update(render_status(s))
                 if s.get("state") in ("finished", "failed", "stopped"):
                     return
         except KeyboardInterrupt:
             return
+
+
+def _final_summary(last: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """The summary a job whose controller is gone stored at its end; `error` again when
+    the controller did not go (or nothing was stored)."""
+    from ray.exceptions import RayActorError
+
+    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
+
+    if not isinstance(error, RayActorError) or not last.get("checkpoint_uri"):
+        raise error
+    stored = load_json(CheckpointStore(last["checkpoint_uri"]).read_artifact(SUMMARY_ARTIFACT))
+    if stored is None:
+        raise error
+    return stored
 
 
 # --- report -------------------------------------------------------------------------
