@@ -452,14 +452,30 @@ def test_failed_upload_abandons_that_checkpoint_only(tmp_path):
     assert any("step 10 abandoned: rank 1" in e for e in ctl.status()["events"])
 
 
-def test_resume_of_finished_job_does_not_retrain(tmp_path):
-    ctl, _ = make(tmp_path)
-    ctl.run()
+def test_rerun_of_a_finished_job_reports_it_without_starting_workers(tmp_path):
+    ctl, store = make(tmp_path)
+    first = ctl.run()
+    stored = store.read_artifact("summary.json")
     ctl2, _ = make(tmp_path)
     res = ctl2.run()
-    assert res["state"] == "finished"
-    assert res["losses"] == {}
+    assert FakeGroup.instances == []  # no group, so no worker, was started
+    assert res["state"] == "finished" and res["steps"] == 25
+    for key in ("losses", "final_train_loss", "heldout_loss", "steps_per_s", "committed_steps"):
+        assert res[key] == first[key], key
+    assert res["checkpoint_blocked_s"] == first["checkpoint_blocked_s"]
+    assert res["steps_per_s"] > 0 and res["final_train_loss"] is not None
+    assert store.read_artifact("summary.json") == stored  # the first run's, untouched
+    assert any("already finished at step 25" in e for e in ctl2.status()["events"])
+    assert ctl2.status()["step"] == 25
+
+
+def test_a_finished_job_with_more_steps_asked_trains_on(tmp_path):
+    ctl, _ = make(tmp_path)
+    ctl.run()
+    again, _ = make(tmp_path, **{"train.steps": 30})
+    res = again.run()
     assert FakeGroup.instances[0].restored == [25]
+    assert res["state"] == "finished" and sorted(res["losses"]) == list(range(26, 31))
 
 
 def test_spec_change_refuses_foreign_checkpoint(tmp_path):

@@ -7,7 +7,13 @@ import pytest
 from spotline.bubbles import simulate
 from spotline.bubbles.trace import chrome_trace
 from spotline.metrics.ledger import GoodputLedger
-from spotline.report import status_rows, write_report
+from spotline.report import (
+    loss_figure,
+    status_rows,
+    step_time_figure,
+    timeline_figure,
+    write_report,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -57,9 +63,9 @@ def test_status_rows_name_every_field():
     assert rows["goodput"].startswith("72.7%") and "on spot" in rows["goodput"]
 
 
-def test_report_writes_each_plot(tmp_path):
+def _trace() -> dict:
     tls = simulate(2, 4, t_fwd=0.01, t_bwd=0.02)
-    trace = chrome_trace(
+    return chrome_trace(
         [
             {
                 "stage": s,
@@ -77,7 +83,10 @@ def test_report_writes_each_plot(tmp_path):
             for s, tl in enumerate(tls)
         ]
     )
-    paths = write_report(_summary(), trace, tmp_path)
+
+
+def test_report_writes_each_plot(tmp_path):
+    paths = write_report(_summary(), _trace(), tmp_path)
     assert sorted(p.name for p in paths) == [
         "bubbles.png",
         "goodput.png",
@@ -86,3 +95,69 @@ def test_report_writes_each_plot(tmp_path):
     ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_each_legend_entry_has_the_color_of_its_bars():
+    from matplotlib.colors import to_rgba
+
+    fig = timeline_figure(_trace())
+    (legend,) = fig.legends
+    legend_color = {
+        t.get_text(): to_rgba(h.get_facecolor())
+        for t, h in zip(legend.get_texts(), legend.legend_handles, strict=True)
+    }
+    bars = [c for c in fig.axes[0].collections if c.get_gid()]
+    assert {c.get_gid() for c in bars} == set(legend_color) >= {"compute", "idle", "backfill"}
+    for c in bars:
+        assert tuple(c.get_facecolor()[0]) == legend_color[c.get_gid()], c.get_gid()
+    assert len(set(legend_color.values())) == len(legend_color)  # one color per kind
+
+
+@pytest.mark.parametrize(
+    "figure",
+    [
+        lambda: loss_figure(_summary() | {"batch": {"history": [[1, 16]]}}),
+        lambda: step_time_figure(_summary()),
+        lambda: timeline_figure(_trace()),
+    ],
+    ids=["loss", "step_time", "bubbles"],
+)
+def test_legends_cover_nothing_drawn(figure):
+    """The legend lies outside every axes: it hides no line or bar (the global batch's
+    flat dashed line ran through it at the top of the loss plot)."""
+    fig = figure()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert fig.legends and not any(ax.get_legend() for ax in fig.axes)
+    for legend in fig.legends:
+        box = legend.get_window_extent(renderer)
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_window_extent(renderer)), ax
+
+
+def test_watching_a_job_that_ends_shows_how_it_ended(tmp_path):
+    """The job's driver stops the controller once the job is done; the watch then shows
+    the summary stored beside the checkpoints instead of failing on the gone actor."""
+    import io
+    import json
+
+    from ray.exceptions import ActorDiedError
+    from rich.console import Console
+
+    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
+    from spotline.report import print_status
+
+    uri = f"file://{tmp_path}/ckpt"
+    running = _summary() | {"state": "running", "waiting": None, "checkpoint_uri": uri}
+    final = running | {"state": "finished", "step": 300}
+    CheckpointStore(uri).write_artifact(SUMMARY_ARTIFACT, json.dumps(final).encode())
+    answers = iter([running])
+
+    def fetch():
+        for s in answers:
+            return s
+        raise ActorDiedError()
+
+    out = io.StringIO()
+    print_status(fetch, watch=0.01, console=Console(file=out, width=120))
+    assert "finished" in out.getvalue() and "300 / 300" in out.getvalue()

@@ -99,10 +99,10 @@ def _write_a_job(spec, resumed_step=None, steps=(10, 20, 30), loss=lambda s: 5.0
     return t
 
 
-def _mlflow_run(tmp_path: Path, key: str):
+def _mlflow_run(tmp_path: Path, key: str, uri: str | None = None):
     from mlflow import MlflowClient
 
-    client = MlflowClient(f"file://{tmp_path}/mlruns")
+    client = MlflowClient(uri or f"file://{tmp_path}/mlruns")
     exp = client.get_experiment_by_name("spotline-tests")
     runs = client.search_runs(
         [exp.experiment_id], filter_string=f"tags.`spotline.run_key` = '{key}'"
@@ -139,7 +139,37 @@ def test_mlflow_file_store_holds_params_metrics_and_events(tmp_path):
     t = _write_a_job(spec)
     assert t.summary()[0]["errors"] == 0
     assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"  # set for the file:// URI
-    client, runs = _mlflow_run(tmp_path, t.key)
+    _assert_mlflow_run(tmp_path, *_mlflow_run(tmp_path, t.key))
+
+
+def test_mlflow_sqlite_store_is_read_back_by_mlflow_as_it_comes(tmp_path, monkeypatch):
+    """The store MLflow recommends: read back with no file-store opt-out, and the run's
+    artifacts beside the database, not in the working directory of the writer."""
+    from spotline.preflight import check_trackers
+
+    cwd = tmp_path / "controller-cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    spec = _spec(tmp_path, _mlflow(tmp_path, f"sqlite:///{tmp_path}/mlflow.db"))
+    check_trackers(spec)
+    t = _write_a_job(spec)
+    assert t.summary()[0]["errors"] == 0
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    _assert_mlflow_run(tmp_path, *_mlflow_run(tmp_path, t.key, uri))
+    assert (tmp_path / "mlartifacts").is_dir() and not any(cwd.iterdir())
+
+
+def test_a_relative_sqlite_store_is_where_the_job_was_started(tmp_path, monkeypatch):
+    from spotline.preflight import check_trackers
+
+    monkeypatch.chdir(tmp_path)
+    spec = _spec(tmp_path, _mlflow(tmp_path, "sqlite:///runs/mlflow.db"))
+    check_trackers(spec)
+    assert spec.tracking[0].tracking_uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
+
+
+def _assert_mlflow_run(tmp_path: Path, client, runs) -> None:
     (run,) = runs
     run = client.get_run(run.info.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "tracked"

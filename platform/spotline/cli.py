@@ -2,8 +2,8 @@
 
 Every way a command can fail ends in one line on stderr that says what happened and
 what to do, and a non-zero exit: 2 for bad input (spec, URI, file, arguments), 1 for a
-job that failed, 130 for Ctrl-C. A Python traceback appears only with --debug (or
-SPOTLINE_DEBUG=1).
+job that failed, 130 for Ctrl-C, 143 for SIGTERM. A Python traceback appears only with
+--debug (or SPOTLINE_DEBUG=1).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import base64
 import json
 import os
 import re
+import signal
 import sys
+import threading
 
 from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError, StorageError
 from spotline.config import SpecError
@@ -28,7 +30,7 @@ from spotline.config.redact import redact as _redact
 from spotline.data import CorpusError
 from spotline.job import JobFailed
 from spotline.registry import user_code_error
-from spotline.runtime.cluster import connect_ray
+from spotline.runtime.cluster import cluster_candidates, connect_ray
 
 # Errors whose message is the whole story: bad input, found before anything ran.
 USER_ERRORS = (
@@ -231,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("SPOTLINE_DEBUG", "") not in ("", "0")
     install_log_redaction()
+    previous = _end_on_sigterm()
     try:
         return _dispatch(args)
     except Exception as e:
@@ -240,9 +243,39 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        code, line = 130, "interrupted (a running job resumes from its latest commit)"
+        if _sigterm.is_set():
+            code, line = 143, "terminated by SIGTERM (a running job resumes from its latest commit)"
+        else:
+            code, line = 130, "interrupted (a running job resumes from its latest commit)"
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print(f"spotline: {_one_line(line)}", file=sys.stderr)
     return code
+
+
+# Set once SIGTERM arrived. Its KeyboardInterrupt may reach `main` as a plain one: Ray
+# turns an exception raised by a signal handler during a blocking call into its own.
+_sigterm = threading.Event()
+
+
+def _end_on_sigterm():
+    """SIGTERM (what Kubernetes, `ray job stop` and a scheduler send to ask a driver to
+    go) ends the command as Ctrl-C does: every cleanup of a KeyboardInterrupt runs, Ray's
+    local cluster is shut down at exit. Exit code 143 (128 + SIGTERM), what a shell and
+    Kubernetes report for a process that SIGTERM ended. `connect_ray` puts this handler
+    back after Ray installs its own. Returns the handler it replaced (None: not set, off
+    the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    _sigterm.clear()
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+        _sigterm.set()
+        raise KeyboardInterrupt("SIGTERM")
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _explain(e: Exception, args: argparse.Namespace | None = None) -> tuple[int, str]:
@@ -490,34 +523,58 @@ def _is_uri(target: str) -> bool:
     )
 
 
-def _live_controller(name: str, address: str):
+def _on_clusters(address: str, look):
+    """Connect to each cluster `address` may mean (see `cluster_candidates`), the one
+    already connected first, until `look()` finds something; (what it found, where)."""
     import ray
 
-    from spotline.controller.actor import controller_name
+    candidates = cluster_candidates(address)
+    here = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    if here in candidates:
+        candidates.remove(here)
+        candidates.insert(0, here)
+    found, looked = None, False
+    for i, where in enumerate(candidates):
+        if ray.is_initialized() and where not in (here, None, "auto"):
+            ray.shutdown()
+        try:
+            connect_ray(where)
+        except ConnectionError:
+            if i == len(candidates) - 1 and not looked:
+                raise
+            continue  # one of several local clusters going away: look at the others
+        here, looked = ray.get_runtime_context().gcs_address, True
+        found = look()
+        if found:
+            break
+    return found, ", ".join(str(c) for c in candidates)
 
-    connect_ray(address)
-    try:
-        return ray.get_actor(controller_name(name))
-    except ValueError:
+
+def _live_controller(name: str, address: str):
+    from spotline.controller.actor import find_controller
+
+    controller, where = _on_clusters(address, lambda: find_controller(name))
+    if controller is None:
         raise SpecError(
-            f"no running Spotline job named {name!r} on the Ray cluster at {address}; give "
+            f"no running Spotline job named {name!r} on the Ray cluster at {where}; give "
             "the job's checkpoint URI instead to read a finished job"
-        ) from None
+        )
+    return controller
 
 
 def _running_job(address: str) -> str:
-    import ray
+    from spotline.controller.actor import running_jobs
 
-    connect_ray(address)
-    names = sorted(
-        a["name"].split(":")[1]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("spotline:") and a["name"].endswith(":controller")
-    )
+    names: list[str] = []
+
+    def look() -> None:  # every cluster: the job must be the only one on all of them
+        names.extend(running_jobs())
+
+    _, where = _on_clusters(address, look)
     if len(names) != 1:
-        found = ", ".join(names) if names else "none"
+        found = ", ".join(sorted(names)) if names else "none"
         raise SpecError(
-            f"name the job: running Spotline jobs on the cluster at {address}: {found}. "
+            f"name the job: running Spotline jobs on the Ray cluster at {where}: {found}. "
             "A finished job is read from its checkpoint URI"
         )
     return names[0]

@@ -13,9 +13,14 @@ Memory per device, for the largest pipeline stage (P parameters), D replicas:
   `JobSpec.zero_bucket_elements`);
 - activations: per micro-batch and layer 34·s·b·h bytes in 16-bit (Korthikanti et al.,
   2022; twice that in fp32), times the micro-batches a 1F1B stage holds at once
-  (p - stage), plus the logits on the last stage. Their 5·a·s²·b term for the attention
-  scores is left out: the built-in models use fused attention
-  (`scaled_dot_product_attention`), which keeps no s x s matrix on CPU or GPU.
+  (p - stage), h a custom model's own width (what its embedding returns); plus, on the
+  last stage, fp32 logits five times over (the loss's log-softmax, its gradient and the
+  logits' gradient, and the two micro-batches' logits DeepSpeed's output buffers keep
+  there). Their 5·a·s²·b term for the attention scores is left out: the built-in models
+  use fused attention (`scaled_dot_product_attention`), which keeps no s x s matrix.
+  Not counted: the optimizer step's temporaries, the allocator's cache, and what a
+  block keeps beyond a GPT block (a Llama block keeps about 1.5x the 34·s·b·h); the
+  plan says so under its figures.
 
 Step time: each stage's training FLOPs per micro-batch (its blocks' 6·N + 12·T·d per
 token, and the head's share on the last stage, the conventions of
@@ -36,6 +41,7 @@ from spotline.config.schema import JobSpec
 from spotline.models import ModelDef, layer_param_counts, model_def, stage_bounds
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+PIPE_BUFFERS = 2  # DeepSpeed's 1F1B keeps max(2, stages - stage) buffers: 2 on the last
 MASTER_BYTES = 4  # fp32 master weights
 
 
@@ -74,6 +80,24 @@ class StageMemory:
         return self.state_bytes + self.activation_bytes
 
 
+def model_width(spec: JobSpec, model: ModelDef | None = None) -> int:
+    """The hidden width the blocks pass on: model.d_model of the built-in kinds; of a
+    custom model, the last dimension of what its first layer (the embedding) returns,
+    found on the meta device, where nothing is allocated."""
+    d = getattr(spec.model, "d_model", None)
+    if d:
+        return int(d)
+    import torch
+
+    model = model or model_def(spec)
+    try:
+        with torch.device("meta"):
+            out = model.layers[0].build()(torch.zeros(1, model.seq_len, dtype=torch.long))
+        return int(out.shape[-1])
+    except Exception:  # noqa: BLE001 - a first layer that cannot run on meta: a guess
+        return 1024
+
+
 class StageMemoryModel:
     """Predicted peak memory of one device of a stage holding any contiguous layers: what
     `memory_per_device` reports, and what the balanced partition keeps within each
@@ -92,10 +116,14 @@ class StageMemoryModel:
         self.model = model or model_def(spec)
         m = spec.model
         b, s = spec.micro_batch_size(), m.seq_len
-        # Width of the built-in kinds; a custom model is charged as if d = 1024.
-        h = getattr(m, "d_model", 1024)
+        h = model_width(spec, self.model)
         self.per_layer = 34 * s * b * h * (w / 2)
-        self.logits = 2 * b * s * self.model.vocab_size * 4  # fp32 logits and their gradient
+        # The last stage's logits, fp32: at the loss's backward the log-softmax output,
+        # its gradient and the logits' gradient are alive at once; a pipeline's last
+        # stage also keeps the logits of its last PIPE_BUFFERS micro-batches in
+        # DeepSpeed's output buffers (it frees them only on the other stages).
+        copies = 3 + (PIPE_BUFFERS if p.pipeline_stages > 1 else 0)
+        self.logits = copies * b * s * self.model.vocab_size * 4
         self.counts = layer_param_counts(self.model)
         self.is_block = [ld.cls is self.model.block_class for ld in self.model.layers]
         self.stages = p.pipeline_stages
@@ -177,7 +205,7 @@ def stage_flops_per_token(
     from torch import nn
 
     model = model or model_def(spec)
-    d = getattr(spec.model, "d_model", 1024)
+    d = model_width(spec, model)
     raw = []
     with torch.device("meta"):
         for ld in model.layers:
@@ -427,6 +455,11 @@ class Plan:
                 f"activations {m.activation_bytes / gb:.3f} ({m.micro_batches_in_flight} "
                 f"micro-batch(es) in flight) = {m.total_bytes / gb:.3f} GB{room}"
             )
+        lines.append(
+            "    (not counted: the optimizer step's temporaries, the allocator's cache, and "
+            "activations a block keeps beyond a GPT block's 34·s·b·h, e.g. about 1.5x for "
+            "a Llama block)"
+        )
         st = self.step
         if self.stages and len(self.stages) > 1:
             free = (
@@ -478,11 +511,13 @@ def make_plan(
     """The plan of `spec`. `device`: (bytes, where that figure comes from) of one device;
     `rate`: (FLOP/s a device runs at, its peak FLOP/s for MFU, where they come from)."""
     from spotline import constants
+    from spotline.plan_bubble import bubble_warning, planned_bounds
 
     counts = spec.replica_counts()
     d = counts[0]
     flops_per_s, peak, rate_source = rate if rate else (None, None, None)
-    step = predict_step(spec, d, flops_per_s, peak)
+    bounds = planned_bounds(spec, d)
+    step = predict_step(spec, d, flops_per_s, peak, bounds)
     tokens = spec.global_batch(d) * spec.model.seq_len
     warnings = []
     if device is not None:
@@ -490,14 +525,7 @@ def make_plan(
         if problem:
             warnings.append(problem)
     if step.bubble_fraction > BUBBLE_WARN_FRACTION:
-        p = spec.parallel.pipeline_stages
-        need = math.ceil(3 * (p - 1))  # (p-1)/(m+p-1) <= 0.25 at m >= 3(p-1)
-        warnings.append(
-            f"the pipeline bubble is {step.bubble_fraction:.0%} of each step (over "
-            f"{BUBBLE_WARN_FRACTION:.0%}): raise parallel.micro_batches (to {need} or more "
-            f"for {p} stages, with train.global_batch_size a multiple of micro_batches x "
-            "elastic.max_replicas), or lower parallel.pipeline_stages"
-        )
+        warnings.append(bubble_warning(spec, d, step, bounds))
     save_s = predicted_save_s(spec, d)
     margin = constants.SPOTLINE_JIT_MARGIN_S
     notices = []
@@ -524,7 +552,7 @@ def make_plan(
             for r in counts
         },
         replicas=d,
-        stages=memory_per_device(spec, d),
+        stages=memory_per_device(spec, d, bounds),
         device_bytes=device[0] if device else None,
         device_source=device[1] if device else None,
         step=step,

@@ -239,6 +239,24 @@ def check_trackers(spec: JobSpec) -> None:
             )
         if getattr(t, "dir", None):
             t.dir = os.path.abspath(os.path.expanduser(t.dir))
+        uri = getattr(t, "tracking_uri", "")
+        if uri.startswith("sqlite:"):
+            missing = [m for m in ("sqlalchemy", "alembic") if not package_installed(m)]
+            if missing:
+                raise SpecError(
+                    f"tracking[{i}] ({t.kind} {uri}) needs {' and '.join(missing)} for an "
+                    "sqlite store: pip install 'spotline[tracking]'"
+                )
+            t.tracking_uri = absolute_sqlite_uri(uri)
+
+
+def absolute_sqlite_uri(uri: str) -> str:
+    """sqlite:///relative.db made absolute (sqlite:////abs/relative.db), against where
+    the job is started, not the controller's working directory; other URIs unchanged."""
+    head, sep, path = uri.partition(":///")
+    if head != "sqlite" or not sep or not path or path.startswith("/") or path == ":memory:":
+        return uri
+    return f"sqlite:///{os.path.abspath(os.path.expanduser(path))}"
 
 
 def check_offline(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:

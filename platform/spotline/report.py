@@ -128,16 +128,37 @@ def print_status(fetch, watch: float | None = None, console=None) -> None:
     if not watch:
         console.print(render_status(fetch()))
         return
-    with Live(render_status(fetch()), console=console, refresh_per_second=4) as live:
+    s = fetch()
+    with Live(render_status(s), console=console, refresh_per_second=4) as live:
         try:
             while True:
                 time.sleep(watch)
-                s = fetch()
+                try:
+                    s = fetch()
+                except Exception as e:
+                    # The job ended between two refreshes and its driver stopped the
+                    # controller: what it stored beside the checkpoints is how it ended.
+                    s = _final_summary(s, e)
                 live.update(render_status(s))
                 if s.get("state") in ("finished", "failed", "stopped"):
                     return
         except KeyboardInterrupt:
             return
+
+
+def _final_summary(last: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """The summary a job whose controller is gone stored at its end; `error` again when
+    the controller did not go (or nothing was stored)."""
+    from ray.exceptions import RayActorError
+
+    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore
+
+    if not isinstance(error, RayActorError) or not last.get("checkpoint_uri"):
+        raise error
+    stored = load_json(CheckpointStore(last["checkpoint_uri"]).read_artifact(SUMMARY_ARTIFACT))
+    if stored is None:
+        raise error
+    return stored
 
 
 # --- report -------------------------------------------------------------------------
@@ -149,20 +170,35 @@ def write_report(s: dict[str, Any], trace: dict[str, Any] | None, out: Path) -> 
 
     matplotlib.use("Agg")
     out.mkdir(parents=True, exist_ok=True)
-    paths = [
-        _loss_png(s, out / "loss.png"),
-        _step_time_png(s, out / "step_time.png"),
-        _goodput_png(s, out / "goodput.png"),
-    ]
+    figures = {
+        "loss.png": loss_figure(s),
+        "step_time.png": step_time_figure(s),
+        "goodput.png": goodput_figure(s),
+    }
     if trace:
-        paths.append(_timeline_png(trace, out / "bubbles.png"))
-    return paths
+        figures["bubbles.png"] = timeline_figure(trace)
+    return [_save(fig, out / name) for name, fig in figures.items()]
 
 
-def _loss_png(s: dict[str, Any], path: Path) -> Path:
+def _figure(width: float, height: float):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    # Constrained layout makes room for the legend outside the axes (see `_legend`).
+    return plt.subplots(figsize=(width, height), layout="constrained")
+
+
+def _legend(fig, handles: list, labels: list[str] | None = None) -> None:
+    """One legend for the figure, below the axes: inside them it hides what it lies on
+    (a flat global-batch line at the top of the loss plot, the bars of a timeline)."""
+    if not handles:
+        return
+    labels = labels if labels is not None else [h.get_label() for h in handles]
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(4, len(handles)), fontsize=8)
+
+
+def loss_figure(s: dict[str, Any]):
+    """Train loss, evals and the final held-out loss, with the global batch (right axis)."""
+    fig, ax = _figure(8, 4.5)
     losses = sorted((int(k), v) for k, v in (s.get("losses") or {}).items())
     if losses:
         ax.plot(*zip(*losses, strict=True), label="train", lw=1)
@@ -171,42 +207,54 @@ def _loss_png(s: dict[str, Any], path: Path) -> Path:
         ax.plot(*zip(*evals, strict=True), "o-", label="eval (backfill)", ms=4)
     if s.get("heldout_loss") is not None and losses:
         ax.plot([losses[-1][0]], [s["heldout_loss"]], "s", label="held-out (final)")
+    handles = ax.get_legend_handles_labels()[0]
     batch = batch_steps(s)
     if batch:
         # The global batch beside the loss: an adaptive schedule's growth shows where
         # the loss curve changes slope.
         right = ax.twinx()
-        right.plot(*zip(*batch, strict=True), color="tab:purple", lw=1.5, ls="--")
+        (line,) = right.plot(
+            *zip(*batch, strict=True),
+            color="tab:purple",
+            lw=1.5,
+            ls="--",
+            label="global batch (right)",
+        )
         right.set_ylabel("global batch (sequences)", color="tab:purple")
         right.set_ylim(bottom=0)
-        ax.plot([], [], color="tab:purple", ls="--", label="global batch (right)")
-    return _finish(fig, ax, path, xlabel="step", ylabel="loss", title=f"{s.get('name')}: loss")
+        handles.append(line)
+    ax.set(xlabel="step", ylabel="loss", title=f"{s.get('name')}: loss")
+    ax.grid(alpha=0.3)
+    _legend(fig, handles)
+    return fig
 
 
-def _step_time_png(s: dict[str, Any], path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+def step_time_figure(s: dict[str, Any]):
+    """Seconds per step, with preemption notices and restarts/resizes marked."""
+    fig, ax = _figure(8, 4.5)
     hist = s.get("history") or []
     if hist:
         ax.plot([h["step"] for h in hist], [h["step_s"] for h in hist], lw=1, label="step time")
     for n in s.get("notices") or []:
         if n.get("committed_step") is not None:
-            ax.axvline(n["committed_step"], color="tab:red", ls="--", lw=1)
+            ax.axvline(
+                n["committed_step"], color="tab:red", ls="--", lw=1, label="preemption notice"
+            )
     for r in s.get("resizes") or []:
-        ax.axvline(r["step"], color="tab:orange", ls=":", lw=1.5)
-    ax.plot([], [], color="tab:red", ls="--", label="preemption notice")
-    ax.plot([], [], color="tab:orange", ls=":", label="restart / resize")
-    title = f"{s.get('name')}: step time"
-    return _finish(fig, ax, path, xlabel="step", ylabel="seconds per step", title=title)
+        ax.axvline(r["step"], color="tab:orange", ls=":", lw=1.5, label="restart / resize")
+    ax.set(xlabel="step", ylabel="seconds per step", title=f"{s.get('name')}: step time")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    firsts = {label: h for h, label in zip(handles, labels, strict=True)}  # one per kind
+    _legend(fig, list(firsts.values()), list(firsts))
+    return fig
 
 
-def _goodput_png(s: dict[str, Any], path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
+def goodput_figure(s: dict[str, Any]):
+    """The goodput ledger as a waterfall: the total, then where each part of it went."""
     from spotline.metrics.ledger import PARTS
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = _figure(9, 4.5)
     parts = (s.get("ledger") or {}).get("device_s") or dict.fromkeys(PARTS, 0.0)
     total = sum(parts.values())
     bottom = total
@@ -219,12 +267,22 @@ def _goodput_png(s: dict[str, Any], path: Path) -> Path:
     ax.bar(len(PARTS), total / 3600, color="tab:blue")
     ax.set_xticks(range(len(PARTS) + 1), [*PARTS, "total"], rotation=30, ha="right")
     ax.set(ylabel="device-hours", title=f"{s.get('name')}: where the device-hours went")
-    fig.tight_layout()
-    return _save(fig, path)
+    return fig
 
 
-def _timeline_png(trace: dict[str, Any], path: Path) -> Path:
-    import matplotlib.pyplot as plt
+TIMELINE_COLORS = {
+    "compute": "tab:green",
+    "comm": "tab:orange",
+    "idle": "lightgrey",
+    "backfill": "tab:olive",
+}
+
+
+def timeline_figure(trace: dict[str, Any]):
+    """One pipeline step of every stage and replica: compute, communication, idle time
+    (the bubble) and the backfill work that ran in it. Each category's bars carry it as
+    their gid, in the legend's color."""
+    from matplotlib.patches import Patch
 
     names = {
         e["tid"]: e["args"]["name"]
@@ -237,32 +295,30 @@ def _timeline_png(trace: dict[str, Any], path: Path) -> Path:
     step_spans = [e for e in spans if e.get("args", {}).get("step") == first_step]
     t_end = max((e["ts"] + e["dur"] for e in step_spans), default=0.0)
     shown = step_spans + [e for e in spans if e["cat"] == "backfill" and e["ts"] <= t_end]
-    tids = sorted(names)
-    colors = {"compute": "tab:green", "comm": "tab:orange", "idle": "lightgrey"}
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(tids) + 1.5))
+    # A track with nothing in this step (a backfill executor that had no work then) is
+    # left out rather than drawn as an empty row.
+    tids = sorted({e["tid"] for e in shown if e["tid"] in names})
+    fig, ax = _figure(10, 0.6 * len(tids) + 2)
+    order = list(TIMELINE_COLORS)
+    cats = sorted(
+        {e["cat"] for e in shown}, key=lambda c: (order.index(c) if c in order else len(order), c)
+    )
+    colors = {c: TIMELINE_COLORS.get(c, "tab:purple") for c in cats}
     for row, tid in enumerate(tids):
-        for e in shown:
-            if e["tid"] == tid:
-                ax.broken_barh(
-                    [(e["ts"] / 1e3, e["dur"] / 1e3)],
-                    (row - 0.4, 0.8),
-                    color=colors.get(e["cat"], "tab:olive"),
-                )
+        for cat in cats:
+            bars = [
+                (e["ts"] / 1e3, e["dur"] / 1e3)
+                for e in shown
+                if e["tid"] == tid and e["cat"] == cat
+            ]
+            if bars:
+                ax.broken_barh(bars, (row - 0.4, 0.8), color=colors[cat], gid=cat)
     ax.set_yticks(range(len(tids)), [names[t] for t in tids])
     ax.invert_yaxis()
-    for cat, c in [*colors.items(), ("backfill", "tab:olive")]:
-        ax.barh([], [], color=c, label=cat)
-    ax.legend(loc="upper right", fontsize=7)
-    ax.set(xlabel="ms", title=f"one pipeline step (step {first_step}): bubbles and backfill")
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def _finish(fig, ax, path: Path, **labels: str) -> Path:
-    ax.set(**labels)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    what = "bubbles and backfill" if "backfill" in cats else "bubbles (no backfill ran in it)"
+    ax.set(xlabel="ms", title=f"one pipeline step (step {first_step}): {what}")
+    _legend(fig, [Patch(facecolor=colors[c], label=c) for c in cats])
+    return fig
 
 
 def _save(fig, path: Path) -> Path:

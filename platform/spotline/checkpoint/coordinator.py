@@ -488,6 +488,23 @@ class CommitCoordinator:
         except StorageError:
             return None
 
+    def finished_summary(self) -> dict[str, Any] | None:
+        """The summary this job stored when it finished, if nothing is left to train: its
+        last step is still the newest commit and reaches train.steps. None otherwise
+        (never finished, trained on since, or train.steps raised to train further)."""
+        raw = self.read_artifact(SUMMARY_ARTIFACT)
+        try:
+            saved = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        if not isinstance(saved, dict) or saved.get("state") != "finished":
+            return None
+        steps = self.store.committed_steps()
+        done = saved.get("committed_steps") or [None]
+        if not steps or steps[-1] < self.spec.train.steps or done[-1] != steps[-1]:
+            return None
+        return saved
+
     def store_summary(self, summary: dict[str, Any], ledger: dict[str, Any]) -> None:
         self.write_artifact(LEDGER_ARTIFACT, json.dumps(ledger).encode())
         self.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())

@@ -40,7 +40,9 @@ class TensorBoardTrackerSpec(_Tracker):
 
 
 class MlflowTrackerSpec(_Tracker):
-    """An MLflow tracking server, or a file:// store."""
+    """An MLflow tracking server, or a local store: sqlite:///path.db (what MLflow
+    recommends; run artifacts go to `mlartifacts` beside it) or file:///path/mlruns (in
+    maintenance mode: MLflow reads it back only with MLFLOW_ALLOW_FILE_STORE=true)."""
 
     package: ClassVar[str] = "mlflow"
     credentials_env: ClassVar[str] = (
@@ -50,7 +52,8 @@ class MlflowTrackerSpec(_Tracker):
 
     kind: Literal["mlflow"] = "mlflow"
     tracking_uri: str
-    """http(s)://host:port of a tracking server, or file:///path/mlruns."""
+    """http(s)://host:port of a tracking server, sqlite:////abs/path/mlflow.db (a path
+    relative to where the job is started: sqlite:///mlflow.db), or file:///path/mlruns."""
     experiment: str = Field(min_length=1)
     """Experiment the run goes into; created when it does not exist yet."""
 
@@ -58,9 +61,10 @@ class MlflowTrackerSpec(_Tracker):
     @classmethod
     def _no_credentials_in_uri(cls, v: str) -> str:
         parts = urllib.parse.urlsplit(v)
-        if parts.scheme not in ("http", "https", "file", "databricks"):
+        if parts.scheme not in ("http", "https", "sqlite", "file", "databricks"):
             raise ValueError(
-                f"{v!r} must be http(s)://host:port of a tracking server or file:///path/mlruns"
+                f"{v!r} must be http(s)://host:port of a tracking server, "
+                "sqlite:////path/mlflow.db or file:///path/mlruns"
             )
         if parts.username or parts.password:
             raise ValueError(

@@ -13,9 +13,38 @@ from spotline.config.schema import JobSpec
 from spotline.controller.controller import Controller
 from spotline.runtime.sealed import SealedJob
 
+CONTROLLER_NAMESPACE = "spotline"
+"""The Ray namespace every job's controller is named in, whatever the driver's own: a
+driver that names none gets an anonymous namespace of its own, where no other process
+(`spotline status NAME`, a second driver of the same job) could find the controller."""
+
 
 def controller_name(job: str) -> str:
     return f"spotline:{job}:controller"
+
+
+def find_controller(job: str) -> Any | None:
+    """The running controller of `job` on the connected cluster, or None."""
+    import ray
+
+    try:
+        return ray.get_actor(controller_name(job), namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def running_jobs() -> list[str]:
+    """The names of the jobs whose controller runs on the connected cluster."""
+    import ray
+
+    head, tail = "spotline:", ":controller"  # as controller_name writes them
+    return sorted(
+        a["name"][len(head) : -len(tail)]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == CONTROLLER_NAMESPACE
+        and a["name"].startswith(head)
+        and a["name"].endswith(tail)
+    )
 
 
 class ControllerActor:
@@ -114,11 +143,7 @@ def start_controller(spec: JobSpec, store: CheckpointStore):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     name = controller_name(spec.name)
-    try:
-        ray.get_actor(name)
-    except ValueError:
-        pass
-    else:
+    if find_controller(spec.name) is not None:
         raise RuntimeError(
             f"a Spotline job named {spec.name!r} is already running on this cluster (actor {name}); "
             "wait for it, stop it (ray job stop / Ctrl-C its driver), or give this job another name"
@@ -127,6 +152,7 @@ def start_controller(spec: JobSpec, store: CheckpointStore):
     cls = ray.remote(ControllerActor)
     return cls.options(
         name=name,
+        namespace=CONTROLLER_NAMESPACE,
         num_cpus=0,
         max_concurrency=4,
         max_restarts=0,

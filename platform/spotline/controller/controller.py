@@ -71,6 +71,7 @@ from spotline.controller.state import (
     State,
     Stopped,
     Waiting,
+    reported_snapshot,
 )
 from spotline.controller.telemetry import Telemetry
 from spotline.models.partition import imbalance
@@ -229,6 +230,10 @@ class Controller:
     def snapshot(self, wait_for_plan: bool = False) -> dict[str, Any]:
         """Everything the job knows about itself, once: status, result and summary are
         projections of it. Safe to call from any thread."""
+        state = self.state
+        if isinstance(state, Finished) and state.reported is not None:
+            keys = (*self._STATUS_KEYS, *self._RESULT_KEYS)  # a summary of an older version
+            return {**dict.fromkeys(keys), **reported_snapshot(state.reported)}
         group = self.group
         with self._lock:
             doomed = sorted(self.doomed)
@@ -396,7 +401,8 @@ class Controller:
             for n in snap["notices"]
         ]
         snap["preemption_notices"] = len(snap["notices"])
-        for k in ("workers", "attempts", "recoveries", "checkpoint_blocked_s",
+        # checkpoint_blocked_s stays: a rerun of the finished job reports from this.
+        for k in ("workers", "attempts", "recoveries",
                   "checkpoint_upload_s", "checkpoint_bytes", "backfill"):  # fmt: skip
             snap.pop(k, None)
         return snap
@@ -490,6 +496,16 @@ class Controller:
         # The preflight checked this already; checked again here, before anything is
         # written, because another job may have committed there since.
         self.coordinator.check_owner()
+        done = self.coordinator.finished_summary()
+        if done is not None:
+            # Nothing to train: report the finished job as it ended, from what it stored,
+            # starting no worker (and writing nothing over that summary).
+            self._event(
+                f"job {self.spec.name} already finished at step {done['committed_steps'][-1]}; "
+                "reporting it from its stored summary. Raise train.steps to train further, or "
+                "set checkpoint.uri for a fresh run"
+            )
+            return Finished(reported=done)
         self._owns_store = True
         self._store_tokenizer()
         self.telemetry.resume(self.coordinator)

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,34 @@ class Finishing(State):
 
 @dataclass(frozen=True)
 class Finished(State):
+    """The job trained its last step. `reported`: it had finished before this controller
+    started, and this is the summary it stored then (no worker was started)."""
+
     name: ClassVar[str] = "finished"
     terminal: ClassVar[bool] = True
+    reported: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+
+
+def reported_snapshot(summary: dict[str, Any]) -> dict[str, Any]:
+    """A controller snapshot of a job that finished before, from its stored summary: the
+    parts the summary leaves out are what this controller did (nothing)."""
+    snap: dict[str, Any] = {
+        "workers": [],
+        "attempts": [],
+        "recoveries": [],
+        "checkpoint_blocked_s": [],
+        "checkpoint_upload_s": [],
+        "checkpoint_bytes": [],
+        "backfill": None,
+        "notices": [],
+        "resizes": [],
+        "alerts": [],
+        "tracking": [],
+        **summary,
+    }
+    snap["losses"] = {int(k): v for k, v in (summary.get("losses") or {}).items()}
+    snap["replicas"] = 0
+    return snap
 
 
 @dataclass(frozen=True)

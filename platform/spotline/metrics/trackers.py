@@ -176,7 +176,9 @@ class _Mlflow:
         if exp is not None:
             return exp.experiment_id
         try:
-            return client.create_experiment(name)
+            return client.create_experiment(
+                name, artifact_location=_artifact_root(self.spec.tracking_uri)
+            )
         except Exception:  # another job created it in between
             exp = client.get_experiment_by_name(name)
             if exp is None:
@@ -218,6 +220,16 @@ class _Mlflow:
     def close(self, status: str) -> None:
         self.flush()
         self.client.set_terminated(self.run_id, status=_MLFLOW_STATUS.get(status, "FINISHED"))
+
+
+def _artifact_root(tracking_uri: str) -> str | None:
+    """Where a new experiment of an sqlite store keeps run artifacts: `mlartifacts`
+    beside the database, as `mlflow server` does (MLflow's default, ./mlruns, would be
+    the controller's working directory). None: the store's own choice."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    return (db.parent / "mlartifacts").resolve().as_uri()
 
 
 class _Wandb:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 from typing import Any, Protocol
 
 from spotline import constants
@@ -47,9 +49,29 @@ def connect_ray(address: str | None) -> None:
         return
     check_reachable(address)
     bind_to_loopback()
+    # ray.init replaces the process's SIGTERM handler (and its core worker's crash
+    # handler prints "*** SIGTERM received ... PC: @" for it): a handler this process
+    # chose before, such as the CLI's clean exit, is put back once Ray is up.
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
     # the driver prints the controller's events, and failures arrive grouped by rank.
     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    if callable(sigterm):
+        signal.signal(signal.SIGTERM, sigterm)
+
+
+def cluster_candidates(address: str | None) -> list[str | None]:
+    """The clusters a command reading a running job may mean by `address`: the one it
+    names (or RAY_ADDRESS); for "auto" with several Ray clusters on this machine, each
+    of them. Ray's "auto" picks one of several (the latest `ray start`'s, else any), and
+    a local cluster that `spotline run` started is seldom that one."""
+    if address not in (None, "auto") or os.environ.get("RAY_ADDRESS"):
+        return [address]
+    from ray._private.services import find_gcs_addresses
+
+    found = sorted(find_gcs_addresses())
+    return list(found) if len(found) > 1 else [address]
 
 
 def check_reachable(address: str | None) -> None:

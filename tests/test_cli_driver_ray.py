@@ -1,0 +1,193 @@
+"""The README's driver flow, each command its own process, as a user runs them:
+`spotline run` trains; `spotline status NAME` and `spotline report NAME` from another
+shell watch it by name; SIGTERM (Kubernetes, `ray job stop`) ends the driver as Ctrl-C
+does; running it again resumes from the commit; running a finished job again reports it
+from its stored summary without starting a worker.
+
+Every `spotline run` here starts its own local Ray cluster; the test checks that each is
+gone when its driver exits, and stops only processes it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from conftest import tiny_spec
+from spotline.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.ray
+
+NAME = "drv-watch"
+_TIMEOUT_S = 300
+
+
+def _config(tmp_path: Path) -> Path:
+    # Far more steps than the test waits for: it is ended by SIGTERM.
+    spec = tiny_spec(
+        tmp_path,
+        NAME,
+        **{"train.steps": 100_000, "train.log_every": 5, "checkpoint.interval_steps": 5},
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)  # `spotline run` starts a local cluster of its own
+    return env
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "spotline.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+    )
+
+
+class _Driver:
+    """`spotline run` in a process of its own, its output in files."""
+
+    def __init__(self, tmp_path: Path, tag: str, *args: str):
+        self.out, self.err = tmp_path / f"{tag}.out", tmp_path / f"{tag}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "spotline.cli", "run", *args],
+                stdout=out,
+                stderr=err,
+                env=_env(),
+            )
+        self.children: set[psutil.Process] = set()
+
+    def text(self) -> str:
+        return self.out.read_text() + self.err.read_text()
+
+    def wait_for(self, pattern: str) -> re.Match:
+        deadline = time.monotonic() + _TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.note_children()
+            m = re.search(pattern, self.out.read_text())
+            if m:
+                return m
+            assert self.proc.poll() is None, f"the driver exited early:\n{self.text()[-4000:]}"
+            time.sleep(0.5)
+        raise AssertionError(f"{pattern!r} not seen in {_TIMEOUT_S}s:\n{self.text()[-4000:]}")
+
+    def note_children(self) -> None:
+        """The processes of the driver's own Ray cluster (GCS, raylet, workers)."""
+        with contextlib.suppress(psutil.Error):
+            self.children |= set(psutil.Process(self.proc.pid).children(recursive=True))
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(timeout=_TIMEOUT_S)
+        finally:
+            self.stop()
+
+    def left_behind(self) -> list[psutil.Process]:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            alive = [p for p in self.children if p.is_running() and p.status() != "zombie"]
+            if not alive:
+                return []
+            time.sleep(0.5)
+        return alive
+
+    def stop(self) -> None:
+        """Whatever this driver started and left running: only those processes."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for p in self.children:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def _summary(text: str) -> dict[str, str]:
+    block = text[text.index(f"Spotline job {NAME}: ") :]
+    return dict(re.findall(r"^  ([a-z -]+?)\s{2,}(.+)$", block, re.MULTILINE))
+
+
+def test_a_running_job_is_watched_by_name_and_sigterm_ends_it_like_ctrl_c(
+    ray_session, tmp_path: Path
+):
+    # `ray_session`: this process's own cluster runs beside the one `spotline run`
+    # starts, as another cluster often does on a workstation; Ray's "auto" would pick
+    # either of the two.
+    config = _config(tmp_path)
+    driver = _Driver(tmp_path, "first", str(config))
+    try:
+        driver.wait_for(r"committed checkpoint step \d+")
+
+        # Another process finds the job by name on the cluster `spotline run` started,
+        # and with no name, as the one running job.
+        named = _cli("status", NAME, "--json")
+        assert named.returncode == 0, named.stderr[-3000:]
+        st = json.loads(named.stdout)
+        assert st["name"] == NAME and st["state"] in ("running", "checkpointing")
+        assert st["step"] >= 5 and st["committed_steps"]
+        bare = _cli("status", "--json")
+        assert bare.returncode == 0, bare.stderr[-3000:]
+        assert json.loads(bare.stdout)["name"] == NAME
+        report = _cli("report", NAME, "--out", str(tmp_path / "report"))
+        assert report.returncode == 0, report.stderr[-3000:]
+        assert (tmp_path / "report" / "loss.png").is_file()
+
+        driver.note_children()
+        driver.proc.send_signal(signal.SIGTERM)
+        code = driver.finish()
+    finally:
+        driver.stop()
+    text = driver.text()
+    # 143 = 128 + SIGTERM: what a shell and Kubernetes report for a process that SIGTERM
+    # ended; 130 stays Ctrl-C's.
+    assert code == 143, text[-4000:]
+    last = driver.err.read_text().strip().splitlines()[-1]
+    assert last == "spotline: terminated by SIGTERM (a running job resumes from its latest commit)"
+    assert "SIGTERM received" not in text and "PC: @" not in text and "Traceback" not in text
+    assert not driver.left_behind(), "the driver's Ray cluster outlived it"
+
+    # Run again: it resumes from the latest commit (or a newer one whose uploads had all
+    # landed when the driver went) and trains to the (now near) end.
+    latest = CheckpointStore(f"file://{tmp_path}/ckpt").committed_steps()[-1]
+    end = f"train.steps={latest + 30}"
+    again = _Driver(tmp_path, "resume", str(config), "--set", end)
+    code = again.finish()
+    text = again.text()
+    assert code == 0, text[-4000:]
+    restored = int(re.search(r"restored committed checkpoint step (\d+)", text).group(1))
+    assert latest <= restored < latest + 30
+    first = _summary(again.out.read_text())
+    assert first["steps"] == str(latest + 30)
+    assert not again.left_behind()
+
+    # And once more: the job is finished, so it is reported from its stored summary,
+    # with no worker started.
+    third = _Driver(tmp_path, "finished", str(config), "--set", end)
+    code = third.finish()
+    text = third.text()
+    assert code == 0, text[-4000:]
+    assert "already finished" in text
+    assert "starting 2 replica(s)" not in text and "restored committed" not in text
+    summary = _summary(third.out.read_text())
+    assert summary["steps"] == first["steps"]
+    assert summary["train loss"] == first["train loss"] and "n/a" not in summary["train loss"]
+    assert summary["throughput"] == first["throughput"]
+    assert not summary["throughput"].startswith("0.00")
+    assert not third.left_behind()
