@@ -59,18 +59,19 @@ class Out(nn.Module):
 
 class MixerProvider:
     config_model = MixerConfig
+    block: type[nn.Module] = Mixer
 
     def build(self, config: MixerConfig, *, vocab_size: int, seq_len: int, seed: int) -> ModelDef:
         w = config.width
         layers = [
             LayerDef(Embed, (vocab_size, w, seed)),
-            *[LayerDef(Mixer, (w, seed + 1 + i)) for i in range(config.depth)],
+            *[LayerDef(self.block, (w, seed + 1 + i)) for i in range(config.depth)],
             LayerDef(Out, (w, vocab_size, seed + 1 + config.depth)),
         ]
         per_block = 2 * w * w + 2 * w * 2 * w * 2
         return ModelDef(
             layers=layers,
-            block_class=Mixer,
+            block_class=self.block,
             loss=lm_loss,
             flops_per_token=3.0 * (config.depth * per_block + 2 * w * vocab_size),
             vocab_size=vocab_size,

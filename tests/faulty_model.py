@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from custom_model import Embed, Mixer, MixerConfig, Out
-from spotline.models.provider import LayerDef, ModelDef, lm_loss
+from custom_model import Mixer, MixerConfig, MixerProvider
+from spotline.models.provider import ModelDef
 
 
 class BrokenMixer(Mixer):
@@ -17,24 +17,8 @@ class BrokenMixer(Mixer):
         raise ValueError(f"width {x.shape[-1]} is not supported by this block")
 
 
-class BrokenProvider:
-    config_model = MixerConfig
-
-    def build(self, config: MixerConfig, *, vocab_size: int, seq_len: int, seed: int) -> ModelDef:
-        w = config.width
-        layers = [
-            LayerDef(Embed, (vocab_size, w, seed)),
-            *[LayerDef(BrokenMixer, (w, seed + 1 + i)) for i in range(config.depth)],
-            LayerDef(Out, (w, vocab_size, seed + 1 + config.depth)),
-        ]
-        return ModelDef(
-            layers=layers,
-            block_class=BrokenMixer,
-            loss=lm_loss,
-            flops_per_token=1.0,
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-        )
+class BrokenProvider(MixerProvider):
+    block = BrokenMixer
 
 
 class RaisingProvider(BrokenProvider):
