@@ -23,7 +23,7 @@ from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifes
 from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.config.loader import SpecError
 from spotline.config.schema import JobSpec
-from spotline.outputs import files_under, some_names
+from spotline.storage import files_under, some_names
 
 TOKENIZER_ARTIFACTS = "tokenizer"
 """Where a job keeps copies of its tokenizer files, under the checkpoint's artifacts/."""

@@ -62,8 +62,7 @@ from spotline.data.tokens import (
     join_uri,
     token_dtype,
 )
-from spotline.outputs import files_under, some_names
-from spotline.storage import UnsafePathError, join_under
+from spotline.storage import UnsafePathError, files_under, join_under, some_names
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".json")

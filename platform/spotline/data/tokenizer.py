@@ -422,7 +422,7 @@ def train_bpe(
     `overwrite`. Returns the tokenizer.json path."""
     import fsspec
 
-    from spotline.outputs import files_under, some_names
+    from spotline.storage import files_under, some_names
 
     found = files_under(fsspec.filesystem("file"), str(Path(out_dir).expanduser().resolve()))
     if found and not overwrite:

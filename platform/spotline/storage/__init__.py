@@ -5,11 +5,16 @@ write to, so every path they hold is an untrusted string. `join_under` is the on
 place such a path becomes a file to open: it is refused unless it stays under its
 root, on a local disk (symlinks resolved) and in object storage alike.
 
+Destinations the user names (`--out`) are looked at before anything is written there:
+`files_under` lists what a destination already holds, so a writer can refuse to replace
+it without `--overwrite`.
+
 This room sits below data/ and checkpoint/: it must never import from the rest of
-Spotline (no config, no runtime, no Ray), and it never opens, lists or writes a file
-itself; its callers do, with the path it hands back.
+Spotline (no config, no runtime, no Ray). It never writes or removes a file, and opens
+none but to list a destination; its callers do the rest, with the paths it hands back.
 """
 
+from spotline.storage.outputs import files_under, some_names
 from spotline.storage.paths import UnsafePathError, check_relpath, join_under
 
-__all__ = ["UnsafePathError", "check_relpath", "join_under"]
+__all__ = ["UnsafePathError", "check_relpath", "files_under", "join_under", "some_names"]
