@@ -16,7 +16,7 @@ import pytest
 
 import spotline
 from conftest import assert_resumed_exactly, run_killing_a_rank, tiny_spec
-from spotline.checkpoint import CheckpointStore, hash_file
+from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore, hash_file
 
 pytestmark = pytest.mark.ray
 
@@ -67,10 +67,18 @@ def test_sigkill_mid_step_resumes_with_identical_losses(reference, tmp_path):
     assert_resumed_exactly(result, ref, after_commit=10)
 
 
+def _copy_unfinished(ref_tmp, tmp_path) -> None:
+    """The reference job's checkpoints as if it died after committing its last step and
+    before recording its end (no stored summary): a rerun restores that step rather
+    than reporting a finished job."""
+    shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "artifacts" / SUMMARY_ARTIFACT).unlink()
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_previous(reference, tmp_path, capsys):
     ref_spec, ref, ref_tmp = reference
     uri = f"file://{tmp_path}/ckpt"
-    shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
+    _copy_unfinished(ref_tmp, tmp_path)
     store = CheckpointStore(uri)
     victim = next(f for f in store.load_manifest(30).files if f.path.endswith(".safetensors"))
     assert "rank_00000" in victim.path  # a rank every new rank reads from
@@ -195,7 +203,7 @@ def test_a_pickle_in_the_checkpoint_runs_no_code_and_falls_back(reference, tmp_p
     import pickle
 
     ref_spec, ref, ref_tmp = reference
-    shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")
+    _copy_unfinished(ref_tmp, tmp_path)
     marker = tmp_path / "pwned"
 
     class Payload:
