@@ -102,12 +102,14 @@ def test_asha_stops_trials_early_with_a_commit_and_leaves_no_actor(ray_session, 
     for r in early:
         (uri,) = job_uris(root, r.metrics["trial_id"])
         s = summary(uri)
-        assert s["state"] == "stopped" and s["step"] <= spec.train.steps
         assert s["committed_steps"][-1] == s["step"]  # stopped at a step boundary, committed
-        stopped_at.append(s["step"])
-    # A stop can land on a trial's last step (Tune stops it at max_t as the job ends);
-    # ASHA must still have cut at least one trial short.
-    assert min(stopped_at) < spec.train.steps, stopped_at
+        if s["step"] < spec.train.steps:
+            assert s["state"] == "stopped"
+            stopped_at.append(s["step"])
+        else:  # Tune's stop landed as the job ended, before the trial's last report
+            assert s["state"] in ("stopped", "finished")
+    # ASHA must have cut at least one trial short.
+    assert stopped_at, "ASHA stopped no trial before its last step"
     # Nothing of any trial's job is left on the cluster (Ray's GCS: live named actors,
     # placement groups not removed).
     deadline = time.monotonic() + 30

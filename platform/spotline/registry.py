@@ -10,6 +10,7 @@ against it without pulling in the runtime.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib
@@ -61,8 +62,11 @@ def note_user_code(module_name: str, field: str, target: str) -> None:
     top = module_name.split(".", 1)[0]
     if top and top != "spotline":
         parts = _USER_CODE.setdefault(top, [])
-        if (module_name, field, target) not in parts:
-            parts.append((module_name, field, target))
+        # Latest last: of parts that account for code equally well, the one the spec in
+        # force named most recently is the one a message names.
+        with contextlib.suppress(ValueError):
+            parts.remove((module_name, field, target))
+        parts.append((module_name, field, target))
 
 
 def _named_by(module: str, function: str) -> tuple[str, str]:
@@ -75,7 +79,8 @@ def _named_by(module: str, function: str) -> tuple[str, str]:
         same = m == module
         return same and target.partition(":")[2].split(".", 1)[0] == head, same
 
-    _, field, target = max(_USER_CODE[module.split(".", 1)[0]], key=score)  # first of equals
+    parts = _USER_CODE[module.split(".", 1)[0]]
+    _, field, target = max(reversed(parts), key=score)  # the latest named of equals
     return field, target
 
 
