@@ -82,8 +82,10 @@ def test_asha_stops_trials_early_with_a_commit_and_leaves_no_actor(ray_session, 
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    spec = sweep_spec(tmp_path, 40)
-    asha = ASHAScheduler(time_attr="step", grace_period=5, max_t=40, reduction_factor=2)
+    # Long enough that the trials' half-second polls see them at several rungs: a tiny
+    # trial on a quiet machine trains 40 steps between two polls.
+    spec = sweep_spec(tmp_path, 200, **{"checkpoint.interval_steps": 10})
+    asha = ASHAScheduler(time_attr="step", grace_period=20, max_t=200, reduction_factor=2)
     grid = Tuner(
         spotline.Job(spec),
         {"train.lr": tune.grid_search([1e-5, 3e-5, 3e-3, 1e-2])},
