@@ -204,7 +204,7 @@ def test_a_rank_signs_its_receipt_with_the_job_and_spec(tmp_path: Path, signed) 
         return []
 
     up = Uploader(store, spec, 0, 1, "att7")
-    up.submit(10, tmp_path / "stage" / "r0", write)
+    up.submit(10, tmp_path / "stage" / "r0", write, losses=[(9, 2.5), (10, 2.25)])
     assert up.wait(30)
     (result,) = up.take_done()
     assert result.error is None
@@ -215,6 +215,21 @@ def test_a_rank_signs_its_receipt_with_the_job_and_spec(tmp_path: Path, signed) 
     coord, log = _coordinator(spec, store)
     done = coord.commit_from_storage()
     assert [d.step for d in done] == [10], log
+    # The losses of the steps since the rank's previous save travel with the commit.
+    assert done[0].losses == [(9, 2.5), (10, 2.25)]
+
+
+@pytest.mark.parametrize("losses", [{"9": 2.5}, [[9]], [["9", 2.5]], [[9, "2.5"]], [[True, 1.0]]])
+def test_a_receipt_whose_losses_are_not_step_loss_pairs_is_refused(
+    tmp_path: Path, losses: object
+) -> None:
+    from spotline.checkpoint.manifest import ManifestError, Receipt
+
+    spec = _spec(tmp_path)
+    raw = json.loads(_receipt(10, "g", 0, 1, [], _identity(spec)))
+    assert Receipt.from_json(json.dumps(raw)).losses == []  # a receipt may carry none
+    with pytest.raises(ManifestError, match="wrong type"):
+        Receipt.from_json(json.dumps({**raw, "losses": losses}))
 
 
 # --- quarantine ---------------------------------------------------------------------------

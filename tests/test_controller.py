@@ -59,6 +59,7 @@ class FakeGroup:
         self.reason = ""
         self.saved_through = 0
         self.saves: list[int] = []
+        self.unsaved: list[tuple[int, float]] = []  # rank 0's losses since its last save
         self.uploads: list[tuple[int, UploadResult]] = []  # (poll it is reported at, result)
         self.polls = 0
         self.wall = time.time()  # the ranks' wall clock: it moves with the steps
@@ -147,8 +148,9 @@ class FakeGroup:
                     )
                 else:
                     failure = WorkerFailure("training", {PROCESS_DIED: [3]}, {3: "node-1"})
-                # As the real group: what the living ranks published in this poll.
-                failure.progress = out
+                # As the real group: what the living ranks published in this poll
+                # (nothing, when rank 0's report died with it).
+                failure.progress = None if self.script.get("reports_die") else out
                 raise failure
             self.step += 1
             slow_from, slow_s = self.script.get("slow_from", (None, 0.0))
@@ -156,6 +158,7 @@ class FakeGroup:
             self.clock.now += took  # a step takes 50 ms, unless the script slows it
             self.wall += took
             out.steps.append((self.step, fake_loss(self.step), took, self.wall))
+            self.unsaved.append((self.step, fake_loss(self.step)))
             notice = self.script.get("notices", {}).pop(self.step, None)
             if notice is not None:
                 self.controller.notify(notice)
@@ -180,6 +183,7 @@ class FakeGroup:
         self.saves.append(step)
         out.saves[step] = 0.001
         delay = self.script.get("upload_delay", 1)
+        losses, self.unsaved = self.unsaved, []
         for rank in range(self.world_size):
             rel = f"{attempt_dir(self.attempt)}/rank_{rank:05d}/state.safetensors"
             with tempfile.NamedTemporaryFile() as f:
@@ -201,6 +205,7 @@ class FakeGroup:
                         world_size=self.world_size,
                         files=[entry],
                         index=index,
+                        losses=[list(p) for p in losses] if rank == 0 else [],
                     )
                 )
                 result = UploadResult(
@@ -705,6 +710,19 @@ def test_receipts_of_two_groups_never_mix_into_one_manifest(tmp_path):
     ]
     # The other group's files are swept from the committed step.
     assert not (tmp_path / "ckpt" / "step_00000010" / "a-old4").exists()
+
+
+def test_a_step_committed_from_receipts_keeps_the_losses_its_group_never_reported(tmp_path):
+    """The group dies after every rank uploaded step 10 but before its reports of steps
+    7..10 came back: rank 0's receipt carries them, and the loss curve has no gap."""
+    script = {"upload_delay": 100, "kill_at": 10, "steps_per_poll": 6, "reports_die": True}
+    ctl, _ = make(tmp_path, script=script)
+    res = ctl.run()
+    assert res["state"] == "finished" and FakeGroup.instances[1].restored == [10]
+    assert sorted(res["losses"]) == list(range(1, 26))
+    assert res["losses"][8] == fake_loss(8)
+    first = res["attempts"][0]
+    assert [s for s, _ in first["losses"]] == list(range(1, 11))
 
 
 def test_a_restarted_controller_commits_what_every_rank_of_a_group_uploaded(tmp_path):

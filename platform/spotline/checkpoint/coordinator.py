@@ -74,6 +74,9 @@ class Committed:
     upload_s: float | None
     committed_at: float
     manifest: Manifest
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, loss) the committing group's receipts carried: the steps since its
+    previous save, which a group that died before reporting them would otherwise lose."""
 
 
 class CommitCoordinator:
@@ -95,6 +98,12 @@ class CommitCoordinator:
         """Steps set aside after they failed verification: never restored, never counted."""
         self._refused: set[tuple[int, str]] = set()  # uploads found in storage, refused
         self._holds_lock = threading.Lock()
+        self._recovered: list[Committed] = []  # committed from storage by restore()
+
+    def take_recovered(self) -> list[Committed]:
+        """The steps the last restores committed from receipts found in storage, once."""
+        out, self._recovered = self._recovered, []
+        return out
 
     # --- saves and receipts -----------------------------------------------------------
 
@@ -171,7 +180,16 @@ class CommitCoordinator:
                     if ranks != list(range(world)) or any(r.world_size != world for r in receipts):
                         continue
                     results = [
-                        UploadResult(step, r.rank, attempt, world, r.files, r.index, batch=r.batch)
+                        UploadResult(
+                            step,
+                            r.rank,
+                            attempt,
+                            world,
+                            r.files,
+                            r.index,
+                            batch=r.batch,
+                            losses=[(s, loss) for s, loss in r.losses],
+                        )
                         for r in receipts
                     ]
                     self._event(
@@ -231,8 +249,15 @@ class CommitCoordinator:
             f"committed checkpoint step {step} ({manifest.total_bytes / 1e6:.1f} MB, "
             f"{len(manifest.files)} files) -> {self.store.step_uri(step)}"
         )
+        losses = sorted({s: loss for r in results for s, loss in r.losses}.items())
         return Committed(
-            step, manifest.total_bytes, len(manifest.files), upload_s, time.time(), manifest
+            step,
+            manifest.total_bytes,
+            len(manifest.files),
+            upload_s,
+            time.time(),
+            manifest,
+            losses,
         )
 
     def _sweep_other_attempts(self, step: int, keep: str) -> None:
@@ -317,7 +342,7 @@ class CommitCoordinator:
     ) -> tuple[int, Manifest | None]:
         """Load the newest committed step that verifies into `group`: (step, manifest), or
         (0, None) when nothing is committed. CorruptCheckpointError when every step fails."""
-        self.commit_from_storage()
+        self._recovered += self.commit_from_storage()
         self._load_holds()
         steps = sorted(self.store.committed_steps(), reverse=True)
         self.committed = sorted(steps)

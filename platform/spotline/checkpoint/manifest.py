@@ -118,6 +118,19 @@ def check_index_files(index: object, where: str) -> None:
             ) from None
 
 
+def _step_losses(losses: object) -> bool:
+    """True when `losses` is a list of [step, loss] pairs (an int and a number)."""
+    return isinstance(losses, list) and all(
+        isinstance(p, list)
+        and len(p) == 2
+        and isinstance(p[0], int)
+        and not isinstance(p[0], bool)
+        and isinstance(p[1], (int, float))
+        and not isinstance(p[1], bool)
+        for p in losses
+    )
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of a checkpoint step."""
@@ -251,6 +264,9 @@ class Receipt:
     """Where each saved tensor lies (file, byte range, sha256)."""
     batch: dict | None = None
     """The adaptive batch schedule the rank saved, if any."""
+    losses: list = field(default_factory=list)
+    """[step, loss] of each step the rank trained since its previous save (rank 0's
+    only): a step committed from receipts keeps the losses its group never reported."""
 
     def to_json(self, signing_key: bytes | None = None) -> str:
         return _dump_signed(asdict(self), signing_key)
@@ -273,6 +289,7 @@ class Receipt:
                 files=files,
                 index=raw.get("index") or [],
                 batch=raw.get("batch"),
+                losses=raw.get("losses") or [],
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(
@@ -285,6 +302,7 @@ class Receipt:
             or not all(isinstance(v, str) for v in strs)
             or not isinstance(receipt.spec, dict)
             or not isinstance(receipt.index, list)
+            or not _step_losses(receipt.losses)
             or not 0 <= receipt.rank < receipt.world_size
         ):
             raise ManifestError("receipt has a field of the wrong type or out of range")

@@ -53,6 +53,8 @@ class UploadResult:
     batch: dict[str, Any] | None = None
     """The adaptive batch schedule the rank saved (history and noise averages), if any:
     the manifest records it."""
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, loss) of the steps trained since the rank's previous save (rank 0 only)."""
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _Job:
     """Serializes the snapshot into a directory; returns its index entries."""
     local: Path
     batch: dict[str, Any] | None = None
+    losses: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Uploader:
@@ -101,13 +104,15 @@ class Uploader:
         local: Path,
         write: Callable[[Path], list[dict]],
         batch: dict[str, Any] | None = None,
+        losses: list[tuple[int, float]] | None = None,
     ) -> None:
         """Serialize (`write(dir)`) and upload step `step`'s share in the background;
-        `batch` (the adaptive batch schedule, if any) travels with its receipt."""
+        `batch` (the adaptive batch schedule, if any) and `losses` (of the steps since
+        the previous save) travel with its receipt."""
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self._todo.put(_Job(step, write, local, batch))
+        self._todo.put(_Job(step, write, local, batch, list(losses or [])))
 
     def take_done(self) -> list[UploadResult]:
         with self._lock:
@@ -144,6 +149,7 @@ class Uploader:
                         files=files,
                         index=index,
                         batch=job.batch,
+                        losses=[[s, loss] for s, loss in job.losses],
                     )
                 )
                 result = UploadResult(
@@ -156,6 +162,7 @@ class Uploader:
                     time.perf_counter() - t0,
                     sum(f.size for f in files),
                     batch=job.batch,
+                    losses=job.losses,
                 )
             except Exception as e:  # noqa: BLE001 - reported to the controller, never raised here
                 result = UploadResult(

@@ -607,6 +607,8 @@ class Controller:
             self.backfill.attach(group.executors())
         reached = self.step_count
         restored, manifest = self.coordinator.restore(group, self.sleep)
+        for done in self.coordinator.take_recovered():  # a dead group's, from its receipts
+            self._committed(done)
         if manifest is not None:
             attempt.restored_from = manifest.step
             resharded = (
@@ -788,6 +790,17 @@ class Controller:
         }
 
     def _committed(self, done: Committed) -> None:
+        # The losses up to the commit, as the committing group trained them: a group
+        # that died before reporting its last steps would leave them out of the record.
+        r = self.rec
+        group = {a.attempt: a for a in r.attempts}.get(done.manifest.extra.get("attempt"))
+        reported = {s for s, _ in group.losses} if group is not None else set()
+        for step, loss in done.losses:
+            r.losses[step] = loss
+            if group is not None and step not in reported:
+                group.losses.append((step, loss))
+        if group is not None:
+            group.losses.sort()
         self.rec.upload_bytes.append(done.nbytes)
         if done.upload_s is not None:
             self.rec.upload_s.append(done.upload_s)

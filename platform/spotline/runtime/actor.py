@@ -99,6 +99,9 @@ class TrainWorker:
         self._req = _Requests()
         self._buf = _empty_report()
         self._steps_run = 0  # steps this process trained (its peak memory is taken once)
+        # (step, loss) trained since this rank's last save: rank 0's receipt carries them,
+        # so a step committed from receipts keeps its losses when the reports died.
+        self._unsaved_losses: list[tuple[int, float]] = []
         self._stall_seen = 0.0
         self._filled_seen = (0,) * len(_METERED)  # the channel's meters already reported
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
@@ -287,6 +290,7 @@ class TrainWorker:
             save = stop or s % interval == 0 or s == target or 0 < save_at <= s
             with self._lock:
                 self._buf["steps"].append((s, loss, step_s, time.time()))
+            self._unsaved_losses.append((s, loss))
             if save:
                 self._save(s)
                 saved_through = s
@@ -312,8 +316,13 @@ class TrainWorker:
         snap = self.trainer.snapshot()
         blocked = time.perf_counter() - t0
         local = self.staging / f"step_{step:08d}"
+        losses, self._unsaved_losses = self._unsaved_losses, []
         self.uploader.submit(
-            step, local, lambda out: self._write(snap, out), snap.meta.get("batch_schedule")
+            step,
+            local,
+            lambda out: self._write(snap, out),
+            snap.meta.get("batch_schedule"),
+            losses=losses if self.topo.rank == 0 else [],  # the group reports rank 0's
         )
         with self._lock:
             self._buf["saves"].append((step, blocked, snap.nbytes))

@@ -162,8 +162,10 @@ class SpotlineTrial(tune.Trainable):
             if status.get("last_checkpoint"):
                 self._commit = status["last_checkpoint"]
             # The last steps wait for the end of the job: its final report carries the
-            # final commit and held-out loss.
-            if ready or target <= status["step"] < status["total_steps"]:
+            # final commit and held-out loss. Every report carries a training loss (the
+            # sweep's metric may be it): none goes out before the job has one.
+            has_loss = status.get("train_loss") is not None
+            if ready or (has_loss and target <= status["step"] < status["total_steps"]):
                 break
         out = self._metrics(status)
         if ready:
@@ -175,6 +177,8 @@ class SpotlineTrial(tune.Trainable):
             if committed:
                 self._commit = {"step": committed[-1], "uri": result["checkpoint_uri"]}
             out.update(step=result["steps"], committed_step=committed[-1] if committed else None)
+            if result.get("final_train_loss") is not None:
+                out["train_loss"] = result["final_train_loss"]
             if result.get("heldout_loss") is not None:
                 out["eval_loss"] = result["heldout_loss"]
             out["finished"] = True  # trained to train.steps (a stopped trial is not)
