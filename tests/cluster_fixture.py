@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_SPOT_NODES = 3
@@ -85,6 +85,7 @@ class AutoscalingTestCluster:
     address: str
     temp_dir: Path
     mark: str
+    extra_nodes: list = field(default_factory=list)
 
     @classmethod
     def start(cls) -> AutoscalingTestCluster:
@@ -144,6 +145,28 @@ class AutoscalingTestCluster:
             raise
         return cluster
 
+    def add_spot_node(self) -> None:
+        """A spot node that joins by itself, started as the fake provider starts the
+        ones it launches (its processes carry the cluster's marker)."""
+        import ray
+
+        params = ray._private.parameter.RayParams(
+            node_ip_address="127.0.0.1",
+            gcs_address=self.address,
+            min_worker_port=0,
+            max_worker_port=0,
+            dashboard_port=None,
+            dashboard_agent_listen_port=0,
+            num_cpus=SPOT_NODE["CPU"],
+            num_gpus=SPOT_NODE["GPU"],
+            resources={"spot_gpu": SPOT_NODE["spot_gpu"]},
+            object_store_memory=_OBJECT_STORE_BYTES,
+            env_vars={_MARK: self.mark},
+        )
+        self.extra_nodes.append(
+            ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+        )
+
     def processes(self) -> list:
         """Every live process of this cluster, found by the marker in its environment."""
         import psutil
@@ -157,6 +180,10 @@ class AutoscalingTestCluster:
 
     def stop(self) -> None:
         import psutil
+
+        for node in self.extra_nodes:
+            with contextlib.suppress(Exception):
+                node.kill_all_processes(check_alive=False, allow_graceful=False)
 
         procs = self.processes()
         for p in procs:

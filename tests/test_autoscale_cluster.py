@@ -145,6 +145,48 @@ def test_a_job_submitted_with_no_worker_node_starts_and_grows_to_max_replicas(
     assert _pending_requests() == []
 
 
+def test_a_lost_node_leaves_the_job_training_on_the_survivor_and_asking_for_more(
+    autoscaling_cluster: AutoscalingTestCluster, tmp_path: Path
+) -> None:
+    """The fake provider is not told that a node whose processes died is gone (it shows
+    it as pending), so it never relaunches it; what is checked is that the job keeps
+    training on the survivor, from its latest commit, still stating its whole demand,
+    and that a node which joins afterwards is counted for it."""
+    from spotline.runtime.cluster import RayClusterView
+
+    spec = _spec(tmp_path, "lose-a-node")
+    run = spotline.Job(spec).start()
+    try:
+        _wait(
+            run,
+            lambda s: s["replicas"] == MAX_REPLICAS and s["state"] == "running" and s["step"] >= 1,
+            "max_replicas",
+        )
+        st = _wait(run, lambda s: s["committed_steps"], "a committed step")
+        committed = max(st["committed_steps"])
+        victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
+        _kill_node(victim, autoscaling_cluster)
+        st = _wait(
+            run,
+            lambda s: s["replicas"] == 1 and s["state"] == "running" and s["step"] > committed,
+            "training on the survivor",
+        )
+        assert victim not in {w["node_id"] for w in st["workers"]}
+        assert len(_pending_requests()) == MAX_REPLICAS  # the whole demand, still stated
+        res = _result(run)
+        assert res["node_losses"] >= 1 and res["failures"] == 0
+        # No committed step is lost: the survivor resumed from the latest commit.
+        lost_at = next(i for i, a in enumerate(res["attempts"]) if a["ended_by"] == "node lost")
+        assert res["attempts"][lost_at + 1]["restored_from"] >= committed
+
+        autoscaling_cluster.add_spot_node()
+        view = RayClusterView(spec, "cpu")
+        wait_for(lambda: view.capacity() >= 1, "the new node counted for the job", 60)
+    finally:
+        assert run.stop().state == "stopped"
+    assert _pending_requests() == []
+
+
 def test_capacity_counts_a_node_only_when_the_whole_bundle_fits(
     autoscaling_cluster: AutoscalingTestCluster, tmp_path: Path
 ) -> None:
