@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,21 @@ def _kill_node(node_id: str, cluster: AutoscalingTestCluster) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def _drain(node_id: str, seconds: float) -> None:
+    """What the autoscaler and KubeRay do on a spot preemption."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._private.worker.global_worker.gcs_client
+    accepted, why = gcs.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot preemption (test)",
+        int((time.time() + seconds) * 1000),
+    )
+    assert accepted, why
+
+
 def test_a_job_submitted_with_no_worker_node_starts_and_grows_to_max_replicas(
     autoscaling_cluster: AutoscalingTestCluster, tmp_path: Path
 ) -> None:
@@ -182,6 +198,37 @@ def test_a_lost_node_leaves_the_job_training_on_the_survivor_and_asking_for_more
         autoscaling_cluster.add_spot_node()
         view = RayClusterView(spec, "cpu")
         wait_for(lambda: view.capacity() >= 1, "the new node counted for the job", 60)
+    finally:
+        assert run.stop().state == "stopped"
+    assert _pending_requests() == []
+
+
+def test_a_noticed_node_is_drained_and_never_counted_while_the_demand_stands(
+    autoscaling_cluster: AutoscalingTestCluster, tmp_path: Path
+) -> None:
+    from spotline.runtime.cluster import RayClusterView
+
+    over = {"preemption.sources": [{"kind": "ray-drain", "poll_interval_s": 0.2}]}
+    spec = _spec(tmp_path, "noticed", **over)
+    run = spotline.Job(spec).start()
+    try:
+        st = _wait(
+            run,
+            lambda s: s["replicas"] == MAX_REPLICAS and s["state"] == "running" and s["step"] >= 1,
+            "max_replicas",
+        )
+        victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
+        _drain(victim, seconds=600)
+        st = _wait(
+            run,
+            lambda s: s["replicas"] == 1 and s["state"] == "running",
+            "training on the node without a notice",
+        )
+        assert victim not in {w["node_id"] for w in st["workers"]}
+        # The noticed node is free again, but neither the job nor its capacity count it.
+        assert RayClusterView(spec, "cpu").capacity() == 0
+        assert len(_pending_requests()) == MAX_REPLICAS
+        assert run.status()["replicas"] == 1
     finally:
         assert run.stop().state == "stopped"
     assert _pending_requests() == []
