@@ -285,6 +285,19 @@ class FakeClock:
         self.now += s
 
 
+class FakeDemand:
+    """Records what the controller asks the autoscaler for."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def keep(self, force=False):
+        self.calls.append("force" if force else "keep")
+
+    def withdraw(self):
+        self.calls.append("withdraw")
+
+
 def make(tmp_path, script=None, capacity=2, **over):
     raw = {
         "name": "ctl",
@@ -307,7 +320,9 @@ def make(tmp_path, script=None, capacity=2, **over):
         g.controller = ctl
         return g
 
-    ctl = Controller(spec, store, group, cluster, sleep=clock.sleep, clock=clock)
+    demand = FakeDemand()
+    ctl = Controller(spec, store, group, cluster, sleep=clock.sleep, clock=clock, demand=demand)
+    ctl.fake_demand = demand
     ctl.fake_cluster = cluster
     ctl.fake_clock = clock
     return ctl, store
@@ -1109,3 +1124,49 @@ def test_a_node_seen_gone_a_moment_after_its_worker_died_is_a_node_loss(
     assert (res["node_losses"], res["failures"]) == ((1, 0) if node_lost else (0, 1))
     # The checks stop at the first sight of the loss, or once the wait is over.
     assert checks[-1] - checks[0] == pytest.approx(0.5 if node_lost else 1.0)
+
+
+# --- demand to the autoscaler -------------------------------------------------------
+
+
+def test_the_demand_is_stated_while_waiting_and_withdrawn_when_the_job_gives_up(tmp_path):
+    ctl, _ = make(tmp_path, capacity=0, **{"elastic.wait_for_capacity_s": 5})
+    ctl.step()
+    ctl.step()
+    assert isinstance(ctl.state, Waiting)
+    assert ctl.fake_demand.calls and set(ctl.fake_demand.calls) == {"keep"}
+    res = ctl.run()
+    assert res["state"] == "failed"
+    assert ctl.fake_demand.calls[-1] == "withdraw"
+    assert ctl.fake_demand.calls.count("withdraw") == 1
+
+
+def test_the_demand_is_kept_while_running_and_withdrawn_at_the_end(tmp_path):
+    ctl, _ = make(tmp_path)
+    res = ctl.run()
+    assert res["state"] == "finished"
+    calls = ctl.fake_demand.calls
+    assert calls[0] == "keep" and calls[-1] == "withdraw"
+    assert "withdraw" not in calls[:-1]
+
+
+def test_the_demand_is_withdrawn_when_the_job_is_stopped(tmp_path):
+    ctl, _ = make(tmp_path, capacity=0)
+    ctl.step()
+    ctl.step()
+    ctl.request_stop()
+    assert isinstance(ctl.step(), Stopped)
+    assert ctl.fake_demand.calls[-1] == "withdraw"
+
+
+def test_a_lost_node_states_the_demand_again_at_once(tmp_path):
+    script = {"kill_at": 17, "lose_node": "node-1"}
+
+    def capacity(held, cluster):
+        live = sum(g.replicas for g in FakeGroup.instances if not g.shut)
+        return len(cluster.nodes & {"node-0", "node-1"}) - live + held // 2
+
+    ctl, _ = make(tmp_path, script=script, capacity=capacity)
+    res = ctl.run()
+    assert res["node_losses"] == 1
+    assert ctl.fake_demand.calls.count("force") == 1

@@ -65,6 +65,13 @@ SPOTLINE_NODE_LOSS_WAIT_S = _env_float("SPOTLINE_NODE_LOSS_WAIT_S", 1.0)
 # free again before sizing the next group from what it sees (Ray frees them a moment
 # after the actors die).
 SPOTLINE_CAPACITY_SETTLE_S = _env_float("SPOTLINE_CAPACITY_SETTLE_S", 10.0)
+# The job's resource request to the autoscaler lapses this long after its last refresh
+# (a controller that dies without withdrawing it stops holding nodes up), and is
+# refreshed this often while the job runs or waits.
+SPOTLINE_DEMAND_EXPIRE_S = _env_float("SPOTLINE_DEMAND_EXPIRE_S", 180.0)
+SPOTLINE_DEMAND_REFRESH_S = _env_float("SPOTLINE_DEMAND_REFRESH_S", 20.0)
+# Timeout of one call to Ray's autoscaling coordinator.
+SPOTLINE_DEMAND_RPC_TIMEOUT_S = _env_float("SPOTLINE_DEMAND_RPC_TIMEOUT_S", 5.0)
 # Margin a just-in-time checkpoint keeps before a notice's deadline.
 SPOTLINE_JIT_MARGIN_S = _env_float("SPOTLINE_JIT_MARGIN_S", 10.0)
 # Save throughput assumed for a just-in-time checkpoint before the job has measured its

@@ -55,6 +55,7 @@ class ControllerActor:
 
         from spotline.config.redact import install_log_redaction
         from spotline.runtime.cluster import RayClusterView
+        from spotline.runtime.demand import RayDemand
         from spotline.runtime.group import RayWorkerGroup, resolve_device
 
         # Events also go to this actor's log, which the Ray dashboard shows: redacted.
@@ -84,6 +85,7 @@ class ControllerActor:
             ),
             cluster=RayClusterView(spec, device, ray.get_runtime_context().current_actor),
             backfill=pool,
+            demand=RayDemand(spec, device),
         )
 
     def run(self) -> dict[str, Any]:

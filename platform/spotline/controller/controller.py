@@ -78,6 +78,7 @@ from spotline.models.partition import imbalance
 from spotline.plan import memory_per_device, predict_step
 from spotline.registry import user_code_error
 from spotline.runtime.cluster import ClusterView
+from spotline.runtime.demand import Demand
 from spotline.runtime.group import Progress, WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
@@ -151,8 +152,10 @@ class Controller:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         backfill: Any = None,
+        demand: Demand | None = None,
     ):
         self.spec = spec
+        self.demand = demand  # what the job asks the autoscaler for, while it lives
         self.group_factory = group_factory
         self.cluster = cluster
         self.sleep = sleep
@@ -421,6 +424,8 @@ class Controller:
         try:
             self._take_inbox()
             if not self.state.terminal:
+                if self.demand is not None:
+                    self.demand.keep()
                 self.state = self._handle(self.state)
         except WorkerFailure as e:
             if e.progress is not None and self.group is not None:
@@ -455,6 +460,8 @@ class Controller:
                 self._write_artifacts(with_trace=False)  # the group is gone; the last trace stands
                 self.cluster.close()
             finally:
+                if self.demand is not None:
+                    self.demand.withdraw()
                 self.telemetry.close(self.state.name)  # every end: finished, failed, stopped
         return self.state
 
@@ -1035,6 +1042,8 @@ class Controller:
             # Losing spot nodes is the normal weather, not a fault of the job: it does not
             # use up failure.max_failures.
             r.node_losses += len(lost)
+            if self.demand is not None:
+                self.demand.keep(force=True)  # the autoscaler replaces what went
             with self._lock:
                 for node in lost:
                     self.doomed.pop(node, None)

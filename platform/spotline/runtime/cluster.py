@@ -1,7 +1,8 @@
 """Connecting to Ray, and what the controller asks of the cluster apart from its workers.
 
 `ClusterView` is the interface (controller tests pass a scripted one); `RayClusterView`
-answers from the live Ray cluster: capacity in whole replicas, which nodes are alive,
+answers from the live Ray cluster: capacity in whole replicas of the real worker
+bundle, fitted node by node, which nodes are alive,
 draining a doomed node so Ray places nothing new on it, and one notice watcher actor
 per node.
 """
@@ -125,13 +126,31 @@ class ClusterView(Protocol):
     def close(self) -> None: ...
 
 
-def worker_slots(spec: JobSpec, device: str, resources: dict[str, float]) -> int:
-    """How many workers of this job fit in `resources`."""
-    if device == "gpu":
-        return int(resources.get("GPU", 0) + 1e-9)
-    pp = spec.parallel.pipeline_stages
-    per = sum(spec.resources.stage(s).cpus for s in range(pp)) / pp  # stages may differ
-    return int(resources.get("CPU", 0) / per + 1e-9) if per > 0 else 10**6
+def replicas_fit(
+    replica: list[dict[str, float]], nodes: list[dict[str, float]], limit: int = 10**6
+) -> int:
+    """How many whole replicas (`replica`: one worker bundle per pipeline stage) fit in
+    the free resources of `nodes`, each bundle on one node whole (GPU, CPU, accelerator
+    type, custom resources), as Ray places a placement group's bundles: first fit, node
+    by node. Free GPUs on a node without the CPUs or the label a bundle needs hold
+    nothing."""
+    if not any(replica):
+        return limit  # the workers ask for nothing: nothing bounds them
+    free = [dict(n) for n in nodes]
+    count = 0
+    while count < limit:
+        for bundle in replica:
+            node = next((n for n in free if _fits(bundle, n)), None)
+            if node is None:
+                return count
+            for k, v in bundle.items():
+                node[k] = node.get(k, 0.0) - v
+        count += 1
+    return count
+
+
+def _fits(bundle: dict[str, float], node: dict[str, float]) -> bool:
+    return all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items() if v > 0)
 
 
 class RayClusterView:
@@ -141,13 +160,17 @@ class RayClusterView:
         self.controller = controller  # handle the watchers push notices to
         self._watchers: dict[str, Any] = {}
         self._sealed: Any = None  # the spec the watchers are given (SealedJob)
+        self._noticed: set[str] = set()  # nodes with a preemption notice: never counted
 
     def capacity(self, held_workers: int = 0) -> int:
         import ray
         from ray._private.state import available_resources_per_node
 
+        from spotline.runtime.group import worker_bundle
+
         # A draining node takes no new work, but its resources show as free again once
-        # the job's own workers on it are gone: count only nodes that are not draining.
+        # the job's own workers on it are gone: count only live nodes that are not
+        # draining, nor noticed (a notice whose drain Ray refused still dooms the node).
         try:
             draining = set(
                 ray._private.worker.global_worker.gcs_client.get_draining_nodes(timeout=5)
@@ -155,12 +178,17 @@ class RayClusterView:
         except Exception as e:  # noqa: BLE001 - unknown drains: count what is free
             log.warning("could not ask Ray which nodes are draining: %s", e)
             draining = set()
-        free = sum(
-            worker_slots(self.spec, self.device, res)
+        alive = self._alive_nodes()
+        nodes = [
+            res
             for node, res in available_resources_per_node().items()
             if node not in draining
-        )
-        return (free + held_workers) // self.spec.parallel.pipeline_stages
+            and node not in self._noticed
+            and (alive is None or node in alive)
+        ]
+        pp = self.spec.parallel.pipeline_stages
+        replica = [worker_bundle(self.spec, self.device, s) for s in range(pp)]
+        return replicas_fit(replica, nodes) + held_workers // pp
 
     def _alive_nodes(self) -> set[str] | None:
         import ray
@@ -207,6 +235,7 @@ class RayClusterView:
                 node_id[:12],
             )
             return False
+        self._noticed.add(node_id)
         gcs = ray._private.worker.global_worker.gcs_client
         try:
             accepted, why = gcs.drain_node(

@@ -1,0 +1,213 @@
+"""A local autoscaling Ray cluster: Ray's own autoscaler with its fake multi-node
+provider, as `ray.cluster_utils.AutoscalingCluster` builds it, but started and stopped
+here so that nothing touches any other Ray cluster on the machine.
+
+The head holds no GPU, like an on-demand head. The `spot` node type has one logical GPU,
+two CPUs and the custom resource `spot_gpu`; the autoscaler launches 0 to 3 of them on
+demand and removes idle ones after a few seconds. Every process of the cluster (the
+head's, the autoscaler's, each fake node's raylet and workers) inherits a marker in its
+environment; teardown ends exactly the processes that carry it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_SPOT_NODES = 3
+SPOT_NODE = {"CPU": 2, "GPU": 1, "spot_gpu": 1}
+_OBJECT_STORE_BYTES = 200 * 1024**2
+_MARK = "SPOTLINE_TEST_CLUSTER"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def autoscaling_config(gcs_address: str, min_workers: int = 0) -> dict:
+    """Ray's fake_multi_node/example.yaml, with this cluster's node types."""
+    return {
+        "cluster_name": "spotline-autoscale-test",
+        "max_workers": MAX_SPOT_NODES,
+        "provider": {
+            "type": "fake_multinode",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            # Fake nodes join this GCS (the provider's default is port 6379).
+            "gcs_address": gcs_address,
+        },
+        "available_node_types": {
+            "ray.head.default": {
+                "resources": {"CPU": 2, "GPU": 0},
+                "node_config": {},
+                "max_workers": 0,
+            },
+            "spot": {
+                "resources": {**SPOT_NODE, "object_store_memory": _OBJECT_STORE_BYTES},
+                "node_config": {},
+                "min_workers": min_workers,
+                "max_workers": MAX_SPOT_NODES,
+            },
+        },
+        "head_node_type": "ray.head.default",
+        "auth": {},
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 0.1,
+        "docker": {},
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+    }
+
+
+@dataclass
+class AutoscalingTestCluster:
+    address: str
+    temp_dir: Path
+    mark: str
+    extra_nodes: list = field(default_factory=list)
+
+    @classmethod
+    def start(cls) -> AutoscalingTestCluster:
+        port = _free_port()
+        address = f"127.0.0.1:{port}"
+        temp_dir = Path(
+            tempfile.mkdtemp(prefix="sl-as-", dir="/tmp")
+        )  # Ray's socket paths are short
+        config = temp_dir / "autoscaling.json"
+        config.write_text(json.dumps(autoscaling_config(address)))
+        mark = uuid.uuid4().hex
+        env = {
+            **os.environ,
+            _MARK: mark,
+            "RAY_FAKE_CLUSTER": "1",
+            "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+            # A node that stops answering is terminated (and so replaced) after 5 s, as
+            # a cloud reports a preempted instance gone.
+            "AUTOSCALER_HEARTBEAT_TIMEOUT_S": "5",
+            # Every node of this cluster, the fake ones too, binds to 127.0.0.1.
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # A test cluster on loopback, reached by this test process alone.
+            "RAY_AUTH_MODE": "disabled",
+        }
+        # Every fixed default port of a head may be taken by another cluster here.
+        agent, agent_grpc, metrics, rt_env, client = (_free_port() for _ in range(5))
+        cluster = cls(address, temp_dir, mark)
+        try:
+            subprocess.run(
+                [
+                    "ray",
+                    "start",
+                    "--head",
+                    f"--autoscaling-config={config}",
+                    "--node-ip-address=127.0.0.1",
+                    f"--port={port}",
+                    f"--temp-dir={temp_dir}",
+                    "--num-cpus=2",
+                    "--num-gpus=0",
+                    f"--object-store-memory={_OBJECT_STORE_BYTES}",
+                    "--include-dashboard=false",
+                    "--disable-usage-stats",
+                    f"--dashboard-agent-listen-port={agent}",
+                    f"--dashboard-agent-grpc-port={agent_grpc}",
+                    f"--metrics-export-port={metrics}",
+                    f"--runtime-env-agent-port={rt_env}",
+                    f"--ray-client-server-port={client}",
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def add_spot_node(self) -> None:
+        """A spot node that joins by itself, started as the fake provider starts the
+        ones it launches (its processes carry the cluster's marker)."""
+        import ray
+
+        params = ray._private.parameter.RayParams(
+            node_ip_address="127.0.0.1",
+            gcs_address=self.address,
+            min_worker_port=0,
+            max_worker_port=0,
+            dashboard_port=None,
+            dashboard_agent_listen_port=0,
+            num_cpus=SPOT_NODE["CPU"],
+            num_gpus=SPOT_NODE["GPU"],
+            resources={"spot_gpu": SPOT_NODE["spot_gpu"]},
+            object_store_memory=_OBJECT_STORE_BYTES,
+            env_vars={_MARK: self.mark},
+        )
+        self.extra_nodes.append(
+            ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+        )
+
+    def processes(self) -> list:
+        """Every live process of this cluster, found by the marker in its environment."""
+        import psutil
+
+        out = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get(_MARK) == self.mark:
+                    out.append(p)
+        return out
+
+    def stop(self) -> None:
+        import psutil
+
+        for node in self.extra_nodes:
+            with contextlib.suppress(Exception):
+                node.kill_all_processes(check_alive=False, allow_graceful=False)
+
+        procs = self.processes()
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=10)
+        # The same search again: a process started while the first ones were ending.
+        for p in self.processes():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        import shutil
+
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def wait_for(pred, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")

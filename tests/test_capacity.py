@@ -1,0 +1,66 @@
+"""Capacity in whole replicas of the real worker bundle, fitted node by node (no Ray),
+and the bundles the job's demand asks the autoscaler for."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotline.config import load_spec
+from spotline.runtime.cluster import replicas_fit
+from spotline.runtime.demand import demand_bundles
+
+pytestmark = pytest.mark.unit
+
+GPU_WORKER = {"CPU": 2.0, "GPU": 1.0}
+
+
+def test_a_free_gpu_without_the_cpus_of_the_bundle_holds_nothing():
+    assert replicas_fit([GPU_WORKER], [{"GPU": 1.0, "CPU": 1.0}]) == 0
+    assert replicas_fit([GPU_WORKER], [{"GPU": 1.0, "CPU": 2.0}]) == 1
+
+
+def test_bundles_are_fitted_per_node_not_from_cluster_totals():
+    # Four GPUs and eight CPUs in all, but the CPUs sit on a node with no GPU.
+    nodes = [{"GPU": 4.0, "CPU": 1.0}, {"CPU": 8.0}]
+    assert replicas_fit([GPU_WORKER], nodes) == 0
+    nodes = [{"GPU": 4.0, "CPU": 5.0}, {"GPU": 1.0, "CPU": 2.0}]
+    assert replicas_fit([GPU_WORKER], nodes) == 3  # two on the first, one on the second
+
+
+def test_accelerator_type_and_custom_resources_must_be_on_the_node():
+    h100 = {"CPU": 1.0, "GPU": 1.0, "accelerator_type:H100": 0.001, "fast_nvme": 0.01}
+    nodes = [
+        {"CPU": 8.0, "GPU": 8.0, "accelerator_type:A100": 1.0, "fast_nvme": 1.0},
+        {"CPU": 8.0, "GPU": 2.0, "accelerator_type:H100": 1.0},
+        {"CPU": 8.0, "GPU": 2.0, "accelerator_type:H100": 1.0, "fast_nvme": 1.0},
+    ]
+    assert replicas_fit([h100], nodes) == 2
+
+
+def test_a_replica_fits_only_whole_with_each_stage_on_a_node_that_holds_it():
+    first, last = {"CPU": 1.0, "accelerator_type:A100": 0.001}, {"CPU": 1.0, "GPU": 1.0}
+    nodes = [{"CPU": 4.0, "accelerator_type:A100": 1.0}, {"CPU": 1.0, "GPU": 2.0}]
+    assert replicas_fit([first, last], nodes) == 1  # the second replica's last stage has no CPU
+
+
+def test_workers_that_ask_for_nothing_are_unbounded():
+    assert replicas_fit([{}], []) >= 10**6
+
+
+def test_the_demand_is_the_real_bundle_of_max_replicas_replicas():
+    spec = load_spec(
+        {
+            "parallel": {"pipeline_stages": 2, "micro_batches": 2},
+            "elastic": {"min_replicas": 1, "max_replicas": 3},
+            "train": {"global_batch_size": 12},
+            "resources": {
+                "device": "gpu",
+                "cpus_per_worker": 2,
+                "stages": [{"accelerator_type": "A100"}, {"resources": {"spot_gpu": 1}}],
+            },
+        }
+    )
+    bundles = demand_bundles(spec, "gpu")
+    assert len(bundles) == 6
+    assert bundles[0] == {"CPU": 2.0, "GPU": 1.0, "accelerator_type:A100": 0.001}
+    assert bundles[1] == {"CPU": 2.0, "GPU": 1.0, "spot_gpu": 1.0}
