@@ -98,6 +98,7 @@ class Attempt:
     error: str | None = None
     ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow",
     # "re-partition", "stop"
+    device: str = ""  # "gpu" or "cpu": decided when the group started
     partition: dict[str, Any] = field(default_factory=dict)
     """The stage partition it ran: bounds, how they were chosen, and the stage compute
     time it measured (seconds per step per stage, and their imbalance)."""
@@ -247,6 +248,10 @@ class Controller:
             "step": self.step_count,
             "total_steps": self.spec.train.steps,
             "replicas": group.replicas if group else 0,
+            # The live group's device, else the last one's (None before the first start).
+            "device": group.device
+            if group
+            else next((a.device for a in reversed(r.attempts) if a.device), None),
             "max_replicas": self.spec.elastic.max_replicas,
             "waiting": waiting,
             "doomed_nodes": doomed,
@@ -346,7 +351,7 @@ class Controller:
         }
 
     _STATUS_KEYS = (
-        "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
+        "name", "state", "step", "total_steps", "replicas", "device", "max_replicas", "failures",
         "node_losses", "waiting", "doomed_nodes", "committed_steps", "quarantined_steps",
         "workers", "error",
         "batch",
@@ -579,6 +584,7 @@ class Controller:
             self._partition_read = True
             self._partition_pin = self._partition_pin or self.coordinator.recorded_partition()
         group.start(partition=self._partition_pin)
+        attempt.device = group.device
         self._started_partition(group, attempt)
         self.telemetry.peak_flops = group.peak_flops()
         if self.bubbles is not None:

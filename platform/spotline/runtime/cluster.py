@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from spotline import constants
 from spotline.config.schema import JobSpec
+from spotline.runtime.group import usable_nodes
+from spotline.runtime.rendezvous import decide_device
 
 log = logging.getLogger("spotline.controller")
 
@@ -102,8 +104,10 @@ class RayClusterView:
         except Exception as e:  # noqa: BLE001 - unknown drains: count what is free
             log.warning("could not ask Ray which nodes are draining: %s", e)
             draining = set()
+        # Counted as the next group will run: 'auto' is decided from the nodes there are.
+        device = decide_device(self.device, usable_nodes())
         free = sum(
-            worker_slots(self.spec, self.device, res)
+            worker_slots(self.spec, device, res)
             for node, res in available_resources_per_node().items()
             if node not in draining
         )
