@@ -48,8 +48,7 @@ def check_one_device(device: str, gpu_ids: Sequence[Sequence[Any]]) -> None:
         raise DeviceMixError(
             f"the group was to run on {device}, but ranks {_ranks(on_gpu)} got a GPU and "
             f"ranks {_ranks(on_cpu)} did not: one group never mixes CPU and GPU workers; "
-            "set resources.device to gpu (waits for GPU nodes) or cpu, and give every "
-            "stage the same accelerator in resources.stages"
+            "set resources.device to gpu (waits for GPU nodes) or cpu"
         )
 
 
