@@ -349,6 +349,11 @@ def test_the_status_says_which_device_each_group_runs_on(tmp_path):
     res = ctl.run()
     assert res["attempts"][0]["device"] == "cpu"  # recorded as the group started
     assert ctl.status()["device"] == "cpu"  # no live group: the last one's
+    # A device: gpu job waiting for its first GPU node says it is a GPU job.
+    waiting, _ = make(tmp_path / "gpu", capacity=0, resources={"device": "gpu"})
+    waiting.step()
+    waiting.step()
+    assert waiting.status()["waiting"] and waiting.status()["device"] == "gpu"
 
 
 def test_full_run_commits_every_interval_and_the_end(tmp_path):

@@ -248,10 +248,7 @@ class Controller:
             "step": self.step_count,
             "total_steps": self.spec.train.steps,
             "replicas": group.replicas if group else 0,
-            # The live group's device, else the last one's (None before the first start).
-            "device": group.device
-            if group
-            else next((a.device for a in reversed(r.attempts) if a.device), None),
+            "device": self._device(group),
             "max_replicas": self.spec.elastic.max_replicas,
             "waiting": waiting,
             "doomed_nodes": doomed,
@@ -349,6 +346,15 @@ class Controller:
                 "mfu": tel.last.get("mfu"),
             },
         }
+
+    def _device(self, group: WorkerGroup | None) -> str | None:
+        """The live group's device, else the last group's, else the one the spec fixes
+        (a `device: gpu` job waiting for GPU nodes); None while 'auto' has not decided."""
+        if group is not None:
+            return group.device
+        last = next((a.device for a in reversed(self.rec.attempts) if a.device), None)
+        asked = self.spec.resources.device
+        return last or (asked if asked != "auto" else None)
 
     _STATUS_KEYS = (
         "name", "state", "step", "total_steps", "replicas", "device", "max_replicas", "failures",
