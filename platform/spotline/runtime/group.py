@@ -267,9 +267,8 @@ class RayWorkerGroup:
 
         from spotline.runtime.actor import TrainWorker
 
-        # Decided from the nodes there are now, at every start: a job that began on CPU
-        # moves to GPUs at its next start once there are some, never the other way round
-        # while there are.
+        # Decided from the nodes there are now, at every start: an 'auto' job that began
+        # on CPU moves to GPUs at its next start once a GPU node is up.
         nodes = usable_nodes()
         self.device = decide_device(self.requested_device, nodes)
         # Bundle i = (replica i // pp, stage i % pp): a replica's stages stay adjacent.
