@@ -166,8 +166,13 @@ def test_the_worker_sets_that_environment_before_deepspeed_is_imported(monkeypat
     monkeypatch.setattr(actor_mod.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     order = []
     monkeypatch.setattr(actor_mod, "import_deepspeed", lambda: order.append(dict(env_now())))
-    for k in ("LOCAL_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(k, raising=False)
+    # setenv first, so the teardown also removes what bind() sets in this process
+    # (delenv alone restores only keys that existed): a CUDA_VISIBLE_DEVICES="" left
+    # behind breaks every later Ray node of the suite that declares GPUs.
+    keys = ("LOCAL_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES")
+    for k in (*keys, "DS_ACCELERATOR"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
 
     def env_now():
         import os
