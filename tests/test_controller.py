@@ -51,6 +51,7 @@ class FakeGroup:
         self.cluster, self.clock = cluster, clock
         self.world_size = spec.parallel.pipeline_stages * replicas
         self.attempt = f"att{len(FakeGroup.instances)}"
+        self.device = "cpu"
         self.step = 0
         self.target = None
         self.running = False
@@ -356,6 +357,23 @@ def test_states_advance_and_training_never_waits_for_a_commit(tmp_path):
     run_until(ctl, lambda: ctl.state.terminal)
     assert isinstance(ctl.state, Finished)
     assert ctl.coordinator.committed == [20, 25]
+
+
+def test_the_status_says_which_device_each_group_runs_on(tmp_path):
+    ctl, _ = make(tmp_path)
+    assert ctl.status()["device"] is None  # no group started yet
+    ctl.step()
+    ctl.step()
+    FakeGroup.instances[0].device = "gpu"  # what the group decided when it started
+    assert ctl.status()["device"] == "gpu" and ctl.summary()["device"] == "gpu"
+    res = ctl.run()
+    assert res["attempts"][0]["device"] == "cpu"  # recorded as the group started
+    assert ctl.status()["device"] == "cpu"  # no live group: the last one's
+    # A device: gpu job waiting for its first GPU node says it is a GPU job.
+    waiting, _ = make(tmp_path / "gpu", capacity=0, resources={"device": "gpu"})
+    waiting.step()
+    waiting.step()
+    assert waiting.status()["waiting"] and waiting.status()["device"] == "gpu"
 
 
 def test_full_run_commits_every_interval_and_the_end(tmp_path):

@@ -43,6 +43,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("job", str(s.get("name"))),
         ("state", str(s.get("state"))),
         ("replicas", f"{s.get('replicas', 0)} of {s.get('max_replicas', '?')}"),
+        ("device", _device(s)),
         ("step", f"{s.get('step', 0)} / {s.get('total_steps', '?')}"),
         ("train loss", _num(s.get("train_loss"))),
         ("global batch", _batch(s)),
@@ -74,6 +75,12 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if s.get("error"):
         rows.append(("error", str(s["error"])))
     return rows
+
+
+def _device(s: dict[str, Any]) -> str:
+    """What the group runs on (the last group's when none is live)."""
+    device = s.get("device")
+    return {"gpu": "GPU (nccl)", "cpu": "CPU (gloo)", None: "-"}.get(device, str(device))
 
 
 def _batch(s: dict[str, Any]) -> str:

@@ -334,7 +334,13 @@ class ResourcesSpec(_Section):
 
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """'gpu' places one worker per GPU (nccl), 'cpu' uses logical CPU workers (gloo),
-    'auto' picks gpu when the cluster has GPUs."""
+    'auto' decides at every group start: gpu when a node the group can use has GPUs
+    (then only GPU nodes), otherwise cpu. A group never mixes the two, and 'gpu' never
+    falls back to CPU: it waits for GPU nodes."""
+    socket_ifname: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*$")
+    """Network interface(s) the ranks talk over, e.g. 'eth0' or 'ens5,ens6': set as
+    NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME in every worker. None: gloo binds to the
+    interface of the node's Ray address, NCCL picks its own."""
     cpus_per_worker: float = Field(0.5, ge=0.0)
     """CPUs reserved per worker; on CPU this is also the worker's torch thread budget."""
     device_memory_gb: float | None = Field(None, gt=0.0)

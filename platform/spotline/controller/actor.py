@@ -56,13 +56,15 @@ class ControllerActor:
         from spotline.config.redact import install_log_redaction
         from spotline.runtime.cluster import RayClusterView
         from spotline.runtime.demand import RayDemand
-        from spotline.runtime.group import RayWorkerGroup, resolve_device
+        from spotline.runtime.group import RayWorkerGroup
 
         # Events also go to this actor's log, which the Ray dashboard shows: redacted.
         install_log_redaction()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         spec, store = job.open()
-        device = resolve_device(spec)
+        # 'auto' stays 'auto' here: each group decides from the nodes there are when it
+        # starts, not from the cluster the controller happened to start on.
+        device = spec.resources.device
         pool = sidecar = None
         if spec.backfill.enabled:
             # The executors ride along each worker as a sidecar; the runtime never

@@ -101,6 +101,7 @@ class Attempt:
     error: str | None = None
     ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow",
     # "re-partition", "stop"
+    device: str = ""  # "gpu" or "cpu": decided when the group started
     partition: dict[str, Any] = field(default_factory=dict)
     """The stage partition it ran: bounds, how they were chosen, and the stage compute
     time it measured (seconds per step per stage, and their imbalance)."""
@@ -256,6 +257,7 @@ class Controller:
             "step": self.step_count,
             "total_steps": self.spec.train.steps,
             "replicas": group.replicas if group else 0,
+            "device": self._device(group),
             "max_replicas": self.spec.elastic.max_replicas,
             "waiting": waiting,
             "doomed_nodes": doomed,
@@ -354,8 +356,17 @@ class Controller:
             },
         }
 
+    def _device(self, group: WorkerGroup | None) -> str | None:
+        """The live group's device, else the last group's, else the one the spec fixes
+        (a `device: gpu` job waiting for GPU nodes); None while 'auto' has not decided."""
+        if group is not None:
+            return group.device
+        last = next((a.device for a in reversed(self.rec.attempts) if a.device), None)
+        asked = self.spec.resources.device
+        return last or (asked if asked != "auto" else None)
+
     _STATUS_KEYS = (
-        "name", "state", "step", "total_steps", "replicas", "max_replicas", "failures",
+        "name", "state", "step", "total_steps", "replicas", "device", "max_replicas", "failures",
         "node_losses", "waiting", "doomed_nodes", "committed_steps", "quarantined_steps",
         "workers", "error",
         "batch",
@@ -606,6 +617,7 @@ class Controller:
             self._partition_read = True
             self._partition_pin = self._partition_pin or self.coordinator.recorded_partition()
         group.start(partition=self._partition_pin)
+        attempt.device = group.device
         self._started_partition(group, attempt)
         self.telemetry.peak_flops = group.peak_flops()
         if self.bubbles is not None:

@@ -21,9 +21,9 @@ import dataclasses
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,15 @@ from spotline.metrics.memory import measure_peak
 from spotline.preemption import make_source
 from spotline.registry import blames_user_code
 from spotline.runtime.cpu import pin_process
+from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
-from spotline.train.trainer import Topology, Trainer, import_deepspeed, init_distributed
+from spotline.train.trainer import (
+    Topology,
+    Trainer,
+    import_deepspeed,
+    init_distributed,
+    use_device,
+)
 
 log = logging.getLogger("spotline.worker")
 
@@ -77,7 +84,6 @@ def _empty_report() -> dict[str, Any]:
 class TrainWorker:
     def __init__(self, job: SealedJob, topo: Topology, attempt: str):
         install_log_redaction()
-        import_deepspeed()  # first, so that no later import pulls it in the slow way
         self.spec, store = job.open()
         self.topo = topo
         self.store = store
@@ -105,6 +111,9 @@ class TrainWorker:
         self._stall_seen = 0.0
         self._filled_seen = (0,) * len(_METERED)  # the channel's meters already reported
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
+        self.device = "cpu"  # the group's, and this rank's place on its node (`bind`)
+        self.local_rank = 0
+        self._store: Any = None  # rank 0: the rendezvous store, listening (`host_store`)
         self._sigterm = None
         self._sigterm_reported = False
         sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
@@ -124,12 +133,39 @@ class TrainWorker:
             "pid": os.getpid(),
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
         }
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def bind(
+        self, device: str, local_rank: int, visible: str | None, socket_ifname: str | None
+    ) -> dict[str, str]:
+        """Set this rank's device environment (the group's device, its node's shared GPUs,
+        its local rank, the socket interface), then import DeepSpeed: CUDA reads
+        CUDA_VISIBLE_DEVICES once, at its first use, and DeepSpeed's import is one. The
+        device itself is taken (and checked) by the first call that uses it, `probe` or
+        `setup`. Returns the environment set."""
+        ifname = socket_ifname or interface_of(ray.util.get_node_ip_address())
+        env = worker_env(device, local_rank, visible, ifname)
+        os.environ.update(env)
+        self.device, self.local_rank = device, local_rank
+        import_deepspeed()
+        return env
+
+    def host_store(self, host: str) -> int:
+        """Rank 0: start the rendezvous store, listening on a port the kernel picks, and
+        keep it; returns the port. Nothing is released between choosing the port and
+        listening on it, so no other process can take it."""
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            host,
+            0,
+            self.topo.world_size,
+            is_master=True,
+            timeout=timedelta(seconds=constants.SPOTLINE_DIST_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+        return self._store.port
 
     def _threads(self) -> int:
         """This worker's torch thread budget: its stage's CPUs."""
@@ -142,6 +178,7 @@ class TrainWorker:
         the process group exists."""
         from spotline.train.profile import probe
 
+        use_device(self.device, self.local_rank, self.topo.rank)
         if constants.SPOTLINE_PIN_CORES:
             pin_process(self.topo.rank)
         return probe(
@@ -167,7 +204,10 @@ class TrainWorker:
         except StorageError as e:
             raise SpecError(str(e)) from None
         self._clean_staging()
-        backend = init_distributed(self.topo, master_addr, master_port)
+        store, self._store = self._store, None  # the process group owns it from here
+        backend = init_distributed(
+            self.topo, master_addr, master_port, self.device, self.local_rank, store
+        )
         threads = self._threads()
         if self.spec.backfill.enabled:
             self.channel = WindowChannel(

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 from spotline import constants
 from spotline.config.schema import JobSpec
+from spotline.runtime.group import usable_nodes
+from spotline.runtime.rendezvous import decide_device
 
 log = logging.getLogger("spotline.controller")
 
@@ -187,7 +189,9 @@ class RayClusterView:
             and (alive is None or node in alive)
         ]
         pp = self.spec.parallel.pipeline_stages
-        replica = [worker_bundle(self.spec, self.device, s) for s in range(pp)]
+        # Counted as the next group will run: 'auto' is decided from the nodes there are.
+        device = decide_device(self.device, usable_nodes())
+        replica = [worker_bundle(self.spec, device, s) for s in range(pp)]
         return replicas_fit(replica, nodes) + held_workers // pp
 
     def _alive_nodes(self) -> set[str] | None:

@@ -47,6 +47,7 @@ class RayDemand:
         self, spec: JobSpec, device: str, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.requester = f"spotline:{spec.name}"
+        self.spec, self.device = spec, device
         self.bundles = demand_bundles(spec, device)
         self.clock = clock
         self._sent_at: float | None = None
@@ -73,6 +74,14 @@ class RayDemand:
         from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import (
             ResourceRequestPriority,
         )
+
+        if self.device == "auto":
+            # Asked for as the next group would run: GPU bundles once a GPU node is up.
+            # A job that must wait for GPU nodes on a cluster with none says device: gpu.
+            from spotline.runtime.group import usable_nodes
+            from spotline.runtime.rendezvous import decide_device
+
+            self.bundles = demand_bundles(self.spec, decide_device("auto", usable_nodes()))
 
         try:
             ray.get(

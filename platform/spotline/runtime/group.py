@@ -15,6 +15,7 @@ executors): the runtime does not know what it is.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections import defaultdict
@@ -26,8 +27,16 @@ from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.config.redact import redact
 from spotline.config.schema import JobSpec
+from spotline.runtime.rendezvous import (
+    check_one_device,
+    decide_device,
+    rendezvous_url,
+    share_node_devices,
+)
 from spotline.runtime.sealed import SealedJob
 from spotline.train.trainer import Topology
+
+log = logging.getLogger("spotline.group")
 
 PROCESS_DIED = "worker process died (killed, out of memory, or its node was lost)"
 
@@ -102,6 +111,7 @@ class WorkerGroup(Protocol):
     world_size: int
     replicas: int
     attempt: str
+    device: str  # "gpu" or "cpu", once started
 
     def start(self, partition: list[int] | None = None) -> None: ...
     def partition(self) -> dict[str, Any]: ...
@@ -127,12 +137,16 @@ def worker_name(topo: Topology) -> str:
     return f"stage-{topo.stage}/replica-{topo.replica}"
 
 
-def resolve_device(spec: JobSpec) -> str:
+def usable_nodes() -> list[dict[str, float]]:
+    """The total resources of each live node that takes new work (not draining): the
+    nodes a group about to start can be placed on."""
     import ray
 
-    if spec.resources.device != "auto":
-        return spec.resources.device
-    return "gpu" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    try:
+        draining = set(ray._private.worker.global_worker.gcs_client.get_draining_nodes(timeout=5))
+    except Exception:  # noqa: BLE001 - drains unknown: every live node counts
+        draining = set()
+    return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"] and n["NodeID"] not in draining]
 
 
 def worker_bundle(spec: JobSpec, device: str, stage: int = 0) -> dict[str, float]:
@@ -161,7 +175,9 @@ class RayWorkerGroup:
         self.spec = spec
         self.replicas = replicas
         self.store = store
-        self.device = device
+        self.requested_device = device
+        self.device = device if device != "auto" else "cpu"
+        """The device this group runs on ('gpu' or 'cpu'), decided in `start`."""
         self.sidecar = sidecar
         self.sidecar_gpu_fraction = sidecar_gpu_fraction if sidecar is not None else 0.0
         self.pp = spec.parallel.pipeline_stages
@@ -251,6 +267,10 @@ class RayWorkerGroup:
 
         from spotline.runtime.actor import TrainWorker
 
+        # Decided from the nodes there are now, at every start: an 'auto' job that began
+        # on CPU moves to GPUs at its next start once a GPU node is up.
+        nodes = usable_nodes()
+        self.device = decide_device(self.requested_device, nodes)
         # Bundle i = (replica i // pp, stage i % pp): a replica's stages stay adjacent.
         bundles = [
             worker_bundle(self.spec, self.device, i % self.pp) for i in range(self.world_size)
@@ -263,10 +283,17 @@ class RayWorkerGroup:
         timeout = constants.SPOTLINE_WORKER_START_TIMEOUT_S
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
         if not ready:
+            why = ""
+            if self.device == "gpu" and not any(n.get("GPU", 0) > 0 for n in nodes):
+                why = (
+                    f"resources.device is {self.requested_device} and no live node has a GPU "
+                    "(the group waits for GPU nodes, it never runs on CPU); "
+                )
             raise WorkerFailure(
                 "placement",
                 {
-                    f"{self.world_size} workers of {_distinct(bundles)} could not be placed within "
+                    f"{why}{self.world_size} {self.device.upper()} workers of "
+                    f"{_distinct(bundles)} could not be placed within "
                     f"{timeout:.0f}s (cluster has {ray.available_resources()} free); add nodes or "
                     "lower elastic.min_replicas / resources.cpus_per_worker / resources.stages": list(
                         range(self.world_size)
@@ -297,9 +324,32 @@ class RayWorkerGroup:
             if self.sidecar is not None:
                 self.sidecars.append(self.sidecar(topo, where, bundle, self.attempt))
         self._info = self._call_all("start", "info", timeout_s=timeout)
-        # Rank 0 hosts the torch.distributed store: its node and a port free there.
+        check_one_device(self.device, [i["gpu_ids"] for i in self._info])
+        # Each rank sees its node's GPUs and drives the one Ray gave it (LOCAL_RANK).
+        shares = share_node_devices([(i["node_id"], i["gpu_ids"]) for i in self._info])
+        ifname = self.spec.resources.socket_ifname
+        envs = self._call_all(
+            "start",
+            "bind",
+            per_rank_args=[(self.device, lr, vis, ifname) for lr, vis in shares],
+            timeout_s=timeout,
+        )
+        for info, env in zip(self._info, envs, strict=True):
+            info.update(
+                device=self.device,
+                local_rank=int(env["LOCAL_RANK"]),
+                visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+            )
+        # Rank 0 hosts the torch.distributed store, already listening when its port is
+        # handed to the others.
         addr = self._info[0]["ip"]
-        port = ray.get(self.actors[0].free_port.remote(), timeout=timeout)
+        port = ray.get(self.actors[0].host_store.remote(addr), timeout=timeout)
+        log.info(
+            "rendezvous of %d %s ranks at %s",
+            self.world_size,
+            self.device,
+            rendezvous_url(addr, port),
+        )
         self._partition = self._choose_partition(partition, timeout)
         bounds = self._partition["bounds"]
         self._devices = self._call_all("rendezvous", "setup", addr, port, bounds, timeout_s=timeout)

@@ -183,25 +183,71 @@ def compile_on_first_call(compile_fn: Any) -> Any:
     return deferred
 
 
-def init_distributed(topo: Topology, master_addr: str, master_port: int) -> str:
-    deepspeed = import_deepspeed()
+def use_device(device: str, local_rank: int, rank: int) -> None:
+    """Make this process drive its one device: on 'gpu', cuda:`local_rank` of the GPUs it
+    sees (its node's, shared). A rank that Ray gave a GPU but whose torch cannot use
+    CUDA fails here, never falling back to CPU."""
+    if device != "gpu":
+        return
+    if not torch.cuda.is_available():
+        from spotline.config.loader import SpecError
 
+        raise SpecError(
+            f"rank {rank} was given a GPU by Ray "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}), but its "
+            f"torch {torch.__version__} cannot use CUDA: install a CUDA build of torch in "
+            "the GPU nodes' image, or set resources.device: cpu"
+        )
+    torch.cuda.set_device(local_rank)
+
+
+def init_distributed(
+    topo: Topology,
+    master_addr: str,
+    master_port: int,
+    device: str = "cpu",
+    local_rank: int = 0,
+    store: dist.TCPStore | None = None,
+) -> str:
+    """Join the job's process group; returns its backend.
+
+    `device` is the group's ('gpu': nccl on this rank's own GPU, cuda:`local_rank`;
+    'cpu': gloo), never guessed from what this process happens to see. `store`: rank 0's
+    TCPStore, already listening (it took its port from the kernel, so no other process
+    can have taken it in between); the other ranks connect to master_addr:master_port."""
+    deepspeed = import_deepspeed()
     os.environ.update(
         RANK=str(topo.rank),
         WORLD_SIZE=str(topo.world_size),
-        LOCAL_RANK="0",
+        LOCAL_RANK=str(local_rank),
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(
-        dist_backend=backend,
-        auto_mpi_discovery=False,
-        init_method=f"tcp://{master_addr}:{master_port}",
+    timeout = timedelta(seconds=constants.SPOTLINE_DIST_TIMEOUT_S)
+    kwargs: dict[str, Any] = {}
+    use_device(device, local_rank, topo.rank)
+    if device == "gpu" and topo.world_size > 1:  # binds the communicator to this rank's GPU
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    backend = "nccl" if device == "gpu" else "gloo"
+    if store is None:
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            topo.world_size,
+            is_master=topo.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    dist.init_process_group(
+        backend,
+        store=store,
         rank=topo.rank,
         world_size=topo.world_size,
-        timeout=timedelta(seconds=constants.SPOTLINE_DIST_TIMEOUT_S),
+        timeout=timeout,
+        **kwargs,
     )
+    # DeepSpeed adopts the process group that exists.
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     return backend
 
 

@@ -52,12 +52,11 @@ def default_concurrency(spec: JobSpec, have: dict[str, float] | None = None) -> 
     import ray
 
     from spotline.runtime.group import worker_bundle
+    from spotline.runtime.rendezvous import decide_device
 
     if have is None:
         have = ray.cluster_resources()
-    device = spec.resources.device
-    if device == "auto":
-        device = "gpu" if have.get("GPU", 0) > 0 else "cpu"
+    device = decide_device(spec.resources.device, [have])
     need: dict[str, float] = {}
     for stage in range(spec.parallel.pipeline_stages):
         for k, v in worker_bundle(spec, device, stage).items():
