@@ -69,6 +69,27 @@ def test_launcher_head_is_on_demand_and_workers_are_spot(launcher: dict[str, Any
         assert t["node_config"]["MetadataOptions"]["HttpTokens"] == "required", name
 
 
+def _launcher_workers(launcher: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    types = launcher["available_node_types"]
+    return {k: v for k, v in types.items() if k != launcher["head_node_type"]}
+
+
+def test_launcher_gpu_spot_pool_scales_from_zero_on_demand(launcher: dict[str, Any]) -> None:
+    # A spot pool with a standing minimum pays for idle GPUs and, after a reclaim, waits
+    # for that minimum rather than for the job: the job's request is what brings nodes.
+    assert launcher["idle_timeout_minutes"] > 0
+    for name, t in _launcher_workers(launcher).items():
+        assert t["min_workers"] == 0 and t["max_workers"] > 0, name
+        # Declared, so the autoscaler can match the job's bundles before a node exists.
+        assert t["resources"].get("GPU", 0) > 0 and t["resources"].get("CPU", 0) > 0, name
+
+
+def test_launcher_head_takes_no_gpu_work(launcher: dict[str, Any]) -> None:
+    head = launcher["available_node_types"][launcher["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0
+    assert "--num-gpus=0" in " ".join(launcher["head_start_ray_commands"])
+
+
 def test_launcher_dashboard_binds_to_localhost(launcher: dict[str, Any]) -> None:
     head_cmds = " ".join(launcher["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_cmds
@@ -110,6 +131,42 @@ def test_kuberay_head_and_gpu_spot_workers(kuberay: list[dict[str, Any]]) -> Non
             assert "SPOT" in json.dumps(pod["nodeSelector"]).upper()
             for c in pod["containers"]:
                 assert int(c["resources"]["limits"]["nvidia.com/gpu"]) > 0
+
+
+def _group_resources(group: dict[str, Any], is_head: bool) -> dict[str, int]:
+    """What the KubeRay autoscaler believes a pod of `group` offers, read by Ray's own
+    parser of the RayCluster (rayStartParams, then the container's limits)."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _get_ray_resources_from_group_spec,
+    )
+
+    return _get_ray_resources_from_group_spec(group, is_head)
+
+
+def test_kuberay_gpu_spot_group_scales_from_zero_on_demand(
+    kuberay: list[dict[str, Any]],
+) -> None:
+    for doc in kuberay:
+        spec = _cluster_spec(doc)
+        # Without the in-tree autoscaler nothing acts on the job's request.
+        assert spec["enableInTreeAutoscaling"] is True
+        assert spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+        for g in spec["workerGroupSpecs"]:
+            assert g["minReplicas"] == 0 and g["maxReplicas"] > 0, g["groupName"]
+            assert g.get("replicas", 0) == 0, g["groupName"]
+            res = _group_resources(g, is_head=False)
+            limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+            assert res["GPU"] == int(limits["nvidia.com/gpu"]) > 0, g["groupName"]
+            # Declared in rayStartParams, as the Ray node inside the pod will have them.
+            assert int(g["rayStartParams"]["num-gpus"]) == res["GPU"], g["groupName"]
+
+
+def test_kuberay_head_takes_no_gpu_work(kuberay: list[dict[str, Any]]) -> None:
+    for doc in kuberay:
+        head = _cluster_spec(doc)["headGroupSpec"]
+        assert _group_resources(head, is_head=True).get("GPU", 0) == 0
+        for c in head["template"]["spec"]["containers"]:
+            assert "nvidia.com/gpu" not in json.dumps(c.get("resources", {}))
 
 
 def test_kuberay_grace_period_covers_the_jit_checkpoint_budget(
@@ -181,14 +238,30 @@ def test_infra_refers_to_configs_that_exist() -> None:
         assert (REPO / rel).is_file(), rel
 
 
-def test_spot_config_is_sized_for_the_infra(launcher: dict[str, Any]) -> None:
+def test_spot_config_is_sized_for_the_infra(
+    launcher: dict[str, Any], kuberay: list[dict[str, Any]]
+) -> None:
+    from spotline.runtime.cluster import replicas_fit
+    from spotline.runtime.group import worker_bundle
+
     spec = load_spec(SPOT_CONFIG)
+    # 'gpu': on a pool that starts with no GPU node, the job asks for GPU bundles and
+    # waits for them; 'auto' would ask for CPU bundles until a GPU node is up.
     assert spec.resources.device == "gpu"
     assert spec.checkpoint.uri.startswith("s3://")
     assert {"aws", "ray-drain", "sigterm"} <= {s.kind for s in spec.preemption.sources}
-    gpus_per_node = 8  # p4d.24xlarge, and the KubeRay worker's nvidia.com/gpu
-    nodes = max(t.get("max_workers", 0) for t in launcher["available_node_types"].values())
-    assert spec.elastic.max_replicas * spec.parallel.pipeline_stages == nodes * gpus_per_node
+    replica = [worker_bundle(spec, "gpu", s) for s in range(spec.parallel.pipeline_stages)]
+    # max_replicas is exactly what the pool holds at its maximum, counted the way the
+    # controller counts capacity: the whole bundle (GPU and CPU) against each node.
+    pools = [(t["max_workers"], t["resources"]) for t in _launcher_workers(launcher).values()]
+    for doc in kuberay:
+        for g in _cluster_spec(doc)["workerGroupSpecs"]:
+            pools.append((g["maxReplicas"], _group_resources(g, is_head=False)))
+    assert pools
+    for nodes, res in pools:
+        per_node = replicas_fit(replica, [dict(res)])
+        assert per_node * spec.parallel.pipeline_stages == res["GPU"], res
+        assert nodes * per_node == spec.elastic.max_replicas, res
 
 
 # --- Grafana and Prometheus -------------------------------------------------------------
