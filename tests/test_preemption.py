@@ -691,6 +691,16 @@ def test_ray_drain_reports_the_drained_node_and_its_deadline() -> None:
     assert r["watched"][0]["deadline"] == n["deadline"]
 
 
+@pytest.mark.unit
+def test_every_node_gets_its_own_watcher_name_even_with_a_shared_id_prefix():
+    """Ray's fake provider numbers its nodes ffff...00001, ffff...00002: a name cut to a
+    prefix would make the second node's watcher replace the first's."""
+    from spotline.preemption.actor import watcher_name
+
+    a, b = "f" * 51 + "00001", "f" * 51 + "00002"
+    assert watcher_name("job", a) != watcher_name("job", b)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["drain-scenario"]:
     result = _drain_scenario(int(sys.argv[2]))
     print(_RESULT_MARK + json.dumps(result, default=str), flush=True)

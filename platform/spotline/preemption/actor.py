@@ -25,7 +25,9 @@ NODE_WATCHED_KINDS = ("aws", "gcp", "azure", "ray-drain")
 
 
 def watcher_name(job: str, node_id: str) -> str:
-    return f"spotline:{job}:watcher:{node_id[:12]}"
+    # The whole id: node ids may share a long prefix (a provider's own numbering), and
+    # a watcher found by name is taken for a stale one and replaced.
+    return f"spotline:{job}:watcher:{node_id}"
 
 
 class NodeWatcherActor:
