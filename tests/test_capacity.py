@@ -64,3 +64,24 @@ def test_the_demand_is_the_real_bundle_of_max_replicas_replicas():
     assert len(bundles) == 6
     assert bundles[0] == {"CPU": 2.0, "GPU": 1.0, "accelerator_type:A100": 0.001}
     assert bundles[1] == {"CPU": 2.0, "GPU": 1.0, "spot_gpu": 1.0}
+
+
+def test_the_demand_asks_for_a_replacement_of_each_replica_a_noticed_node_could_hold():
+    """A draining node still counts toward the request for Ray's autoscaler, so the job
+    asks for what it could hold on top: the replacement starts during the notice."""
+    spec = load_spec(
+        {
+            "parallel": {"pipeline_stages": 2, "micro_batches": 2},
+            "elastic": {"min_replicas": 1, "max_replicas": 2},
+            "train": {"global_batch_size": 8},
+            "resources": {"device": "gpu", "cpus_per_worker": 2},
+        }
+    )
+    two_gpus = {"CPU": 8.0, "GPU": 2.0}  # one replica: both stages
+    one_gpu = {"CPU": 8.0, "GPU": 1.0}  # half a replica
+    no_cpu = {"CPU": 1.0, "GPU": 2.0}  # GPUs without the bundle's CPUs: nothing
+    assert len(demand_bundles(spec, "gpu")) == 4
+    assert len(demand_bundles(spec, "gpu", [two_gpus])) == 6
+    assert len(demand_bundles(spec, "gpu", [one_gpu])) == 4
+    assert len(demand_bundles(spec, "gpu", [one_gpu, one_gpu])) == 6  # stages span nodes
+    assert len(demand_bundles(spec, "gpu", [no_cpu])) == 4

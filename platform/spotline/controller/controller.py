@@ -1144,6 +1144,8 @@ class Controller:
             )
             if node is not None:
                 self.cluster.drain(node, n["deadline"], f"{n['source']}: {n['reason']}")
+                if self.demand is not None:
+                    self.demand.keep(force=True)  # a replacement, launched during the notice
             n["step"] = self.step_count
             if group is not None and (node is None or node in mine):
                 jit.append(n)

@@ -7,6 +7,10 @@ coordinator Ray Train and Ray Data use: it merges this request with theirs (no r
 overwrites another's) and lets it lapse when its owner stops refreshing it. This module
 decides nothing about scaling: the autoscaler decides what exists, the controller's
 policies how much of it to use.
+
+A node with a preemption notice (draining) still counts toward the request for Ray's
+autoscaler until its instance is gone, so the request grows by the replicas such nodes
+could hold: the replacement is launched during the notice, not after the node dies.
 """
 
 from __future__ import annotations
@@ -33,13 +37,20 @@ class Demand(Protocol):
         ...
 
 
-def demand_bundles(spec: JobSpec, device: str) -> list[dict[str, float]]:
-    """The worker bundles of max_replicas replicas, as the worker group places them."""
+def demand_bundles(
+    spec: JobSpec, device: str, doomed_nodes: list[dict[str, float]] = ()
+) -> list[dict[str, float]]:
+    """The worker bundles of max_replicas replicas, as the worker group places them, plus
+    one replica for each replica the `doomed_nodes` (total resources of live nodes with a
+    preemption notice) could hold: the autoscaler still counts those nodes, so without
+    these bundles it would not replace them until they are gone."""
+    from spotline.runtime.cluster import replicas_fit
     from spotline.runtime.group import worker_bundle
 
     pp = spec.parallel.pipeline_stages
     replica = [worker_bundle(spec, device, s) for s in range(pp)]
-    return [dict(b) for _ in range(spec.elastic.max_replicas) for b in replica if b]
+    replicas = spec.elastic.max_replicas + replicas_fit(replica, list(doomed_nodes))
+    return [dict(b) for _ in range(replicas) for b in replica if b]
 
 
 class RayDemand:
@@ -75,13 +86,16 @@ class RayDemand:
             ResourceRequestPriority,
         )
 
-        if self.device == "auto":
+        from spotline.runtime.group import draining_nodes, usable_nodes
+
+        device = self.device
+        if device == "auto":
             # Asked for as the next group would run: GPU bundles once a GPU node is up.
             # A job that must wait for GPU nodes on a cluster with none says device: gpu.
-            from spotline.runtime.group import usable_nodes
             from spotline.runtime.rendezvous import decide_device
 
-            self.bundles = demand_bundles(self.spec, decide_device("auto", usable_nodes()))
+            device = decide_device("auto", usable_nodes())
+        self.bundles = demand_bundles(self.spec, device, draining_nodes())
 
         try:
             ray.get(

@@ -137,16 +137,31 @@ def worker_name(topo: Topology) -> str:
     return f"stage-{topo.stage}/replica-{topo.replica}"
 
 
+def _draining() -> set[str]:
+    import ray
+
+    try:
+        return set(ray._private.worker.global_worker.gcs_client.get_draining_nodes(timeout=5))
+    except Exception:  # noqa: BLE001 - drains unknown: none is assumed
+        return set()
+
+
 def usable_nodes() -> list[dict[str, float]]:
     """The total resources of each live node that takes new work (not draining): the
     nodes a group about to start can be placed on."""
     import ray
 
-    try:
-        draining = set(ray._private.worker.global_worker.gcs_client.get_draining_nodes(timeout=5))
-    except Exception:  # noqa: BLE001 - drains unknown: every live node counts
-        draining = set()
+    draining = _draining()
     return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"] and n["NodeID"] not in draining]
+
+
+def draining_nodes() -> list[dict[str, float]]:
+    """The total resources of each live node that is draining (a preemption notice): still
+    up, but about to go."""
+    import ray
+
+    draining = _draining()
+    return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"] and n["NodeID"] in draining]
 
 
 def worker_bundle(spec: JobSpec, device: str, stage: int = 0) -> dict[str, float]:
