@@ -1188,3 +1188,18 @@ def test_a_lost_node_states_the_demand_again_at_once(tmp_path):
     res = ctl.run()
     assert res["node_losses"] == 1
     assert ctl.fake_demand.calls.count("force") == 1
+
+
+def test_one_slow_chunk_does_not_decide_that_a_size_is_not_worth_returning_to(tmp_path):
+    """A size's rate is a moving average of warm chunks: a single chunk slowed by a save
+    or a warm-up moves it a little, not to that chunk's figure."""
+    ctl, _ = make(tmp_path)
+    ctl._note_rate(2, 5.0, warm=False)  # the first group's warm-up
+    assert ctl._sps_by_replicas[2] == 5.0
+    for _ in range(10):
+        ctl._note_rate(2, 24.0, warm=True)
+    assert ctl._sps_by_replicas[2] == pytest.approx(24.0)  # the cold figure is gone
+    ctl._note_rate(2, 8.0, warm=True)  # one chunk during a just-in-time save
+    assert 20.0 < ctl._sps_by_replicas[2] < 24.0
+    ctl._note_rate(2, 1.0, warm=False)  # a cold chunk of a later group: ignored
+    assert 20.0 < ctl._sps_by_replicas[2] < 24.0

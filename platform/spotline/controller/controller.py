@@ -85,6 +85,7 @@ log = logging.getLogger("spotline.controller")
 
 # How often a running job reads the cluster's capacity to see whether growing pays.
 _GROW_CHECK_S = 2.0
+_RATE_WEIGHT = 0.2  # of a new chunk in a size's moving-average rate
 # Steps over which the wall-clock step time is measured (the JIT plan's, and its check).
 _RECENT_STEPS = 32
 
@@ -204,6 +205,7 @@ class Controller:
         self._starting_since: float | None = None  # clock, while a new group has no step
         self._group_started = 0.0  # clock: when the live group's first step came
         self._sps_by_replicas: dict[int, float] = {}
+        self._warm_rates: set[int] = set()  # sizes whose rate comes from warm chunks
         # (step, wall clock at its end) of the live group's latest steps.
         self._recent_steps: deque[tuple[int, float]] = deque(maxlen=_RECENT_STEPS)
         self._last_grow_check = 0.0
@@ -751,7 +753,7 @@ class Controller:
                 self.backfill.on_chunk(len(p.steps), step_time, warm=warm)
             self.backfill.poll()
         if p.steps:
-            self._sps_by_replicas[group.replicas] = len(p.steps) / max(step_time, 1e-9)
+            self._note_rate(group.replicas, len(p.steps) / max(step_time, 1e-9), warm)
         self.telemetry.steps(
             steps=steps,
             seconds=step_time,
@@ -965,6 +967,19 @@ class Controller:
 
     def _restart_cost_s(self) -> float | None:
         return self._restart_s if self._restart_s is not None else self._start_s
+
+    def _note_rate(self, replicas: int, steps_per_s: float, warm: bool) -> None:
+        """The steps per second this job runs at `replicas` replicas, as the grow and
+        shrink decisions weigh it: a moving average over warm chunks, so that one chunk
+        slowed by a save, a warm-up or a neighbour does not decide for the rest of the
+        job that a size is not worth returning to."""
+        prev = self._sps_by_replicas.get(replicas)
+        if prev is None or (warm and replicas not in self._warm_rates):
+            self._sps_by_replicas[replicas] = steps_per_s  # a cold figure until a warm one
+        elif warm:
+            self._sps_by_replicas[replicas] = prev + _RATE_WEIGHT * (steps_per_s - prev)
+        if warm:
+            self._warm_rates.add(replicas)
 
     def _grow_decision(self) -> int | None:
         group = self.group
