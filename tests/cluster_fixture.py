@@ -85,7 +85,7 @@ class AutoscalingTestCluster:
     address: str
     temp_dir: Path
     mark: str
-    extra_nodes: list = field(default_factory=list)
+    extra_nodes: dict = field(default_factory=dict)  # node id -> ray._private.node.Node
 
     @classmethod
     def start(cls) -> AutoscalingTestCluster:
@@ -145,10 +145,13 @@ class AutoscalingTestCluster:
             raise
         return cluster
 
-    def add_spot_node(self) -> None:
+    def add_spot_node(self) -> str:
         """A spot node that joins by itself, started as the fake provider starts the
-        ones it launches (its processes carry the cluster's marker)."""
+        ones it launches (its processes carry the cluster's marker and its node id);
+        returns its node id."""
         import ray
+
+        node_id = uuid.uuid4().hex + uuid.uuid4().hex[:24]  # 28 bytes, as Ray's
 
         params = ray._private.parameter.RayParams(
             node_ip_address="127.0.0.1",
@@ -161,11 +164,45 @@ class AutoscalingTestCluster:
             num_gpus=SPOT_NODE["GPU"],
             resources={"spot_gpu": SPOT_NODE["spot_gpu"]},
             object_store_memory=_OBJECT_STORE_BYTES,
-            env_vars={_MARK: self.mark},
+            env_vars={_MARK: self.mark, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id},
         )
-        self.extra_nodes.append(
-            ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+        self.extra_nodes[node_id] = ray._private.node.Node(
+            params, head=False, shutdown_at_exit=False, spawn_reaper=False
         )
+        return node_id
+
+    def remove_added_nodes(self) -> None:
+        """Every node `add_spot_node` started goes, as an instance the cloud takes back:
+        the fake provider does not know them, so its idle timeout never removes them, and
+        a node left over from one test would be capacity the next one does not expect."""
+        import ray
+
+        gone = list(self.extra_nodes)
+        for node_id in gone:
+            self.kill_node(node_id, missing_ok=True)
+            del self.extra_nodes[node_id]
+        # Until Ray's health check marks them dead, a next job would still count them.
+        wait_for(
+            lambda: not {n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(gone),
+            "the removed nodes to be marked dead",
+            120,
+        )
+
+    def kill_node(self, node_id: str, missing_ok: bool = False) -> None:
+        """The node's instance is gone: its raylet and every process on it die at once
+        (each node's processes carry its id in RAY_OVERRIDE_NODE_ID_FOR_TESTING)."""
+        import psutil
+
+        procs = []
+        for p in self.processes():
+            with contextlib.suppress(psutil.Error):  # gone meanwhile, or a zombie
+                if p.environ().get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") == node_id:
+                    procs.append(p)
+        assert procs or missing_ok, f"no process of node {node_id}"
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(procs, timeout=10)
 
     def processes(self) -> list:
         """Every live process of this cluster, found by the marker in its environment."""
@@ -181,7 +218,7 @@ class AutoscalingTestCluster:
     def stop(self) -> None:
         import psutil
 
-        for node in self.extra_nodes:
+        for node in self.extra_nodes.values():
             with contextlib.suppress(Exception):
                 node.kill_all_processes(check_alive=False, allow_graceful=False)
 
