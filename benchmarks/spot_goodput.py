@@ -2,9 +2,9 @@
 
 Every arm runs the same GPT (pp=1, ZeRO-1 data parallel, AdamW, constant global batch)
 for the same number of steps on a fresh multi-node Ray cluster (`ray.cluster_utils`,
-one logical GPU per spot node, CPU compute), while a thread replays the trace in
-benchmarks/traces/ (notices = GCS drains with a deadline, then the node goes; losses
-= the node vanishes; returns = a fresh node joins):
+one `spot_gpu` per spot node standing in for its GPU, CPU compute), while a thread
+replays the trace in benchmarks/traces/ (notices = GCS drains with a deadline, then the
+node goes; losses = the node vanishes; returns = a fresh node joins):
 
   nopreempt   Spotline, no trace: the reference rate.
   spotline    Spotline: ray-drain notices -> just-in-time checkpoint, shrink to what
@@ -55,7 +55,12 @@ WORKLOAD: dict[str, Any] = {
     "parallel": {"pipeline_stages": 1, "micro_batches": 2, "zero_stage": 1},
     "train": {"global_batch_size": 12, "warmup_steps": 20, "log_every": 50},
     "checkpoint": {"interval_steps": 50, "keep_last": 3},
-    "resources": {"device": "gpu", "cpus_per_worker": 0.5},
+    # Each worker asks for the node's one `spot_gpu` (the trace's stand-in for a GPU).
+    "resources": {
+        "device": "cpu",
+        "cpus_per_worker": 0.5,
+        "stages": [{"resources": {"spot_gpu": 1}}],
+    },
     "failure": {"max_failures": -1},
 }
 
@@ -252,8 +257,8 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
     world, rank = ctx.get_world_size(), ctx.get_world_rank()
     torch.set_num_threads(1)
     torch.manual_seed(spec.train.seed)
-    # The GPUs are logical (CPU compute): wrap for DDP over gloo by hand, as prepare_model
-    # would move the model to a CUDA device.
+    # CPU compute: wrap for DDP over gloo by hand, as prepare_model would move the model
+    # to a CUDA device.
     md = model_def(spec)
     model = DistributedDataParallel(build_sequential(md))
     opt = build_optimizer(model, spec)
@@ -283,9 +288,11 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
         sched.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if first and rank == 0:
-            _append(events, {"kind": "first_step", "t": time.time(), "step": step})
+        if first and rank == 0:  # once per worker group: each start runs this function
+            _append(events, {"kind": "first_step", "t": time.time(), "step": step, "world": world})
             first = False
+        if config.get("stop_file") and Path(config["stop_file"]).exists():
+            return  # the caller ends the run (benchmarks/autoscale.py)
         info = ray.train.get_preemption_info()
         doomed = set(info.preempted_node_ids) - answered if info is not None else set()
         answered |= doomed
@@ -335,8 +342,8 @@ def run_raytrain(
             torch_config=TorchConfig(backend="gloo"),
             scaling_config=ScalingConfig(
                 num_workers=(1, n),
-                use_gpu=True,
-                resources_per_worker={"CPU": spec.resources.cpus_per_worker, "GPU": 1},
+                use_gpu=False,
+                resources_per_worker={"CPU": spec.resources.cpus_per_worker, "spot_gpu": 1},
             ),
             run_config=RunConfig(
                 name=f"goodput-{mode}",

@@ -1,8 +1,10 @@
 """Spot capacity on a real multi-node Ray cluster (`ray.cluster_utils.Cluster`).
 
-Two "spot" nodes with two logical GPUs each hold one 2-stage replica apiece; the head
-holds no GPU, like an on-demand head. Workers train on CPU with gloo; the GPUs are
-logical, so placement, draining and node loss behave as on a GPU cluster.
+Two "spot" nodes hold one 2-stage replica apiece; the head holds none, like an
+on-demand head. Each spot node offers two units of the custom resource `spot_gpu`,
+which every worker asks for, as a GPU worker asks for a GPU: placement, draining and
+node loss behave as on a GPU cluster, while the workers train on CPU with gloo
+(`resources.device: cpu`; a `gpu` worker needs a torch that can use CUDA).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from spotline.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.chaos
 
-SPOT_NODE = {"num_cpus": 2, "num_gpus": 2}
+SPOT_NODE = {"num_cpus": 2, "resources": {"spot_gpu": 2}}
 
 
 class SpotCluster:
@@ -94,7 +96,8 @@ def cluster(spot_cluster: SpotCluster) -> SpotCluster:
 
 def _spot_spec(tmp_path: Path, name: str, **over: Any):
     base = {
-        "resources.device": "gpu",
+        "resources.device": "cpu",
+        "resources.stages": [{"resources": {"spot_gpu": 1}}] * 2,  # one per stage
         "elastic.min_replicas": 1,
         "elastic.max_replicas": 2,
         "elastic.wait_for_capacity_s": 120,
