@@ -97,6 +97,11 @@ class AutoscalingTestCluster:
         config = temp_dir / "autoscaling.json"
         config.write_text(json.dumps(autoscaling_config(address)))
         mark = uuid.uuid4().hex
+        # `ray start` turns token authentication on (the token in ~/.ray/auth_token); this
+        # process's clients send it only in token mode, which the core reads once per
+        # process: the same mode a local `ray.init` sets, so both kinds of cluster work
+        # from one test session.
+        os.environ["RAY_AUTH_MODE"] = "token"
         env = {
             **os.environ,
             _MARK: mark,
@@ -108,8 +113,6 @@ class AutoscalingTestCluster:
             # Every node of this cluster, the fake ones too, binds to 127.0.0.1.
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "RAY_USAGE_STATS_ENABLED": "0",
-            # A test cluster on loopback, reached by this test process alone.
-            "RAY_AUTH_MODE": "disabled",
         }
         # Every fixed default port of a head may be taken by another cluster here.
         agent, agent_grpc, metrics, rt_env, client = (_free_port() for _ in range(5))
@@ -248,3 +251,19 @@ def wait_for(pred, what: str, timeout: float):
             return got
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def drain_node(node_id: str, seconds: float) -> None:
+    """A spot preemption notice as Ray's autoscaler and KubeRay give it: the GCS drains
+    the node with a deadline `seconds` from now."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._private.worker.global_worker.gcs_client
+    accepted, why = gcs.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot preemption (test)",
+        int((time.time() + seconds) * 1000),
+    )
+    assert accepted, why

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import spotline
-from cluster_fixture import AutoscalingTestCluster, wait_for
+from cluster_fixture import AutoscalingTestCluster, drain_node, wait_for
 from conftest import tiny_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -120,21 +120,6 @@ def _result(run: spotline.JobRun) -> dict[str, Any]:
     return ray.get(run.controller.result.remote())
 
 
-def _drain(node_id: str, seconds: float) -> None:
-    """What the autoscaler and KubeRay do on a spot preemption."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
-
-    gcs = ray._private.worker.global_worker.gcs_client
-    accepted, why = gcs.drain_node(
-        node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "spot preemption (test)",
-        int((time.time() + seconds) * 1000),
-    )
-    assert accepted, why
-
-
 def test_a_job_submitted_with_no_worker_node_starts_and_grows_to_max_replicas(
     autoscaling_cluster: AutoscalingTestCluster, tmp_path: Path
 ) -> None:
@@ -200,7 +185,7 @@ def test_a_noticed_node_is_drained_never_counted_and_replaced(
         # A while at full size first, so the job knows what two replicas are worth.
         st = _wait(run, lambda s, at=st["step"]: s["step"] >= at + 100, "training at max_replicas")
         victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
-        _drain(victim, seconds=600)
+        drain_node(victim, seconds=600)
         st = _wait(
             run,
             lambda s: (

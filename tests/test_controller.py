@@ -893,14 +893,16 @@ def test_repeated_notice_is_answered_once(tmp_path):
     assert len(notices) == 1
 
 
+def _two_nodes(held, cluster):
+    """Capacity of two one-replica nodes, node-0 and node-1, while they live."""
+    live = sum(g.replicas for g in FakeGroup.instances if not g.shut)
+    return len(cluster.nodes & {"node-0", "node-1"}) - live + held // 2
+
+
 def test_node_loss_resumes_from_latest_commit_without_using_a_failure(tmp_path):
     script = {"kill_at": 17, "lose_node": "node-1"}
 
-    def capacity(held, cluster):
-        live = sum(g.replicas for g in FakeGroup.instances if not g.shut)
-        return len(cluster.nodes & {"node-0", "node-1"}) - live + held // 2
-
-    ctl, _ = make(tmp_path, script=script, capacity=capacity)
+    ctl, _ = make(tmp_path, script=script, capacity=_two_nodes)
     res = ctl.run()
     assert res["state"] == "finished"
     assert res["failures"] == 0 and res["node_losses"] == 1
@@ -1180,11 +1182,7 @@ def test_the_demand_is_withdrawn_when_the_job_is_stopped(tmp_path):
 def test_a_lost_node_states_the_demand_again_at_once(tmp_path):
     script = {"kill_at": 17, "lose_node": "node-1"}
 
-    def capacity(held, cluster):
-        live = sum(g.replicas for g in FakeGroup.instances if not g.shut)
-        return len(cluster.nodes & {"node-0", "node-1"}) - live + held // 2
-
-    ctl, _ = make(tmp_path, script=script, capacity=capacity)
+    ctl, _ = make(tmp_path, script=script, capacity=_two_nodes)
     res = ctl.run()
     assert res["node_losses"] == 1
     assert ctl.fake_demand.calls.count("force") == 1

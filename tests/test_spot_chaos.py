@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import spotline
+from cluster_fixture import drain_node
 from conftest import init_local_ray, tiny_spec
 from spotline.checkpoint import CheckpointStore
 
@@ -135,21 +136,6 @@ def _stop(run: spotline.JobRun) -> None:
     assert run.stop().state == "stopped"
 
 
-def _drain(node_id: str, seconds: float) -> None:
-    """What the autoscaler and KubeRay do on a spot preemption."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
-
-    gcs = ray._private.worker.global_worker.gcs_client
-    accepted, why = gcs.drain_node(
-        node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "spot preemption (test)",
-        int((time.time() + seconds) * 1000),
-    )
-    assert accepted, why
-
-
 def _copy_step(src_uri: str, dst: Path, step: int) -> str:
     """A new checkpoint location holding just committed step `step` of `src_uri`."""
     src = Path(src_uri.removeprefix("file://")) / f"step_{step:08d}"
@@ -201,7 +187,7 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
 
     # A spot notice for the node of rank 1: JIT checkpoint, then on with 1 replica.
     victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
-    _drain(victim, seconds=120)
+    drain_node(victim, seconds=120)
     st = _wait(
         run,
         lambda s: s["replicas"] == 1 and s["state"] == "running" and s["step"] > 0,
@@ -599,7 +585,7 @@ def test_a_notice_on_one_of_three_nodes_always_restarts_at_2_replicas(
     )
     victim = next(w["node_id"] for w in st["workers"] if w["rank"] == rank)
     victims.append(victim)
-    _drain(victim, seconds=20)  # short: the JIT checkpoint comes within seconds
+    drain_node(victim, seconds=20)  # short: the JIT checkpoint comes within seconds
     st = _wait(
         run,
         lambda s, v=victim: (
