@@ -45,6 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# `ray start` turns token auth on; Ray's core reads the mode once per process, so this
+# process is in token mode before anything imports Ray.
+os.environ["RAY_AUTH_MODE"] = "token"
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
