@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from spotline import constants
@@ -38,7 +38,7 @@ class Demand(Protocol):
 
 
 def demand_bundles(
-    spec: JobSpec, device: str, doomed_nodes: list[dict[str, float]] = ()
+    spec: JobSpec, device: str, doomed_nodes: Sequence[dict[str, float]] = ()
 ) -> list[dict[str, float]]:
     """The worker bundles of max_replicas replicas, as the worker group places them, plus
     one replica for each replica the `doomed_nodes` (total resources of live nodes with a
