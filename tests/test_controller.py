@@ -72,7 +72,7 @@ class FakeGroup:
         self.nodes = [free[r % len(free)] for r in range(replicas)] if free else ["none"]
         FakeGroup.instances.append(self)
 
-    def start(self, partition=None):
+    def start(self, partition=None, init=True):
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
         self.started_partition = partition

@@ -378,7 +378,7 @@ class Job:
         without a GPU. `device_memory_gb` stands in for resources.device_memory_gb.
         """
         from spotline.metrics.flops import device_peak
-        from spotline.plan import make_plan
+        from spotline.plan import make_plan, precision
         from spotline.preflight import check_offline, device_memory_bytes
 
         spec = self.spec
@@ -393,7 +393,7 @@ class Job:
 
             if spec.resources.device != "gpu" or torch.cuda.is_available():
                 threads = max(1, int(spec.resources.cpus_per_worker))
-                name, peak = device_peak(spec.parallel.precision, threads)
+                name, peak = device_peak(precision(spec), threads)
                 if peak:
                     how = "a matmul probe" if name == "cpu" else "the datasheet peak"
                     rate = (peak, peak, f"{peak / 1e12:.3g} TFLOP/s ({name}, {how})")

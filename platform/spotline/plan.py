@@ -12,7 +12,9 @@ Memory per device, for the largest pipeline stage (P parameters), D replicas:
 - ZeRO-1/2's gradient-reduction bucket, fp32, sized to the stage (see
   `JobSpec.zero_bucket_elements`);
 - activations: per micro-batch and layer 34·s·b·h bytes in 16-bit (Korthikanti et al.,
-  2022; twice that in fp32), times the micro-batches a 1F1B stage holds at once
+  2022; twice that in fp32); a block under activation checkpointing keeps only its
+  input, s·b·h values, plus one block's whole activations while it is recomputed;
+  times the micro-batches a 1F1B stage holds at once
   (p - stage), h a custom model's own width (what its embedding returns); plus, on the
   last stage, fp32 logits five times over (the loss's log-softmax, its gradient and the
   logits' gradient, and the two micro-batches' logits DeepSpeed's output buffers keep
@@ -43,6 +45,22 @@ from spotline.models import ModelDef, layer_param_counts, model_def, stage_bound
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 PIPE_BUFFERS = 2  # DeepSpeed's 1F1B keeps max(2, stages - stage) buffers: 2 on the last
 MASTER_BYTES = 4  # fp32 master weights
+
+
+def planned_device(spec: JobSpec) -> str:
+    """'gpu' or 'cpu': resources.device, or for 'auto' this machine's kind (a GPU job
+    planned on a machine without one is planned at fp32: the larger memory)."""
+    if spec.resources.device != "auto":
+        return spec.resources.device
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def precision(spec: JobSpec) -> str:
+    """The precision the job trains at on its devices (`parallel.precision`, 'auto'
+    resolved for `planned_device`)."""
+    return spec.parallel.precision_on(planned_device(spec))
 
 
 def stage_params(
@@ -108,8 +126,9 @@ class StageMemoryModel:
         d = replicas or spec.replica_counts()[0]
         p = spec.parallel
         z = p.zero_stage
-        w = 2 if p.precision == "bf16" else 4
-        master = MASTER_BYTES if (p.precision == "bf16" or z >= 1) else 0
+        self.precision = precision(spec)
+        w = 2 if self.precision == "bf16" else 4
+        master = MASTER_BYTES if (self.precision == "bf16" or z >= 1) else 0
         self.weight = w / (d if z >= 3 else 1)
         self.grad = w / (d if z >= 2 else 1)
         self.optimizer = (master + ADAM_BYTES) / (d if z >= 1 else 1)
@@ -118,6 +137,14 @@ class StageMemoryModel:
         b, s = spec.micro_batch_size(), m.seq_len
         h = model_width(spec, self.model)
         self.per_layer = 34 * s * b * h * (w / 2)
+        # A recomputed block keeps only its input (s·b·h values) until the backward
+        # runs it again; then, one at a time, its whole activations are alive.
+        self.recomputed_layer = s * b * h * w
+        every = p.activation_checkpointing
+        self.recomputed = [False] * len(self.model.layers)
+        blocks = [i for i, ld in enumerate(self.model.layers) if ld.cls is self.model.block_class]
+        for n, i in enumerate(blocks):
+            self.recomputed[i] = bool(every) and n % every == 0
         # The last stage's logits, fp32: at the loss's backward the log-softmax output,
         # its gradient and the logits' gradient are alive at once; a pipeline's last
         # stage also keeps the logits of its last PIPE_BUFFERS micro-batches in
@@ -133,7 +160,13 @@ class StageMemoryModel:
         """One device of `stage` holding layers lo:hi."""
         params = sum(self.counts[lo:hi])
         in_flight = min(self.stages - stage, self.micro) if self.stages > 1 else 1
-        act = self.per_layer * sum(self.is_block[lo:hi]) * in_flight
+        kept = sum(
+            b and not r for b, r in zip(self.is_block[lo:hi], self.recomputed[lo:hi], strict=True)
+        )
+        recomputed = sum(self.recomputed[lo:hi])
+        act = (self.per_layer * kept + self.recomputed_layer * recomputed) * in_flight
+        if recomputed:
+            act += self.per_layer  # the block being recomputed in the backward
         if hi == len(self.counts):
             act += self.logits
         return StageMemory(
@@ -188,7 +221,8 @@ def memory_problem(spec: JobSpec, capacity: int, source: str) -> str | None:
         f"{human_bytes(worst.activation_bytes)} of activations), but a device has "
         f"{human_bytes(capacity)} ({source}); lower model.d_model or model.n_layers, add "
         "parallel.pipeline_stages, raise parallel.zero_stage, use parallel.precision: bf16, "
-        "or lower train.global_batch_size"
+        "turn on parallel.activation_checkpointing (1: every block), or lower "
+        "train.global_batch_size"
     )
 
 
@@ -304,7 +338,7 @@ def save_bytes_per_rank(spec: JobSpec, replicas: int) -> int:
     p = spec.parallel
     biggest = max(stage_params(spec))
     share = (MASTER_BYTES + ADAM_BYTES) * biggest / (replicas if p.zero_stage >= 1 else 1)
-    if p.precision == "bf16":
+    if precision(spec) == "bf16":
         share += 2 * biggest
     return math.ceil(share)
 
@@ -417,6 +451,10 @@ class Plan:
     warnings: list[str]
     adaptive_max_batch: int | None = None
     """train.adaptive.max_batch_size under the adaptive batch schedule."""
+    precision: str = "fp32"
+    """The precision the figures are for (parallel.precision, 'auto' resolved), whose
+    peak the MFU is against."""
+    activation_checkpointing: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -442,6 +480,14 @@ class Plan:
             else "device memory unknown (set resources.device_memory_gb)"
         )
         lines.append(f"  memory per device at {self.replicas} replica(s); {have}")
+        recompute = (
+            f", activations recomputed in every {self.activation_checkpointing}-th block"
+            if self.activation_checkpointing > 1
+            else ", activations recomputed in every block"
+            if self.activation_checkpointing == 1
+            else ""
+        )
+        lines.append(f"  precision         {self.precision}{recompute}")
         for m in self.stages:
             room = (
                 f", headroom {(self.device_bytes - m.total_bytes) / gb:,.2f} GB"
@@ -566,6 +612,8 @@ def make_plan(
         adaptive_max_batch=(
             spec.train.adaptive.max_batch_size if spec.train.batch_schedule == "adaptive" else None
         ),
+        precision=precision(spec),
+        activation_checkpointing=spec.parallel.activation_checkpointing,
     )
 
 
@@ -600,7 +648,8 @@ def balanced_partition(
             f"parallel.partition: no contiguous split of the {len(mem.counts)} layers over "
             f"{len(stage_speeds)} stages fits the devices' memory ({have} per stage); add "
             "parallel.pipeline_stages, raise parallel.zero_stage, use parallel.precision: "
-            "bf16, lower train.global_batch_size, or give the stages more memory "
+            "bf16, turn on parallel.activation_checkpointing, lower train.global_batch_size, "
+            "or give the stages more memory "
             "(resources.stages[].device_memory_gb)"
         ) from None
 

@@ -337,6 +337,11 @@ class CommitCoordinator:
     def check_owner(self) -> None:
         self.store.check_owner(self.spec)
 
+    def has_checkpoint(self) -> bool:
+        """Whether `restore` has a step to load: a committed step of this job, or
+        checkpoint.resume_from. A group that restores one need not initialise weights."""
+        return self.spec.checkpoint.resume_from is not None or bool(self.store.committed_steps())
+
     def restore(
         self, group: Restorable, sleep: Callable[[float], None]
     ) -> tuple[int, Manifest | None]:

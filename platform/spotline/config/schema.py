@@ -135,8 +135,20 @@ class ParallelSpec(_Section):
     runs more micro-batches per step (see elastic.batch_policy)."""
     zero_stage: Literal[0, 1, 2, 3] = 1
     """ZeRO stage. Pipelines allow 0 or 1; pp=1 allows 0-3."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Training precision. bf16 keeps fp32 master weights in the optimizer."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Training precision. bf16 keeps fp32 master weights in the optimizer. 'auto': bf16
+    on GPUs (where fp32 runs on CUDA cores, about 10x below the bf16 tensor-core peak;
+    TF32 is on there for any fp32 matmul left), fp32 on CPU. Decided at every group
+    start, with the device (see resources.device); checkpoints load at either."""
+    activation_checkpointing: int = Field(0, ge=0)
+    """Recompute activations in the backward instead of keeping them: every k-th block
+    of the whole model (blocks 0, k, 2k, ...) keeps only its input. 0: off; 1: every
+    block (the least memory, about a third more compute). Works at any pipeline cut and
+    ZeRO stage, and does not change the losses (beyond floating-point rounding)."""
+    compile: bool = False
+    """`torch.compile` each block. Off by default: it costs a compilation at every group
+    start, and its gain on a GPU is measured by benchmarks/gpu_check.py before it is
+    made the default there. Does not change the losses beyond floating-point rounding."""
     partition: Literal["uniform", "balanced"] | list[int] = "uniform"
     """Which layers each pipeline stage holds (the layer list counts the embedding and the
     head too: a GPT of n_layers blocks has n_layers + 2). 'uniform': blocks split evenly,
@@ -153,6 +165,12 @@ class ParallelSpec(_Section):
     mean stage's by more than this fraction (max / mean - 1) for rebalance_window_steps."""
     rebalance_window_steps: int = Field(20, gt=0)
     """Steps the imbalance must stay above rebalance_threshold before re-partitioning."""
+
+    def precision_on(self, device: str) -> Literal["fp32", "bf16"]:
+        """The precision in force on `device` ('gpu' or 'cpu')."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if device == "gpu" else "fp32"
 
     @field_validator("partition", mode="before")
     @classmethod
@@ -747,6 +765,16 @@ class JobSpec(_Section):
                 f"{self.micro_batch_size()} over {replicas} replica(s)"
             )
         return batch // per
+
+    def on_device(self, device: str) -> JobSpec:
+        """This spec as it trains on `device` ('gpu' or 'cpu'): parallel.precision
+        decided ('auto' resolved); unchanged when nothing is left to decide."""
+        precision = self.parallel.precision_on(device)
+        if precision == self.parallel.precision:
+            return self
+        return self.model_copy(
+            update={"parallel": self.parallel.model_copy(update={"precision": precision})}
+        )
 
     def lr_scale(self, replicas: int) -> float:
         """Learning-rate multiplier: 1, or sqrt(D / max_replicas) for the scaled policy."""

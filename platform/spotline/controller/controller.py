@@ -618,7 +618,9 @@ class Controller:
             # uniform or explicit partition is the spec's own, whatever was recorded).
             self._partition_read = True
             self._partition_pin = self._partition_pin or self.coordinator.recorded_partition()
-        group.start(partition=self._partition_pin)
+        # A group that restores a checkpoint next leaves its weights empty: no rank
+        # runs the random init that the load would overwrite.
+        group.start(partition=self._partition_pin, init=not self.coordinator.has_checkpoint())
         attempt.device = group.device
         self._started_partition(group, attempt)
         self.telemetry.peak_flops = group.peak_flops()

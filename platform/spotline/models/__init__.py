@@ -18,6 +18,7 @@ from torch import nn
 from spotline.config.loader import SpecError
 from spotline.config.schema import JobSpec
 from spotline.models.provider import (
+    BuildOptions,
     LayerDef,
     ModelDef,
     ModelProvider,
@@ -30,6 +31,7 @@ from spotline.models.provider import (
 from spotline.registry import MODELS, note_user_code
 
 __all__ = [
+    "BuildOptions",
     "LayerDef",
     "ModelDef",
     "ModelProvider",

@@ -3,8 +3,9 @@
 Learned positions, pre-norm LayerNorm blocks with causal self-attention and a GELU
 MLP. The layers implement the optional `halves` and `decode` protocols
 (`spotline.models.provider`): backfill slices a block in two, and decodes with a KV
-cache. Each layer is seeded from (base seed, layer index), so the initial weights do
-not depend on how the model is split into pipeline stages.
+cache. Each layer draws its initialisation (`init_weights`) from its own generator,
+seeded from (base seed, layer index), so the initial weights do not depend on how the
+model is split into pipeline stages.
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ from torch import nn
 
 from spotline.config.model import GptModelSpec
 from spotline.models.decode import LayerKV, attend
-from spotline.models.provider import LayerDef, ModelDef, lm_loss
+from spotline.models.provider import LayerDef, ModelDef, init_unless_meta, lm_loss, seeded
 
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, seq_len: int, dropout: float, seed: int):
         super().__init__()
-        torch.manual_seed(seed)
+        self.seed = seed
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
-        nn.init.normal_(self.tok.weight, std=0.02)
-        nn.init.normal_(self.pos.weight, std=0.02)
+        init_unless_meta(self)
+
+    def init_weights(self) -> None:
+        g = seeded(self.seed)
+        nn.init.normal_(self.tok.weight, std=0.02, generator=g)
+        nn.init.normal_(self.pos.weight, std=0.02, generator=g)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.decode(idx, None, 0)
@@ -45,7 +50,7 @@ class Block(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_layers: int, dropout: float, seed: int):
         super().__init__()
-        torch.manual_seed(seed)
+        self.seed, self.n_layers = seed, n_layers
         self.n_heads = n_heads
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
@@ -55,12 +60,19 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * d_model, d_model)
         self.dropout = dropout
         self.drop = nn.Dropout(dropout)
+        init_unless_meta(self)
+
+    def init_weights(self) -> None:
+        g = seeded(self.seed)
+        for ln in (self.ln1, self.ln2):
+            nn.init.ones_(ln.weight)
+            nn.init.zeros_(ln.bias)
         for lin in (self.qkv, self.fc):
-            nn.init.normal_(lin.weight, std=0.02)
+            nn.init.normal_(lin.weight, std=0.02, generator=g)
             nn.init.zeros_(lin.bias)
         # GPT-2 scaling of the residual projections keeps deep stacks stable.
         for lin in (self.proj, self.out):
-            nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * n_layers))
+            nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * self.n_layers), generator=g)
             nn.init.zeros_(lin.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,10 +102,15 @@ class Block(nn.Module):
 class Head(nn.Module):
     def __init__(self, d_model: int, vocab_size: int, seed: int):
         super().__init__()
-        torch.manual_seed(seed)
+        self.seed = seed
         self.ln = nn.LayerNorm(d_model)
         self.lm = nn.Linear(d_model, vocab_size, bias=False)
-        nn.init.normal_(self.lm.weight, std=0.02)
+        init_unless_meta(self)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.ln.weight)
+        nn.init.zeros_(self.ln.bias)
+        nn.init.normal_(self.lm.weight, std=0.02, generator=seeded(self.seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm(self.ln(x))

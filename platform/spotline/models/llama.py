@@ -20,8 +20,9 @@ blocks, L+1 the head):
     i.attn_norm.weight  i.attn.{q,k,v,o}.weight  i.mlp_norm.weight  i.mlp.{gate,up,down}.weight
     (L+1).norm.weight   (L+1).lm.weight          (absent when the embeddings are tied)
 
-Each layer seeds its own initialisation with `seed + <its index in the flat list>`, so
-the initial weights do not depend on the pipeline cut.
+Each layer draws its initialisation from its own generator at `seed + <its index in the
+flat list>` (`init_weights`, which also lets a rank build its stage on the meta device
+and initialise it in place), so the initial weights do not depend on the pipeline cut.
 
 **Tied embeddings** (`model.tie_embeddings: true`, pp=1 only). Layers are built
 independently, so the tied `Head` owns no output matrix: `tie(model)` links it to the
@@ -50,7 +51,14 @@ from torch import nn
 
 from spotline.config.model import LlamaModelSpec
 from spotline.models.decode import LayerKV, attend
-from spotline.models.provider import LayerDef, ModelDef, lm_loss, residual_std
+from spotline.models.provider import (
+    LayerDef,
+    ModelDef,
+    init_unless_meta,
+    lm_loss,
+    residual_std,
+    seeded,
+)
 
 INIT_STD = 0.02
 
@@ -157,9 +165,12 @@ class Embedding(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, seed: int):
         super().__init__()
-        torch.manual_seed(seed)
+        self.seed = seed
         self.tok = nn.Embedding(vocab_size, d_model)
-        nn.init.normal_(self.tok.weight, std=INIT_STD)
+        init_unless_meta(self)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.tok.weight, std=INIT_STD, generator=seeded(self.seed))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.tok(idx)
@@ -183,16 +194,22 @@ class Block(nn.Module):
         seed: int,
     ):
         super().__init__()
-        torch.manual_seed(seed)
+        self.seed, self.n_layers = seed, n_layers
         self.attn_norm = RMSNorm(d_model, norm_eps)
         self.attn = Attention(d_model, n_heads, n_kv_heads, rope_theta)
         self.mlp_norm = RMSNorm(d_model, norm_eps)
         self.mlp = MLP(d_model, ffn_hidden)
+        init_unless_meta(self)
+
+    def init_weights(self) -> None:
+        g = seeded(self.seed)
+        nn.init.ones_(self.attn_norm.weight)
+        nn.init.ones_(self.mlp_norm.weight)
         for lin in (self.attn.q, self.attn.k, self.attn.v, self.mlp.gate, self.mlp.up):
-            nn.init.normal_(lin.weight, std=INIT_STD)
+            nn.init.normal_(lin.weight, std=INIT_STD, generator=g)
         # GPT-2's scaling of the residual projections keeps deep stacks stable.
         for lin in (self.attn.o, self.mlp.down):
-            nn.init.normal_(lin.weight, std=residual_std(n_layers, INIT_STD))
+            nn.init.normal_(lin.weight, std=residual_std(self.n_layers, INIT_STD), generator=g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._mlp(self._attn(x))
@@ -220,15 +237,19 @@ class Head(nn.Module):
 
     def __init__(self, d_model: int, vocab_size: int, norm_eps: float, seed: int, tied: bool):
         super().__init__()
-        torch.manual_seed(seed)
-        self.tied = tied
+        self.seed, self.tied = seed, tied
         self.norm = RMSNorm(d_model, norm_eps)
         # A plain attribute (a tuple), not a submodule: the embedding's weight must stay
         # registered once, under the embedding's name.
         self._tied_to: tuple[Embedding, ...] = ()
         if not tied:
             self.lm = nn.Linear(d_model, vocab_size, bias=False)
-            nn.init.normal_(self.lm.weight, std=INIT_STD)
+        init_unless_meta(self)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.norm.weight)
+        if not self.tied:
+            nn.init.normal_(self.lm.weight, std=INIT_STD, generator=seeded(self.seed))
 
     def projection(self) -> torch.Tensor:
         """The output projection [V, d]: its own, or the linked embedding's."""

@@ -16,6 +16,15 @@ architecture:
 - **Weights that do not depend on the cut.** A layer seeds its own initialisation
   (`torch.manual_seed(seed + index)` in its constructor, for example), so a stage
   builds exactly the weights the whole model would have.
+- **Built once, in place** (optional): a layer class with an `init_weights()` method
+  that (re)initialises every parameter and buffer from the layer's own seed is built
+  on the meta device and materialised once: initialised in place, or left empty when
+  a checkpoint (a resume, `model.init_from`) will fill it, so a resume never runs the
+  random init it then overwrites. The built-in layers do this; a layer without it is
+  built by its constructor, as before.
+- **Per-block options** (`BuildOptions`): activation checkpointing of every k-th
+  block (`parallel.activation_checkpointing`) and `torch.compile` of each block
+  (`parallel.compile`), applied in place to the `block_class` layers, at any cut.
 - **MFU.** `flops_per_token` counts the training (forward + backward) model FLOPs of
   one token, the numerator of MFU.
 - **Inference.** The same layers, applied in order, give logits from token ids:
@@ -54,6 +63,7 @@ py_modules, or install it in the image).
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -62,6 +72,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -73,8 +84,20 @@ class LayerDef:
     args: tuple = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def build(self) -> nn.Module:
-        return self.cls(*self.args, **self.kwargs)
+    def build(self, *, init: bool = True) -> nn.Module:
+        """The layer on the host. A layer class with `init_weights()` (the built-in ones)
+        is built on the meta device and materialised once, in place: initialised, or
+        left empty (`init=False`) for weights a checkpoint will fill. Any other class is
+        built as its constructor builds it (which initialises it). Under an active
+        `torch.device("meta")` nothing is allocated at all."""
+        if not hasattr(self.cls, "init_weights") or torch.get_default_device().type == "meta":
+            return self.cls(*self.args, **self.kwargs)
+        with torch.device("meta"):
+            layer = self.cls(*self.args, **self.kwargs)
+        layer.to_empty(device="cpu")
+        if init:
+            layer.init_weights()
+        return layer
 
 
 @dataclass(frozen=True)
@@ -112,22 +135,83 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def build_sequential(model: ModelDef) -> nn.Sequential:
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a rank builds its layers. None of it changes what the model computes: losses
+    are equal, within floating-point tolerance, whichever options are set."""
+
+    init: bool = True
+    """False: the weights are left empty (never randomly initialised), for a checkpoint
+    or `model.init_from` to fill before the first step."""
+    recompute_every: int = 0
+    """Activation checkpointing: blocks 0, k, 2k, ... of the whole model (numbered the
+    same at any pipeline cut) keep only their input and recompute the rest in the
+    backward. 0: none; 1: every block."""
+    compile: bool = False
+    """`torch.compile` each block (in place: parameter names do not change)."""
+
+
+def build_layer(model: ModelDef, index: int, opts: BuildOptions = BuildOptions()) -> nn.Module:
+    """Layer `index` of the flat list, built (`LayerDef.build`) and, if it is a block,
+    compiled and/or recomputed in the backward as `opts` say."""
+    ld = model.layers[index]
+    layer = ld.build(init=opts.init)
+    if ld.cls is model.block_class:
+        block = sum(1 for other in model.layers[:index] if other.cls is model.block_class)
+        if opts.compile:
+            layer.compile()
+        if opts.recompute_every and block % opts.recompute_every == 0:
+            recompute_in_backward(layer)
+    return layer
+
+
+def recompute_in_backward(layer: nn.Module) -> nn.Module:
+    """Make `layer` keep only its input for the backward, which runs its forward again
+    (`torch.utils.checkpoint`, non-reentrant, with the forward's RNG state restored, so
+    dropout draws the same mask). In place: the layer's parameters and their names are
+    unchanged. Under `torch.no_grad` it runs as usual."""
+    layer.forward = types.MethodType(_recomputed_forward, layer)
+    return layer
+
+
+def _recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    forward = type(self).forward.__get__(self)
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def build_sequential(model: ModelDef, opts: BuildOptions = BuildOptions()) -> nn.Sequential:
     """The whole model on one device (pp=1, and inference); `.seq_len` is its context."""
-    seq = nn.Sequential(*[ld.build() for ld in model.layers])
+    seq = nn.Sequential(*[build_layer(model, i, opts) for i in range(len(model.layers))])
     if model.post_build is not None:
         seq = model.post_build(seq)
     seq.seq_len = model.seq_len
     return seq
 
 
-def build_pipeline_module(model: ModelDef, num_stages: int, bounds: list[int] | None = None):
+def build_pipeline_module(
+    model: ModelDef,
+    num_stages: int,
+    bounds: list[int] | None = None,
+    opts: BuildOptions = BuildOptions(),
+):
     """A DeepSpeed PipelineModule of `num_stages` stages, stage s holding layers
     bounds[s]:bounds[s+1] (default: `stage_bounds`, blocks split evenly); only this
-    stage's layers are built."""
+    stage's layers are built, each once (`build_layer`)."""
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     parts = list(bounds) if bounds is not None else stage_bounds(model, num_stages)
+
+    class StageLayer(LayerSpec):
+        # DeepSpeed builds the layers of this rank's stage only, through this.
+        def __init__(self, index: int):
+            ld = model.layers[index]
+            super().__init__(ld.cls, *ld.args, **ld.kwargs)
+            self.index = index
+
+        def build(self, log: bool = False) -> nn.Module:
+            return build_layer(model, self.index, opts)
 
     class ExplicitPipelineModule(PipelineModule):
         # DeepSpeed cuts by a named method; Spotline decides the cut itself.
@@ -137,10 +221,10 @@ def build_pipeline_module(model: ModelDef, num_stages: int, bounds: list[int] | 
             self._set_bounds(start=parts[stage], stop=parts[stage + 1])
 
     return ExplicitPipelineModule(
-        layers=[LayerSpec(ld.cls, *ld.args, **ld.kwargs) for ld in model.layers],
+        layers=[StageLayer(i) for i in range(len(model.layers))],
         num_stages=num_stages,
         loss_fn=model.loss,
-        activation_checkpoint_interval=0,
+        activation_checkpoint_interval=0,  # Spotline's own, per block: BuildOptions
     )
 
 
@@ -169,13 +253,26 @@ def stage_bounds(model: ModelDef, num_stages: int) -> list[int]:
     return bounds
 
 
-def init_normal(module: nn.Module, std: float) -> None:
+def init_normal(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
     """The usual init of a decoder's matrices: N(0, std) weights, zero biases."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=std)
+            nn.init.normal_(m.weight, std=std, generator=generator)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A host generator at `seed`: a layer's `init_weights` draws from its own, so its
+    weights depend on its seed alone (not on what was drawn before, nor on the cut)."""
+    return torch.Generator().manual_seed(seed)
+
+
+def init_unless_meta(layer: nn.Module) -> None:
+    """The end of a built-in layer's constructor: `layer.init_weights()`, unless the
+    layer was built on the meta device (`LayerDef.build` then materialises it first)."""
+    if any(p.device.type != "meta" for p in layer.parameters()):
+        layer.init_weights()
 
 
 def residual_std(n_layers: int, std: float = 0.02) -> float:

@@ -191,8 +191,14 @@ class TrainWorker:
 
     @blames_user_code
     def setup(
-        self, master_addr: str, master_port: int, bounds: list[int] | None = None
+        self,
+        master_addr: str,
+        master_port: int,
+        bounds: list[int] | None = None,
+        init: bool = True,
     ) -> dict[str, Any]:
+        """Join the process group and build this rank's engine (`init=False`: its weights
+        are left empty for the checkpoint the group restores next)."""
         if constants.SPOTLINE_PIN_CORES:
             pin_process(self.topo.rank)
         # This node's disk, checked before the first step rather than at the first save.
@@ -213,7 +219,7 @@ class TrainWorker:
             self.channel = WindowChannel(
                 channel_path(self.spec, self.attempt, self.topo.rank), create=True
             )
-        name, peak = device_peak(self.spec.parallel.precision, threads)
+        name, peak = device_peak(self.spec.parallel.precision_on(self.device), threads)
         self.trainer = Trainer(
             self.spec,
             self.topo,
@@ -221,6 +227,7 @@ class TrainWorker:
             window_channel=self.channel,
             bounds=bounds,
             flops_per_s=peak,
+            init=init,
         )
         self.metrics = Metrics(self.spec.name)
         return {"backend": backend, "device": name, "peak_flops": peak}

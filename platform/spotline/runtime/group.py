@@ -113,7 +113,7 @@ class WorkerGroup(Protocol):
     attempt: str
     device: str  # "gpu" or "cpu", once started
 
-    def start(self, partition: list[int] | None = None) -> None: ...
+    def start(self, partition: list[int] | None = None, init: bool = True) -> None: ...
     def partition(self) -> dict[str, Any]: ...
     def restore(self, manifest: Manifest, source: str | None = None) -> int: ...
     def run(self, target: int) -> None: ...
@@ -273,9 +273,11 @@ class RayWorkerGroup:
 
     # --- start-up ---------------------------------------------------------------------
 
-    def start(self, partition: list[int] | None = None) -> None:
+    def start(self, partition: list[int] | None = None, init: bool = True) -> None:
         """Place and start the ranks. `partition`: the layer bounds to run at (a resumed
-        job's recorded ones, or a re-partition); None: parallel.partition decides."""
+        job's recorded ones, or a re-partition); None: parallel.partition decides.
+        `init=False`: the ranks leave their weights empty for the `restore` that
+        follows (a rank refuses to train before it loaded one)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -367,7 +369,9 @@ class RayWorkerGroup:
         )
         self._partition = self._choose_partition(partition, timeout)
         bounds = self._partition["bounds"]
-        self._devices = self._call_all("rendezvous", "setup", addr, port, bounds, timeout_s=timeout)
+        self._devices = self._call_all(
+            "rendezvous", "setup", addr, port, bounds, init, timeout_s=timeout
+        )
 
     def _choose_partition(self, pinned: list[int] | None, timeout: float) -> dict[str, Any]:
         """The layer bounds of the stages, and what they were chosen from (see

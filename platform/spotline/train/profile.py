@@ -89,6 +89,7 @@ def probe(
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
+    spec = spec.on_device("gpu" if gpu else "cpu")
     dtype = torch.bfloat16 if spec.parallel.precision == "bf16" else torch.float32
     n = 4096 if gpu else 512
     out: dict[str, Any] = {

@@ -38,6 +38,7 @@ from spotline.config.schema import JobSpec
 from spotline.data import Prefetcher, Sampler, open_dataset
 from spotline.metrics.flops import device_peak
 from spotline.models import (
+    BuildOptions,
     build_pipeline_module,
     build_sequential,
     init_from_hf,
@@ -183,10 +184,23 @@ def compile_on_first_call(compile_fn: Any) -> Any:
     return deferred
 
 
+def training_device() -> str:
+    """'gpu' when this rank trains on CUDA (its process group is nccl's), else 'cpu'."""
+    if dist.is_available() and dist.is_initialized():
+        return "gpu" if dist.get_backend() == "nccl" else "cpu"
+    return "cpu"
+
+
+def float32_matmul_precision(device: str) -> str:
+    """torch's float32 matmul precision on `device`: 'high' (TF32 tensor cores) on a
+    GPU, for any fp32 matmul left under bf16 and for fp32 jobs; 'highest' on CPU."""
+    return "high" if device == "gpu" else "highest"
+
+
 def use_device(device: str, local_rank: int, rank: int) -> None:
     """Make this process drive its one device: on 'gpu', cuda:`local_rank` of the GPUs it
-    sees (its node's, shared). A rank that Ray gave a GPU but whose torch cannot use
-    CUDA fails here, never falling back to CPU."""
+    sees (its node's, shared), with TF32 on for fp32 matmuls. A rank that Ray gave a GPU
+    but whose torch cannot use CUDA fails here, never falling back to CPU."""
     if device != "gpu":
         return
     if not torch.cuda.is_available():
@@ -199,6 +213,8 @@ def use_device(device: str, local_rank: int, rank: int) -> None:
             "the GPU nodes' image, or set resources.device: cpu"
         )
     torch.cuda.set_device(local_rank)
+    torch.set_float32_matmul_precision(float32_matmul_precision(device))
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def init_distributed(
@@ -262,12 +278,16 @@ class Trainer:
         window_channel: WindowChannel | None = None,
         bounds: list[int] | None = None,
         flops_per_s: float | None = None,
+        init: bool = True,
     ):
         """`flops_per_s`: this device's FLOP/s (`metrics.flops.device_peak`, looked up
         here when not given), from which a pipeline stage predicts its bubbles before
-        it has measured a step."""
+        it has measured a step. `init=False`: the caller loads a checkpoint (`fetch`,
+        `load`) before the first step, so the stage is materialised empty, never
+        randomly initialised; a step before that load refuses to run."""
         import deepspeed
 
+        spec = spec.on_device(training_device())
         self.spec = spec
         self.topo = topo
         if threads:
@@ -289,13 +309,23 @@ class Trainer:
         self.model_def = model_def(spec)
         # The layers each stage holds (layer-index bounds); recorded with every save.
         self.bounds = bounds or stage_bounds(self.model_def, spec.parallel.pipeline_stages)
+        # A resume's checkpoint, else model.init_from, else the random init: each layer
+        # of this rank's stage is built once, on the meta device, and then initialised
+        # in place, or left empty for the weights a load writes.
+        init_from = getattr(spec.model, "init_from", None) if init else None
+        opts = BuildOptions(
+            init=init and not init_from,
+            recompute_every=spec.parallel.activation_checkpointing,
+            compile=spec.parallel.compile,
+        )
+        self._weights_set = init
         if self.pipelined:
             model = build_pipeline_module(
-                self.model_def, spec.parallel.pipeline_stages, self.bounds
+                self.model_def, spec.parallel.pipeline_stages, self.bounds, opts
             )
         else:
-            model = build_sequential(self.model_def)
-        if getattr(spec.model, "init_from", None):
+            model = build_sequential(self.model_def, opts)
+        if init_from:
             init_from_hf(model, spec)  # before DeepSpeed copies the weights into its state
         opt = build_optimizer(model, spec)
         self.adaptive = t.batch_schedule == "adaptive"
@@ -353,6 +383,12 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer step; returns the global-batch mean loss (same on every rank)."""
+        if not self._weights_set:
+            raise RuntimeError(
+                f"rank {self.topo.rank} was built to load a checkpoint (its weights are "
+                "empty) and none was loaded before its first step; this is a Spotline "
+                "bug, and the restart that follows initialises the weights"
+            )
         host, stall = self.prefetch.get(self.step)
         if len(host) != self.micro_batches:  # built ahead before the batch changed
             host = self._batches(self.sampler, self.step)
@@ -544,6 +580,7 @@ class Trainer:
         """Finish a load: the step, RNG streams (the same ones when this rank existed at
         the saved shape; reseeded otherwise) and the lr of this group's schedule."""
         self.step = fetched.step
+        self._weights_set = True
         own = fetched.rank_meta
         topo = own.get("topology", {}) if own else {}
         same = (
