@@ -190,7 +190,18 @@ def _fake_pynvml(count: int, init_calls: list[int]) -> types.ModuleType:
 
     m.nvmlInit = init
     m.nvmlDeviceGetCount = lambda: count
-    m.nvmlDeviceGetHandleByIndex = lambda i: i
+
+    def by_index(i: int) -> int:
+        if not 0 <= i < count:
+            raise _NVMLError("invalid argument")
+        return i
+
+    def by_uuid(uuid: bytes) -> int:  # "GPU-<index>"
+        return by_index(int(uuid.decode().removeprefix("GPU-")))
+
+    m.nvmlDeviceGetHandleByIndex = by_index
+    m.nvmlDeviceGetHandleByUUID = by_uuid
+    m.nvmlDeviceGetIndex = lambda h: h
     m.nvmlDeviceGetName = lambda h: b"NVIDIA H200" if h == 0 else "NVIDIA H200"
     m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87, memory=40)
     m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
@@ -224,3 +235,56 @@ def test_gpu_samples_fields_and_per_field_errors(fresh_nvml_cache, monkeypatch) 
 def test_gpu_samples_zero_devices(fresh_nvml_cache, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(0, []))
     assert gpu.gpu_samples() == []
+
+
+def test_nvml_target_is_the_device_cuda_numbers_local_index():
+    t = gpu.nvml_target
+    assert t(None, 2) == ("index", 2)  # nothing hidden: CUDA's numbering is NVML's
+    assert t("3,1,5", 0) == ("index", 3) and t("3,1,5", 2) == ("index", 5)
+    assert t("GPU-aa,GPU-bb", 1) == ("uuid", "GPU-bb")  # Ray may list UUIDs
+    assert t("MIG-cc", 0) == ("uuid", "MIG-cc")
+    assert t("", 0) is None  # a CPU group hides every GPU
+    assert t("2", 1) is None and t(None, -1) is None
+    assert t("0,-1,2", 0) == ("index", 0) and t("0,-1,2", 1) is None  # CUDA stops there
+    assert t("0,-1,2", 2) is None
+
+
+def test_a_rank_samples_only_the_gpu_it_drives(fresh_nvml_cache, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(4, []))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    (own,) = gpu.gpu_samples(1)
+    assert own["index"] == 3 and own["name"] == "NVIDIA H200"  # the node's numbering
+    assert gpu.gpu_samples(2) == []  # no cuda:2 in this process
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1,GPU-0")
+    assert [s["index"] for s in gpu.gpu_samples(0)] == [1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    assert gpu.gpu_samples(0) == []  # NVML has no such device
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu.gpu_samples(0) == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert [s["index"] for s in gpu.gpu_samples(2)] == [2]
+    assert [s["index"] for s in gpu.gpu_samples()] == [0, 1, 2, 3]  # the whole node
+
+
+def test_each_rank_exports_its_own_gpu_under_its_labels(fresh_nvml_cache, monkeypatch) -> None:
+    from spotline.metrics.export import export_gpu_samples
+
+    class Recorded:
+        def __init__(self) -> None:
+            self.sets: list[tuple[str, dict]] = []
+
+        def set(self, name: str, value, **tags) -> None:
+            if value is not None:
+                self.sets.append((name, tags))
+
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(4, []))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    m = Recorded()
+    export_gpu_samples(m, 1, 0, 2)
+    assert {tuple(tags.items()) for _, tags in m.sets} == {
+        (("stage", 1), ("replica", 0), ("gpu", 2))
+    }
+    assert len(m.sets) == 4  # utilisation, memory, clock, power of that one GPU
+    m = Recorded()
+    export_gpu_samples(m, 0, 0, None)  # a rank that drives no GPU
+    assert m.sets == []

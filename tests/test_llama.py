@@ -15,6 +15,7 @@ from spotline.config import load_spec
 from spotline.config.model import LlamaModelSpec
 from spotline.models import build_sequential, layer_param_counts, llama, model_def, stage_bounds
 from spotline.models import hf as hfmod
+from spotline.models.decode import LayerKV, attend
 from spotline.models.provider import residual_std
 
 pytestmark = pytest.mark.unit
@@ -220,6 +221,40 @@ def test_gqa_shapes_and_sharing():
         attn.q.weight[hd : 2 * hd].copy_(attn.q.weight[:hd])
         y = attn(x).reshape(2, 16, 4, hd)
     torch.testing.assert_close(y[:, :, 0], y[:, :, 1])
+
+
+@pytest.mark.parametrize("t", [16, 5, 1])  # a whole sequence, a draft, one decoded token
+def test_grouped_attention_equals_repeated_kv_heads(t):
+    # attend reads each k/v head for its group of query heads in place; the reference
+    # repeats the heads first (HF's repeat_kv order: query heads 2j, 2j+1 read head j).
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, t, 16, generator=g)
+    k, v = (torch.randn(2, 2, 16, 16, generator=g) for _ in range(2))
+    want = attend(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(attend(q, k, v), want, rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_attention_matches_the_repeated_heads_formula():
+    # The Attention module, against the formula it replaced: k/v heads copied with
+    # repeat_interleave, then plain causal SDPA; also through the KV cache.
+    _, _, model = built()
+    attn = model[1].attn
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(5))
+    b, t, hd = 2, 16, 16
+    with torch.no_grad():
+        q = attn.q(x).view(b, t, 4, hd).transpose(1, 2)
+        k = attn.k(x).view(b, t, 2, hd).transpose(1, 2)
+        v = attn.v(x).view(b, t, 2, hd).transpose(1, 2)
+        cos, sin = llama.rope_cos_sin(t, hd, attn.rope_theta, x.device, q.dtype)
+        q, k = llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        want = attn.o(y.transpose(1, 2).reshape(b, t, 64))
+        torch.testing.assert_close(attn(x), want, rtol=1e-5, atol=1e-5)
+        cache = LayerKV(16)
+        parts = [attn(x[:, :9], cache, 0), attn(x[:, 9:10], cache, 9), attn(x[:, 10:], cache, 10)]
+        torch.testing.assert_close(torch.cat(parts, dim=1), want, rtol=1e-5, atol=1e-5)
+        assert cache._k.shape[1] == 2  # the cache holds the 2 k/v heads, not 4 copies
 
 
 # --- tied embeddings ---------------------------------------------------------------

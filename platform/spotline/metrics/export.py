@@ -191,11 +191,15 @@ class Metrics:
                 log.warning("Spotline metrics are not exported from this process: %s", e)
 
 
-def export_gpu_samples(metrics: Metrics, stage: int, replica: int) -> None:
-    """Per-device pynvml figures of this process's node; nothing at all without NVIDIA GPUs."""
+def export_gpu_samples(metrics: Metrics, stage: int, replica: int, local_index: int | None) -> None:
+    """pynvml figures of the GPU this rank drives (cuda:`local_index`), tagged with its
+    node index; nothing for a rank that drives none (`local_index` None) and nothing
+    at all without NVIDIA GPUs."""
     from spotline.metrics.gpu import gpu_samples
 
-    for s in gpu_samples():
+    if local_index is None:
+        return
+    for s in gpu_samples(local_index):
         tags = {"stage": stage, "replica": replica, "gpu": s["index"]}
         metrics.set("spotline_gpu_utilization_percent", s.get("utilization_pct"), **tags)
         metrics.set("spotline_gpu_memory_used_bytes", s.get("memory_used_bytes"), **tags)

@@ -1,12 +1,15 @@
 """Per-GPU utilisation samples from NVML (package nvidia-ml-py, module `pynvml`).
 
-Silent where there is nothing to sample: without pynvml, without an NVIDIA driver, or
-with no devices, `gpu_samples()` returns [] and logs and warns nothing, so it can be
-called unconditionally from a CPU-only worker's metrics loop.
+A rank samples the one device it drives (`gpu_samples(local_index)`): the ranks of a
+node share its GPUs (CUDA_VISIBLE_DEVICES lists them all), and each exports only its
+own under its own labels. Silent where there is nothing to sample: without pynvml,
+without an NVIDIA driver, or with no devices, `gpu_samples()` returns [] and logs and
+warns nothing, so it can be called unconditionally from a CPU-only worker's metrics loop.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -54,9 +57,40 @@ def _field(read: Callable[[], Any]) -> Any:
         return _UNSET
 
 
-def _sample(nvml: Any, index: int) -> dict[str, Any]:
+def nvml_target(cuda_visible_devices: str | None, local_index: int) -> tuple[str, int | str] | None:
+    """How NVML names the device torch calls cuda:`local_index`: ("index", NVML index)
+    or ("uuid", "GPU-..." / "MIG-..."); None when no such device is visible.
+
+    `cuda_visible_devices` is the process's CUDA_VISIBLE_DEVICES, which Ray sets to
+    device indices or UUIDs: cuda:i is its i-th entry, and CUDA ignores the entries from
+    the first one that names no device on. Unset, cuda:i is NVML's device i (CUDA's
+    default order puts the fastest device first; on a node of identical GPUs that is
+    the PCI bus order NVML numbers by). Empty, no device is visible.
+    """
+    if cuda_visible_devices is None:
+        return ("index", local_index) if local_index >= 0 else None
+    visible: list[tuple[str, int | str]] = []
+    for entry in cuda_visible_devices.split(","):
+        entry = entry.strip()
+        if entry.isdigit():
+            visible.append(("index", int(entry)))
+        elif entry.startswith(("GPU-", "MIG-")):
+            visible.append(("uuid", entry))
+        else:
+            break
+    return visible[local_index] if 0 <= local_index < len(visible) else None
+
+
+def _handle(nvml: Any, target: tuple[str, int | str]) -> Any:
+    """The NVML handle of a `nvml_target`, or _UNSET."""
+    kind, key = target
+    if kind == "uuid":
+        return _field(lambda: nvml.nvmlDeviceGetHandleByUUID(str(key).encode()))
+    return _field(lambda: nvml.nvmlDeviceGetHandleByIndex(key))
+
+
+def _sample(nvml: Any, index: int, handle: Any) -> dict[str, Any]:
     sample: dict[str, Any] = {"index": index}
-    handle = _field(lambda: nvml.nvmlDeviceGetHandleByIndex(index))
     if handle is _UNSET:
         return sample
 
@@ -85,19 +119,29 @@ def _sample(nvml: Any, index: int) -> dict[str, Any]:
     return sample
 
 
-def gpu_samples() -> list[dict[str, Any]]:
-    """One dict per NVIDIA device, in NVML index order.
+def gpu_samples(local_index: int | None = None) -> list[dict[str, Any]]:
+    """One dict per NVIDIA device, in NVML index order; with `local_index`, only the
+    device this process calls cuda:`local_index` (`nvml_target` of its
+    CUDA_VISIBLE_DEVICES), or none when that device is not visible.
 
-    Keys: index, name, utilization_pct (GPU busy %, last sample period), memory_used_bytes,
-    memory_total_bytes, sm_clock_mhz, power_w. A field NVML cannot read for a device
-    (not supported, no permission) is omitted; `index` is always present. Returns [] when
-    pynvml is not installed, NVML fails to initialise (no driver), or there are no devices;
-    it never raises, logs or warns.
+    Keys: index (NVML's, the node's numbering), name, utilization_pct (GPU busy %, last
+    sample period), memory_used_bytes, memory_total_bytes, sm_clock_mhz, power_w. A
+    field NVML cannot read for a device (not supported, no permission) is omitted;
+    `index` is always present. Returns [] when pynvml is not installed, NVML fails to
+    initialise (no driver), or there are no devices; it never raises, logs or warns.
     """
     nvml = _init_nvml()
     if nvml is None:
         return []
+    if local_index is not None:
+        target = nvml_target(os.environ.get("CUDA_VISIBLE_DEVICES"), local_index)
+        handle = _UNSET if target is None else _handle(nvml, target)
+        if handle is _UNSET:
+            return []
+        kind, key = target
+        index = key if kind == "index" else _field(lambda: int(nvml.nvmlDeviceGetIndex(handle)))
+        return [_sample(nvml, local_index if index is _UNSET else index, handle)]
     count = _field(nvml.nvmlDeviceGetCount)
     if count is _UNSET or not count:
         return []
-    return [_sample(nvml, i) for i in range(int(count))]
+    return [_sample(nvml, i, _handle(nvml, ("index", i))) for i in range(int(count))]

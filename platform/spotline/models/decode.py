@@ -32,18 +32,22 @@ def attend(
 ) -> torch.Tensor:
     """Causal attention of the last q.shape[2] positions over all k.shape[2] positions.
 
-    q [B, H, t, hd]; k, v [B, H, S, hd] with S >= t, the queries being positions
-    S-t..S-1. SDPA's `is_causal` aligns its mask top-left (query i sees keys <= i),
-    which is right only when t == S, so a shorter q gets an explicit mask (query i
-    sees keys <= S-t+i). One new token sees everything and needs none.
+    q [B, H, t, hd]; k, v [B, H_kv, S, hd] with S >= t, the queries being positions
+    S-t..S-1. H_kv < H is grouped-query attention: k/v head j serves the H/H_kv
+    consecutive query heads from j*H/H_kv (HF's `repeat_kv` order); SDPA reads the
+    shared heads where they are (`enable_gqa`) instead of a repeated copy of the cache.
+    SDPA's `is_causal` aligns its mask top-left (query i sees keys <= i), which is right
+    only when t == S, so a shorter q gets an explicit mask (query i sees keys <= S-t+i).
+    One new token sees everything and needs none.
     """
     t, s = q.shape[2], k.shape[2]
+    kw = {"dropout_p": dropout_p, "enable_gqa": k.shape[1] != q.shape[1]}
     if t == s:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     if t == 1:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, **kw)
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
 
 
 class LayerKV:

@@ -139,11 +139,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # cached k/v keep n_kv_heads: GQA's saving holds in the cache
             k, v = cache.append(k, v)
-        group = self.n_heads // self.n_kv_heads
-        if group > 1:  # each k/v head serves `group` consecutive query heads (HF's repeat_kv)
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        y = attend(q, k, v)
+        y = attend(q, k, v)  # grouped k/v heads read in place, never repeated
         return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 

@@ -397,7 +397,8 @@ class TrainWorker:
     # --- published figures ------------------------------------------------------------
 
     def _export_devices(self) -> None:
-        export_gpu_samples(self.metrics, self.topo.stage, self.topo.replica)
+        own = self.local_rank if self.device == "gpu" else None  # its one GPU, if any
+        export_gpu_samples(self.metrics, self.topo.stage, self.topo.replica, own)
 
     def _bubbles(self) -> dict[str, Any] | None:
         """This stage's bubble figures since the last call, and its latest steps' timeline."""

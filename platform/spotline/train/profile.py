@@ -104,6 +104,6 @@ def probe(
             device,
             threads=threads,
             micro_batches=spec.grad_accum(replicas or spec.replica_counts()[0]),
-            optimizer=lambda layer: build_optimizer(layer, spec),
+            optimizer=lambda layer: build_optimizer(layer, spec, device="gpu" if gpu else "cpu"),
         )
     return out

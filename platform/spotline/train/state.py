@@ -402,12 +402,48 @@ class _Layout:
 # --- save ------------------------------------------------------------------------------
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy, contiguous and 1-D, sharing nothing with the engine."""
-    t = t.detach().reshape(-1)
-    if t.device.type == "cpu":
-        return t.clone(memory_format=torch.contiguous_format)
-    return t.to("cpu", copy=True).contiguous()
+class HostCopier:
+    """Host copies of device tensors, each owned by the caller (nothing shared with the
+    engine), contiguous and 1-D.
+
+    CPU tensors are cloned. CUDA tensors are copied into freshly allocated pinned host
+    buffers, each enqueued (non_blocking) on a side stream of its device that first
+    waits for what the current stream has queued so far: the copies see every write
+    queued before them, and the host only enqueues them instead of blocking on each.
+    `wait()` blocks once, until all of them have landed; until it returns, a CUDA
+    copy's contents are undefined, and its source must not be written. The buffers are
+    fresh at every save, never reused by Spotline: the upload thread reads a snapshot
+    while training goes on (torch's pinned-memory cache recycles a buffer once freed).
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._sources: list[torch.Tensor] = []  # alive until their copies have landed
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type == "cpu":
+            return t.reshape(-1).clone(memory_format=torch.contiguous_format)
+        if t.device.type != "cuda":
+            return t.reshape(-1).to("cpu", copy=True).contiguous()
+        stream = self._streams.get(t.device)
+        if stream is None:
+            stream = self._streams[t.device] = torch.cuda.Stream(t.device)
+        # Waited on at every copy: `t` may be the output of a kernel queued just now.
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            out.copy_(t, non_blocking=True)
+        # Kept alive so the allocator cannot hand its memory to the current stream
+        # before the side stream has read it (a temporary from a getter, say).
+        self._sources.append(t)
+        return out.view(-1)
+
+    def wait(self) -> None:
+        """Block until every copy enqueued so far is on the host."""
+        for stream in self._streams.values():
+            stream.synchronize()
+        self._sources.clear()
 
 
 def _topology_meta(engine, topo) -> dict[str, Any]:
@@ -430,6 +466,7 @@ def snapshot(engine, topo, *, write_weights: bool) -> RankSnapshot:
     """
     lay = _Layout(engine, topo)
     keys = lay.optim_keys()
+    host = HostCopier()
     tensors: dict[str, torch.Tensor] = {}
     entries: list[dict] = []
 
@@ -456,7 +493,11 @@ def snapshot(engine, topo, *, write_weights: bool) -> RankSnapshot:
             for kind in slot.kinds or (FP32, *keys):
                 live = slot.get(kind)
                 # Adam creates its moments at the first step: before it, they are zero.
-                t = torch.zeros(slot.numel, dtype=torch.float32) if live is None else _host(live)
+                t = (
+                    torch.zeros(slot.numel, dtype=torch.float32)
+                    if live is None
+                    else host.copy(live)
+                )
                 add(rec, kind, slot.start, t)
         # fp32 weights are the master itself: a load rebuilds them from the fp32
         # fragments, which it reads anyway, so they are not written twice.
@@ -466,7 +507,8 @@ def snapshot(engine, topo, *, write_weights: bool) -> RankSnapshot:
             and rec.lp_get is not None
             and rec.param.dtype != torch.float32
         ):
-            add(rec, WEIGHT, 0, _host(rec.lp_get()))
+            add(rec, WEIGHT, 0, host.copy(rec.lp_get()))
+    host.wait()
     sched = engine.lr_scheduler
     step = lay.adam_step()
     meta = {

@@ -99,7 +99,21 @@ def lr_lambda(spec: JobSpec, replicas: int, batch_scale=lambda: 1.0):
     return f
 
 
-def build_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
+def training_device() -> str:
+    """'gpu' where this process's group runs on nccl (its parameters train on its GPU),
+    else 'cpu' (a gloo group, or no process group yet)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return "gpu"
+    return "cpu"
+
+
+def build_optimizer(
+    model: torch.nn.Module, spec: JobSpec, *, device: str = "cpu"
+) -> torch.optim.Optimizer:
+    """The job's AdamW over `model`'s trainable parameters (no weight decay on 1-D ones).
+
+    `device`: where the parameters will train ('gpu' or 'cpu'). On a GPU the update is
+    torch's fused kernel (one launch per step, not several per parameter)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -110,7 +124,11 @@ def build_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimi
     ]
     # torch's AdamW: DeepSpeed's fused Adam would JIT-compile a C++ op on CPU.
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=spec.train.lr, betas=(0.9, 0.95), eps=1e-8
+        [g for g in groups if g["params"]],
+        lr=spec.train.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True if device == "gpu" else None,
     )
 
 
@@ -327,7 +345,7 @@ class Trainer:
             model = build_sequential(self.model_def, opts)
         if init_from:
             init_from_hf(model, spec)  # before DeepSpeed copies the weights into its state
-        opt = build_optimizer(model, spec)
+        opt = build_optimizer(model, spec, device=training_device())
         self.adaptive = t.batch_schedule == "adaptive"
         self.schedule = BatchSchedule.start(
             spec.global_batch(topo.replicas), t.batch_schedule, t.adaptive.ema_decay
