@@ -202,13 +202,6 @@ def compile_on_first_call(compile_fn: Any) -> Any:
     return deferred
 
 
-def training_device() -> str:
-    """'gpu' when this rank trains on CUDA (its process group is nccl's), else 'cpu'."""
-    if dist.is_available() and dist.is_initialized():
-        return "gpu" if dist.get_backend() == "nccl" else "cpu"
-    return "cpu"
-
-
 def float32_matmul_precision(device: str) -> str:
     """torch's float32 matmul precision on `device`: 'high' (TF32 tensor cores) on a
     GPU, for any fp32 matmul left under bf16 and for fp32 jobs; 'highest' on CPU."""
@@ -305,7 +298,8 @@ class Trainer:
         randomly initialised; a step before that load refuses to run."""
         import deepspeed
 
-        spec = spec.on_device(training_device())
+        device = training_device()
+        spec = spec.on_device(device)
         self.spec = spec
         self.topo = topo
         if threads:
@@ -345,7 +339,7 @@ class Trainer:
             model = build_sequential(self.model_def, opts)
         if init_from:
             init_from_hf(model, spec)  # before DeepSpeed copies the weights into its state
-        opt = build_optimizer(model, spec, device=training_device())
+        opt = build_optimizer(model, spec, device=device)
         self.adaptive = t.batch_schedule == "adaptive"
         self.schedule = BatchSchedule.start(
             spec.global_batch(topo.replicas), t.batch_schedule, t.adaptive.ema_decay
