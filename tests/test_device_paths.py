@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from spotline.config import load_spec
 from spotline.train.state import HostCopier
-from spotline.train.trainer import build_optimizer, training_device
+from spotline.train.trainer import build_optimizer
 
 pytestmark = pytest.mark.unit
 
@@ -28,16 +27,6 @@ def test_adamw_is_fused_where_the_parameters_train_on_a_gpu():
     # Same groups either way: decay on the matrices only.
     assert [g["weight_decay"] for g in gpu.param_groups] == [0.1, 0.0]
     assert [len(g["params"]) for g in gpu.param_groups] == [1, 3]
-
-
-def test_the_training_device_follows_the_process_groups_backend():
-    assert not dist.is_initialized()
-    assert training_device() == "cpu"  # no group yet
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        assert training_device() == "cpu"  # a gloo group trains on the host
-    finally:
-        dist.destroy_process_group()
 
 
 # --- host copies of a checkpoint's state ---------------------------------------------

@@ -24,7 +24,7 @@ import torch
 
 from spotline.config import load_spec
 from spotline.models import BuildOptions, build_sequential, model_def
-from spotline.models.provider import LayerDef, build_layer, stage_bounds
+from spotline.models.provider import LayerDef, build_layer
 
 TINY = {"model.n_layers": 4, "model.d_model": 32, "model.n_heads": 2, "model.seq_len": 32}
 LLAMA = {
@@ -324,7 +324,9 @@ def _resume(make, rank: int, root: Path) -> dict:
     empty.load(Fetched(2, own, meta, 0))
     resumed = [empty.train_step() for _ in range(2)]
     empty.prefetch.close()
-    return {"reference": reference, "resumed": resumed, "refused": refused}
+    # 'auto' resolved where DeepSpeed placed the engine: fp32 on this host.
+    placed = (str(empty.engine.device), empty.spec.parallel.precision)
+    return {"reference": reference, "resumed": resumed, "refused": refused, "placed": placed}
 
 
 def _rank(rank: int, port: int, out: Path, q) -> None:
@@ -402,3 +404,22 @@ def test_recomputed_and_compiled_blocks_train_the_same_losses(tmp_path):
         resume = res["resume"]
         assert "none was loaded before its first step" in resume["refused"], rank
         assert resume["resumed"] == resume["reference"], rank
+        assert resume["placed"] == ["cpu", "fp32"], rank
+
+
+@pytest.mark.unit
+def test_hfu_counts_the_recomputed_forwards():
+    from spotline.metrics.flops import hardware_flops_per_token, model_flops_per_token
+    from spotline.plan import layer_flops_per_token
+
+    def extra(every: int) -> float:
+        spec = _llama(**{"parallel.activation_checkpointing": every})
+        return hardware_flops_per_token(spec) - model_flops_per_token(spec)
+
+    spec = _llama()
+    md = model_def(spec)
+    per_layer = layer_flops_per_token(spec, md)
+    blocks = sum(f for f, ld in zip(per_layer, md.layers, strict=True) if ld.cls is md.block_class)
+    assert extra(0) == 0.0  # nothing recomputed: HFU = MFU
+    assert extra(1) == pytest.approx(blocks / 3)  # every block's forward once more
+    assert extra(2) == pytest.approx(blocks / 6)  # blocks 0 and 2 of 4

@@ -229,12 +229,10 @@ def memory_problem(spec: JobSpec, capacity: int, source: str) -> str | None:
 # --- step time and bubble -------------------------------------------------------------
 
 
-def stage_flops_per_token(
-    spec: JobSpec, model: ModelDef | None = None, bounds: list[int] | None = None
-) -> list[float]:
-    """Training FLOPs per token of each pipeline stage: 6 x the weights of each layer's
-    matrix multiplications (nn.Linear: embeddings are gathers), plus 12·T·d of attention
-    per block, scaled so the stages add up to the provider's own `flops_per_token`."""
+def layer_flops_per_token(spec: JobSpec, model: ModelDef | None = None) -> list[float]:
+    """Training FLOPs per token of each layer: 6 x the weights of its matrix
+    multiplications (nn.Linear: embeddings are gathers), plus 12·T·d of attention per
+    block, scaled so the layers add up to the provider's own `flops_per_token`."""
     import torch
     from torch import nn
 
@@ -248,8 +246,17 @@ def stage_flops_per_token(
             attention = 12.0 * model.seq_len * d if ld.cls is model.block_class else 0.0
             raw.append(6.0 * linear + attention)
     scale = model.flops_per_token / sum(raw) if sum(raw) > 0 else 0.0
+    return [scale * r for r in raw]
+
+
+def stage_flops_per_token(
+    spec: JobSpec, model: ModelDef | None = None, bounds: list[int] | None = None
+) -> list[float]:
+    """Training FLOPs per token of each pipeline stage (`layer_flops_per_token`)."""
+    model = model or model_def(spec)
+    per_layer = layer_flops_per_token(spec, model)
     bounds = bounds or stage_bounds(model, spec.parallel.pipeline_stages)
-    return [scale * sum(raw[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def stage_micro_s(

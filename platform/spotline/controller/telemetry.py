@@ -22,7 +22,7 @@ from spotline.checkpoint import (
 from spotline.config.schema import JobSpec
 from spotline.metrics.deviation import DeviationMonitor, likely_cause
 from spotline.metrics.export import Metrics
-from spotline.metrics.flops import mfu, model_flops_per_token
+from spotline.metrics.flops import hardware_flops_per_token, mfu, model_flops_per_token
 from spotline.metrics.ledger import GoodputLedger
 from spotline.metrics.trackers import Trackers
 
@@ -49,8 +49,9 @@ class Telemetry:
             m.deviation_warmup_steps,
             m.deviation_baseline_steps,
         )
-        # No activation recomputation: hardware FLOPs = model FLOPs, so HFU = MFU.
         self.flops_per_token = model_flops_per_token(spec)
+        # Blocks recomputed in the backward run their forward twice (HFU counts it).
+        self.hardware_flops_per_token = hardware_flops_per_token(spec)
         self.peak_flops: float | None = None  # per device, from the workers
         self.history: list[dict[str, Any]] = []  # one row per chunk
         self.evals: list[dict[str, Any]] = []
@@ -162,7 +163,11 @@ class Telemetry:
         )
         tps = tokens / seconds if seconds else 0.0
         util = mfu(tps, self.flops_per_token, world, self.peak_flops) if self.peak_flops else None
-        hutil = util
+        hutil = (
+            mfu(tps, self.hardware_flops_per_token, world, self.peak_flops)
+            if self.peak_flops
+            else None
+        )
         step, loss = steps[-1]
         self.last = {
             "step_s": seconds / done,

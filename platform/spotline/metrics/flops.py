@@ -17,8 +17,9 @@ For the built-in models (see `spotline.models.gpt` and `spotline.models.llama`):
   GPT:   6*N + 12*L*T*d, N = L*12*d^2 + V*d
   Llama: 6*N + 12*L*T*d, N = L*(2*d^2 + 2*d*kv*hd + 3*d*ffn) + d*V (GQA, SwiGLU)
 
-MFU = achieved model FLOP/s / peak FLOP/s. Spotline does not recompute activations, so
-the hardware FLOPs equal the model FLOPs and HFU = MFU.
+MFU = achieved model FLOP/s / peak FLOP/s. HFU counts the hardware's FLOPs: with
+parallel.activation_checkpointing, each recomputed block runs its forward (a third of
+its training FLOPs) once more; without it HFU = MFU.
 """
 
 from __future__ import annotations
@@ -36,6 +37,22 @@ def model_flops_per_token(spec: JobSpec) -> float:
     from spotline.models import model_def
 
     return float(model_def(spec).flops_per_token)
+
+
+def hardware_flops_per_token(spec: JobSpec) -> float:
+    """`model_flops_per_token` plus the forward of every block that
+    parallel.activation_checkpointing recomputes in the backward (1/3 of its share)."""
+    from spotline.models import model_def
+    from spotline.plan import layer_flops_per_token
+
+    every = spec.parallel.activation_checkpointing
+    model = model_def(spec) if every else None
+    total = model_flops_per_token(spec)
+    if model is None:
+        return total
+    per_layer = layer_flops_per_token(spec, model)
+    blocks = [i for i, ld in enumerate(model.layers) if ld.cls is model.block_class]
+    return total + sum(per_layer[i] / 3 for n, i in enumerate(blocks) if n % every == 0)
 
 
 # --- device peaks --------------------------------------------------------------------

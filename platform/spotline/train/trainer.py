@@ -100,11 +100,10 @@ def lr_lambda(spec: JobSpec, replicas: int, batch_scale=lambda: 1.0):
 
 
 def training_device() -> str:
-    """'gpu' where this process's group runs on nccl (its parameters train on its GPU),
-    else 'cpu' (a gloo group, or no process group yet)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return "gpu"
-    return "cpu"
+    """'gpu' where DeepSpeed places this rank's engine on CUDA, else 'cpu'."""
+    from deepspeed.accelerator import get_accelerator
+
+    return "gpu" if get_accelerator().device_name() == "cuda" else "cpu"
 
 
 def build_optimizer(

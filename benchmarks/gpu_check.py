@@ -1,0 +1,322 @@
+"""The check for a first GPU: MFU of a ~1B Llama, the pipeline bubble from CUDA events,
+and backfill on a GPU, in one invocation that writes every figure to --json.
+
+Arms (each in its own processes; an arm that fails is recorded with its error and the
+others still run):
+
+mfu       one rank trains the `llama-1b` preset (seq 2048, bf16 by default on a GPU) for
+          --steps steps, eager, then again with every block compiled
+          (parallel.compile): tokens/s (wall-clock over the timed steps), MFU against
+          the device's peak at the precision in force, peak device memory, and the
+          losses (they must fall). The compiled/eager ratio decides whether compiled
+          blocks become the GPU default.
+pipeline  two ranks, a 2-stage 1F1B pipeline on the same device: the bubble Spotline's
+          recorder measured (CUDA events on a GPU) against (p-1)/(m+p-1). NCCL refuses
+          two ranks on one GPU; the arm then runs the pipeline's process group on gloo
+          and says so.
+backfill  the bubbles benchmark's 2x4 arm (benchmarks/bubbles.py: a Ray job with
+          backfill off, then on): fill, overrun and training's slowdown. It places one
+          worker per device, so on a GPU it needs two of them; with one it is skipped,
+          saying so.
+
+    python benchmarks/gpu_check.py [--device gpu|cpu] [--tiny] [--steps N]
+                                   [--arms mfu,pipeline,backfill] [--json PATH]
+
+On this project's CPU machines: `--device cpu --tiny` runs every arm end to end on a
+tiny Llama (the figures then only show that the script works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "platform"))
+
+WARMUP_STEPS = 3  # not timed: allocator warm-up, compilation, the first p2p set-up
+
+
+def job_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The checked job: the llama-1b preset at seq 2048 (tiny: a 2-layer Llama)."""
+    if args.tiny:
+        model = {"kind": "llama", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2}
+        model.update(seq_len=64, vocab_size=256)
+    else:
+        model = {"kind": "llama", "preset": "llama-1b", "seq_len": 2048, "vocab_size": 128256}
+    return {
+        "name": "gpu-check",
+        "model": model,
+        "tokenizer": {"kind": "byte"},
+        "data": {"max_bytes": 4_000_000},
+        "parallel": {"micro_batches": args.micro_batches, "zero_stage": 1},
+        "elastic": {"min_replicas": 1, "max_replicas": 1},
+        "train": {
+            "steps": args.steps + WARMUP_STEPS,
+            "global_batch_size": args.micro_batches * args.micro_batch_size,
+            "warmup_steps": 2,
+            "lr": 3e-4,
+        },
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- in the rank processes ---------------------------------------------------------
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, arm: str, q) -> None:
+    try:
+        q.put((rank, _train(rank, world, port, args, arm)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which records it
+        q.put((rank, {"error": traceback.format_exc(limit=8)}))
+
+
+def _train(rank: int, world: int, port: int, args, arm: str) -> dict[str, Any]:
+    import torch
+
+    from spotline.config import load_spec
+    from spotline.metrics.flops import device_peak
+    from spotline.train.trainer import Topology, Trainer, init_distributed
+
+    gpu = args.device == "gpu"
+    over = job_overrides(args)
+    over["parallel"]["compile"] = arm == "compiled"
+    over["parallel"]["pipeline_stages"] = world
+    spec = load_spec(None, over)
+    topo = Topology(world, 1, rank)
+    backend_device = args.device
+    if world > 1 and gpu and args.pipeline_backend == "gloo":
+        backend_device = "cpu"  # the process group on gloo; the layers still on cuda:0
+    threads = None if gpu else max(1, (os.cpu_count() or 2) // world)
+    backend = init_distributed(topo, "127.0.0.1", port, backend_device, 0)
+    trainer = Trainer(spec, topo, threads=threads)
+    spec = trainer.spec  # the precision in force here
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    losses = [trainer.train_step() for _ in range(WARMUP_STEPS)]
+    if trainer.recorder is not None:
+        trainer.recorder.take_totals()  # the warm-up's steps are not counted
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.perf_counter()
+    losses += [trainer.train_step() for _ in range(args.steps)]
+    sync()
+    wall = time.perf_counter() - t0
+    tokens = spec.global_batch(1) * spec.model.seq_len * args.steps
+    name, peak = device_peak(spec.parallel.precision, threads)
+    out: dict[str, Any] = {
+        "backend": backend,
+        "device": name,
+        "precision": spec.parallel.precision,
+        "peak_flops": peak,
+        "losses": losses,
+        "timed_steps": args.steps,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "peak_device_bytes": torch.cuda.max_memory_allocated() if gpu else None,
+    }
+    if peak:
+        out["mfu"] = trainer.model_def.flops_per_token * out["tokens_per_s"] / (peak * world)
+    if trainer.recorder is not None:
+        t = trainer.recorder.take_totals()
+        out["recorder"] = t
+        out["bubble_fraction"] = t["wait_s"] / t["step_s"] if t["step_s"] else None
+    trainer.prefetch.close()
+    return out
+
+
+def run_ranks(world: int, args: argparse.Namespace, arm: str) -> dict[str, Any]:
+    """`world` rank processes of one arm; rank 0's figures (or the first error)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, args, arm, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        for _ in procs:
+            rank, r = q.get(timeout=args.arm_timeout_s)
+            results[rank] = r
+    except Exception:  # noqa: BLE001 - a rank that hung: the arm failed
+        results.setdefault(-1, {"error": f"no result within {args.arm_timeout_s} s"})
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    if world > 1:  # every stage's bubble; the step is the same on every rank
+        return {
+            **results[0],
+            "bubble_per_stage": [results[r].get("bubble_fraction") for r in sorted(results)],
+        }
+    return results[0]
+
+
+# --- arms ------------------------------------------------------------------------------
+
+
+def arm_mfu(args: argparse.Namespace) -> dict[str, Any]:
+    eager = run_ranks(1, args, "eager")
+    compiled = run_ranks(1, args, "compiled")
+    out = {"eager": eager, "compiled": compiled}
+    if "error" not in eager:
+        losses = eager["losses"]
+        out["loss_falls"] = losses[-1] < losses[0]
+        if "error" not in compiled:
+            out["compiled_over_eager_tokens_per_s"] = (
+                compiled["tokens_per_s"] / eager["tokens_per_s"]
+            )
+    return out
+
+
+def arm_pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    p, m = 2, args.micro_batches
+    out: dict[str, Any] = {"stages": p, "micro_batches": m, "theory": (p - 1) / (m + p - 1)}
+    args.pipeline_backend = "nccl" if args.device == "gpu" else "gloo"
+    got = run_ranks(p, args, "pipeline")
+    if "error" in got and args.device == "gpu":
+        out["nccl_error"] = got["error"].strip().splitlines()[-1]
+        out["note"] = "NCCL refused two ranks on one GPU: the process group ran on gloo"
+        args.pipeline_backend = "gloo"
+        got = run_ranks(p, args, "pipeline")
+    out.update(got)
+    if got.get("bubble_fraction") is not None:
+        out["measured_over_theory"] = got["bubble_fraction"] / out["theory"]
+    return out
+
+
+def arm_backfill(args: argparse.Namespace) -> dict[str, Any]:
+    if args.device == "gpu":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            return {
+                "skipped": "a 2-stage pipeline places one worker per GPU and this machine "
+                "has one; run `python benchmarks/bubbles.py --shapes 2x4` on a node "
+                "with two GPUs"
+            }
+    import bubbles
+
+    steps = 60 if args.tiny else 300
+    ns = argparse.Namespace(steps=steps, interval=20, spec_steps=0)
+    os.environ["SPOTLINE_PIN_CORES"] = "1" if args.device == "cpu" else "0"
+    with tempfile.TemporaryDirectory(prefix="spotline-gpu-check-") as tmp:
+        got = bubbles.measure(2, 4, ns, Path(tmp))
+    keys = ("bubble_theory", "bubble_measured", "fill", "overrun_fraction", "slowdown")
+    return {k: got[k] for k in keys} | {"steps": steps}
+
+
+ARMS = {"mfu": arm_mfu, "pipeline": arm_pipeline, "backfill": arm_backfill}
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"Spotline GPU check on {report['device_name']} ({report['device']})"]
+    mfu = report.get("mfu", {})
+    for mode in ("eager", "compiled"):
+        r = mfu.get(mode)
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"  mfu {mode:9s} failed: {r['error'].strip().splitlines()[-1]}")
+            continue
+        lines.append(
+            f"  mfu {mode:9s} {r['tokens_per_s']:,.0f} tokens/s, MFU "
+            + (f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a")
+            + f" ({r['precision']}), loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
+            + (
+                f", peak {r['peak_device_bytes'] / 2**30:.1f} GiB"
+                if r.get("peak_device_bytes")
+                else ""
+            )
+        )
+    if "compiled_over_eager_tokens_per_s" in mfu:
+        lines.append(f"  compiled / eager  {mfu['compiled_over_eager_tokens_per_s']:.2f}x")
+    pipe = report.get("pipeline", {})
+    if pipe:
+        if "error" in pipe:
+            lines.append(f"  pipeline failed: {pipe['error'].strip().splitlines()[-1]}")
+        elif pipe.get("bubble_fraction") is not None:
+            lines.append(
+                f"  pipeline 2x{pipe['micro_batches']} bubble {pipe['bubble_fraction']:.1%} "
+                f"(theory {pipe['theory']:.1%}), backend {pipe['backend']}"
+            )
+    fill = report.get("backfill", {})
+    if "skipped" in fill:
+        lines.append(f"  backfill skipped: {fill['skipped']}")
+    elif "error" in fill:
+        lines.append(f"  backfill failed: {fill['error'].strip().splitlines()[-1]}")
+    elif fill:
+        lines.append(
+            f"  backfill 2x4 fill {fill['fill']:.1%}, overrun {fill['overrun_fraction']:.1%}"
+            f" of a step, slowdown {fill['slowdown']:.3f}x"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer Llama (checks the script)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per run")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=None)
+    ap.add_argument("--arms", default="mfu,pipeline,backfill")
+    ap.add_argument("--arm-timeout-s", type=float, default=400.0)
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    if args.steps is None:
+        args.steps = 4 if args.tiny else 30
+    if args.micro_batch_size is None:
+        args.micro_batch_size = 2
+    args.pipeline_backend = "gloo"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "gpu" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; use --device cpu --tiny to check the script")
+        return 2
+    report: dict[str, Any] = {
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name(0) if args.device == "gpu" else "cpu",
+        "tiny": args.tiny,
+        "argv": sys.argv[1:],
+    }
+    for name in args.arms.split(","):
+        t0 = time.perf_counter()
+        try:
+            report[name] = ARMS[name](args)
+        except Exception:  # noqa: BLE001 - one arm's failure is recorded; the others run
+            report[name] = {"error": traceback.format_exc(limit=8)}
+        report[name]["arm_s"] = time.perf_counter() - t0
+        if args.json:  # written after every arm: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
