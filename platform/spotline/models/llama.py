@@ -281,7 +281,9 @@ def tie(model: nn.Module) -> nn.Module:
         )
     (emb,) = embeddings
     for head in heads:
-        if emb.tok.weight.shape[1] != head.norm.weight.shape[0]:
+        # ZeRO-3 (zero.Init) keeps a partitioned parameter's full shape in ds_shape.
+        width = getattr(emb.tok.weight, "ds_shape", emb.tok.weight.shape)[1]
+        if width != getattr(head.norm.weight, "ds_shape", head.norm.weight.shape)[0]:
             raise ValueError(
                 f"tie: the embedding {tuple(emb.tok.weight.shape)} does not fit a head of "
                 f"width {head.norm.weight.shape[0]}"

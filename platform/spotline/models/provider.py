@@ -84,13 +84,14 @@ class LayerDef:
     args: tuple = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def build(self, *, init: bool = True) -> nn.Module:
+    def build(self, *, init: bool = True, meta: bool = True) -> nn.Module:
         """The layer on the host. A layer class with `init_weights()` (the built-in ones)
         is built on the meta device and materialised once, in place: initialised, or
-        left empty (`init=False`) for weights a checkpoint will fill. Any other class is
-        built as its constructor builds it (which initialises it). Under an active
-        `torch.device("meta")` nothing is allocated at all."""
-        if not hasattr(self.cls, "init_weights") or torch.get_default_device().type == "meta":
+        left empty (`init=False`) for weights a checkpoint will fill. Any other class,
+        or any with `meta=False`, is built as its constructor builds it (which
+        initialises it). Under an active `torch.device("meta")` nothing is allocated."""
+        direct = not meta or not hasattr(self.cls, "init_weights")
+        if direct or torch.get_default_device().type == "meta":
             return self.cls(*self.args, **self.kwargs)
         with torch.device("meta"):
             layer = self.cls(*self.args, **self.kwargs)
@@ -149,13 +150,16 @@ class BuildOptions:
     backward. 0: none; 1: every block."""
     compile: bool = False
     """`torch.compile` each block (in place: parameter names do not change)."""
+    meta: bool = True
+    """False: every layer is built by its constructor, never on the meta device (under
+    DeepSpeed's `zero.Init`, which splits each layer's parameters as it is built)."""
 
 
 def build_layer(model: ModelDef, index: int, opts: BuildOptions = BuildOptions()) -> nn.Module:
     """Layer `index` of the flat list, built (`LayerDef.build`) and, if it is a block,
     compiled and/or recomputed in the backward as `opts` say."""
     ld = model.layers[index]
-    layer = ld.build(init=opts.init)
+    layer = ld.build(init=opts.init, meta=opts.meta)
     if ld.cls is model.block_class:
         block = sum(1 for other in model.layers[:index] if other.cls is model.block_class)
         if opts.compile:

@@ -20,7 +20,7 @@ import math
 import os
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
@@ -334,6 +334,8 @@ class Trainer:
             model = build_pipeline_module(
                 self.model_def, spec.parallel.pipeline_stages, self.bounds, opts
             )
+        elif spec.parallel.zero_stage == 3 and not init_from and self._inits_in_place():
+            model = self._build_split(deepspeed, opts)
         else:
             model = build_sequential(self.model_def, opts)
         if init_from:
@@ -378,6 +380,28 @@ class Trainer:
         self._proposal = 0  # global batch this rank proposes at this step boundary (0: none)
         _seed_everything(t.seed + topo.rank)
         self.step = 0  # optimizer steps done
+
+    def _inits_in_place(self) -> bool:
+        """Whether every layer class initialises itself through `init_weights` (which
+        can run on a layer gathered after the build), as the built-in ones do."""
+        return all(hasattr(ld.cls, "init_weights") for ld in self.model_def.layers)
+
+    def _build_split(self, deepspeed: ModuleType, opts: BuildOptions) -> torch.nn.Module:
+        """ZeRO-3 at pp=1: DeepSpeed's `zero.Init` splits each layer's parameters over the
+        replicas as soon as the layer is built, so no rank ever holds the whole model.
+        Each layer is then gathered whole, one at a time, for its `init_weights` (on
+        every rank, from the layer's seed; rank 0's values are kept), unless the
+        weights come from the checkpoint this group restores next."""
+        with deepspeed.zero.Init(
+            config_dict_or_path=self.spec.deepspeed_config(self.topo.replicas)
+        ):
+            model = build_sequential(self.model_def, replace(opts, init=False, meta=False))
+        if opts.init:
+            for layer in model:
+                params = list(layer.parameters())
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                    layer.init_weights()
+        return model
 
     # --- training -----------------------------------------------------------------
 
