@@ -217,12 +217,20 @@ def arm_backfill(args: argparse.Namespace) -> dict[str, Any]:
             }
     import bubbles
 
-    steps = 60 if args.tiny else 300
+    steps = 200 if args.tiny else 300
     ns = argparse.Namespace(steps=steps, interval=20, spec_steps=0)
     os.environ["SPOTLINE_PIN_CORES"] = "1" if args.device == "cpu" else "0"
     with tempfile.TemporaryDirectory(prefix="spotline-gpu-check-") as tmp:
         got = bubbles.measure(2, 4, ns, Path(tmp))
-    keys = ("bubble_theory", "bubble_measured", "fill", "overrun_fraction", "slowdown")
+    keys = (
+        "bubble_theory",
+        "bubble_measured",
+        "fill",
+        "overrun_fraction",
+        "slowdown",
+        "steps_with_backfill_on",
+        "tasks_done",
+    )
     return {k: got[k] for k in keys} | {"steps": steps}
 
 
