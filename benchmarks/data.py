@@ -92,8 +92,8 @@ def train_tokenizer(work: Path, vocab: int, max_bytes: int):
 
 def bench_prepare(tok, work: Path, repeats: int, shard_tokens: int) -> dict[str, Any]:
     """prepare('stdlib') with one worker per core, against encode_batch of the same text."""
-    from spotline.data.corpus import stdlib_files
     from spotline.data.prepare import TEXT_SUFFIXES, prepare
+    from spotline.data.textfiles import stdlib_files
 
     n = cores()
     texts = [f.read_bytes().decode() for f in stdlib_files(TEXT_SUFFIXES)]  # what prepare reads

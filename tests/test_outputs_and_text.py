@@ -202,7 +202,7 @@ def test_a_text_corpus_refuses_a_file_that_is_not_text(corpus, tmp_path, capsys)
 
 
 def test_the_stdlib_corpus_is_text(capsys):
-    from spotline.data.corpus import stdlib_files, text_problem
+    from spotline.data.textfiles import stdlib_files, text_problem
     from spotline.data.tokenizer import text_files
 
     files = stdlib_files((".py", ".txt"))

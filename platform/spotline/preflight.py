@@ -27,8 +27,8 @@ from spotline.config.loader import SpecError
 from spotline.config.redact import redact
 from spotline.config.schema import RETUNABLE_FIELDS, JobSpec
 from spotline.data import open_dataset
-from spotline.data.corpus import explain_read_error
 from spotline.plan import checkpoint_bytes, memory_problem
+from spotline.storage.fs import explain_read_error
 
 
 def open_store(spec: JobSpec) -> CheckpointStore:

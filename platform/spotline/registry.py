@@ -260,7 +260,7 @@ TOKENIZERS = Registry(
 DATASETS = Registry(
     "data kind",
     {
-        "text": "spotline.data.corpus:TextDataset",
+        "text": "spotline.data.text:TextDataset",
         "tokens": "spotline.data.tokens:TokenDataset",
     },
 )

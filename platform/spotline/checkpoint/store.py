@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -50,6 +48,13 @@ from spotline.checkpoint.manifest import (
 )
 from spotline.config.redact import redact
 from spotline.storage import UnsafePathError, join_under
+from spotline.storage.fs import (
+    FSSPEC_COMMON_OPTIONS,
+    HASH_CHUNK_BYTES,
+    StorageOptionsError,
+    check_s3_options,
+    hash_file,
+)
 
 log = logging.getLogger("spotline.checkpoint")
 
@@ -61,7 +66,6 @@ SUMMARY_ARTIFACT = "summary.json"  # what `spotline status` / `report` show
 LEDGER_ARTIFACT = "ledger.json"  # the goodput ledger, continued by a restarted controller
 RECEIPTS_DIR = "_receipts"  # per-rank upload receipts; not part of the checkpoint
 QUARANTINE_NAME = "quarantine.json"  # a step that failed verification: why, and its manifest
-HASH_CHUNK_BYTES = 8 * 2**20
 # Files of one step move in parallel; each large S3 object is itself split into
 # concurrent parts by s3fs, so a few threads are enough to fill the link.
 TRANSFER_THREADS = 4
@@ -184,17 +188,6 @@ def _rebuild_corrupt(
     return CorruptCheckpointError(
         step, path, reason, uri=uri, message=message, failures=[tuple(f) for f in failures]
     )
-
-
-def hash_file(path: str | os.PathLike[str]) -> str:
-    """sha256 hex digest of a local file, read in 8 MiB chunks (never all in memory)."""
-    h = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK_BYTES)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _fsync(path: str) -> None:
@@ -407,60 +400,6 @@ class _LocalBackend(_Backend):
         return f"{type(exc).__name__}: {exc}"
 
 
-# Options every fsspec filesystem takes, besides its own constructor's.
-_FSSPEC_COMMON_OPTIONS = {
-    "skip_instance_cache",
-    "use_listings_cache",
-    "listings_expiry_time",
-    "max_paths",
-    "asynchronous",
-    "loop",
-}
-# s3fs options that must be mappings (botocore would fail deep inside with a TypeError).
-_S3_MAPPING_OPTIONS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs")
-
-
-def check_s3_options(options: dict, field: str) -> None:
-    """Refuse storage options s3fs would ignore or choke on, naming `field` and the fix.
-
-    s3fs forwards unknown keyword arguments to a base class that keeps them unused, so
-    a misspelt `secert:` would silently fall back to other credentials.
-    """
-    for name in _S3_MAPPING_OPTIONS:
-        value = options.get(name)
-        if value is not None and not isinstance(value, dict):
-            raise StorageError(
-                f"{field}.{name} must be a mapping of keyword arguments (got "
-                f"{type(value).__name__}); write it as {name}: {{key: value}}"
-            )
-    known = _s3fs_option_names()
-    if known is None:
-        return
-    unknown = sorted(str(k) for k in options if k not in known)
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(known), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise StorageError(
-            f"{field}: s3fs takes no option {unknown[0]!r}{hint} (it would be ignored). Valid "
-            f"options include key, secret, token, profile, anon, client_kwargs, config_kwargs"
-        )
-
-
-def _s3fs_option_names() -> set[str] | None:
-    try:
-        import s3fs
-    except ImportError:  # reported when the filesystem is built
-        return None
-    import aiobotocore.session
-
-    # s3fs's own keywords; the rest go to the botocore session it creates (`profile`).
-    names: set[str] = set(_FSSPEC_COMMON_OPTIONS)
-    for fn in (s3fs.S3FileSystem.__init__, aiobotocore.session.AioSession.__init__):
-        params = inspect.signature(fn).parameters
-        names |= {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return names - {"self"}
-
-
 def _import_s3fs(fields: StoreFields = SPEC_FIELDS) -> Any:
     try:
         import s3fs
@@ -510,7 +449,10 @@ class _S3Backend(_Backend):
         self.root = "/".join([bucket, *parts])
         self.uri = "s3://" + self.root
         self.multipart_chunksize: int | None = None
-        check_s3_options(self.options, f.storage_options or "storage options")
+        try:
+            check_s3_options(self.options, f.storage_options or "storage options")
+        except StorageOptionsError as e:
+            raise StorageError(str(e)) from None
         self._client: Any = False  # False: not built yet; None: use s3fs
         self._client_lock = threading.Lock()
         self._extra_args: dict = {}
@@ -576,7 +518,7 @@ class _S3Backend(_Backend):
                 return self._client
             self._client = None
             opts = dict(self.options)
-            for name in _FSSPEC_COMMON_OPTIONS:
+            for name in FSSPEC_COMMON_OPTIONS:
                 opts.pop(name, None)
             extra = dict(opts.pop("s3_additional_kwargs", None) or {})
             try:

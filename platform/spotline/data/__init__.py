@@ -20,10 +20,10 @@ from spotline.data.errors import CorpusError, DataError, ShardError
 
 if TYPE_CHECKING:
     from spotline.config.schema import JobSpec
-    from spotline.data.corpus import TextDataset, load_corpus
     from spotline.data.loader import Prefetcher
     from spotline.data.sampler import Sampler
     from spotline.data.streams import ArrayStream, Mixture, ShardedStream, TokenStream
+    from spotline.data.text import TextDataset, load_corpus
     from spotline.data.tokenizer import (
         ByteTokenizer,
         HuggingFaceTokenizer,
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from spotline.data.tokens import TokenDataset, read_index
 
 _LAZY = {
-    "load_corpus": "corpus",
-    "TextDataset": "corpus",
+    "load_corpus": "text",
+    "TextDataset": "text",
     "Prefetcher": "loader",
     "Sampler": "sampler",
     "ArrayStream": "streams",

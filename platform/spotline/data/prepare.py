@@ -39,19 +39,15 @@ from typing import Any
 import numpy as np
 
 from spotline.config.redact import redact
-from spotline.data.corpus import (
+from spotline.data.errors import DataError, storage_kwargs
+from spotline.data.textfiles import (
     TEXT_SAMPLE_BYTES,
-    _local_files,
-    explain_read_error,
-    is_remote,
-    local_path,
+    local_files,
     not_text,
     stdlib_files,
     stdlib_root,
-    storage_kwargs,
     text_problem,
 )
-from spotline.data.errors import DataError
 from spotline.data.tokenizer import Tokenizer
 from spotline.data.tokens import (
     FORMAT,
@@ -63,6 +59,7 @@ from spotline.data.tokens import (
     token_dtype,
 )
 from spotline.storage import UnsafePathError, files_under, join_under, some_names
+from spotline.storage.fs import explain_read_error, is_remote, local_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -141,7 +138,7 @@ def _list_inputs(source: str, fs, remote: bool) -> list[InputFile]:
                 raise DataError(
                     f"input {source} does not exist; give a file, directory, glob or URI"
                 )
-            paths = [str(p) for p in _local_files(root, ALL_SUFFIXES)]
+            paths = [str(p) for p in local_files(root, ALL_SUFFIXES)]
             base = str(root if root.is_dir() else root.parent)
     out = []
     for p in paths:

@@ -173,3 +173,8 @@ class Mixture:
             for s, w in zip([s for s, _ in self.parts], self.weights, strict=True)
         )
         return f"Mixture({inner})"
+
+
+def split_point(n_tokens: int, heldout_fraction: float) -> int:
+    """Where the held-out tail of a stream of `n_tokens` starts."""
+    return int(n_tokens * (1.0 - heldout_fraction))

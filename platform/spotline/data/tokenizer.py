@@ -23,14 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from spotline.config.model import TokenizerSpec
 from spotline.config.redact import redact
-from spotline.data.corpus import (
-    explain_read_error,
-    is_remote,
-    local_path,
-    storage_kwargs,
-)
-from spotline.data.errors import DataError
+from spotline.data.errors import DataError, storage_kwargs
 from spotline.registry import TOKENIZERS
+from spotline.storage.fs import explain_read_error, is_remote, local_path
 
 if TYPE_CHECKING:
     from spotline.config.schema import JobSpec
@@ -369,7 +364,7 @@ def text_files(
 ) -> list[Path]:
     """Local text files: each input a file, a directory (recursively, by suffix, sorted,
     skipping site-packages and __pycache__) or 'stdlib' (Python's own sources)."""
-    from spotline.data.corpus import _local_files, stdlib_files
+    from spotline.data.textfiles import local_files, stdlib_files
 
     items = [inputs] if isinstance(inputs, str) else list(inputs)
     out: list[Path] = []
@@ -380,14 +375,14 @@ def text_files(
         root = local_path(item)
         if not root.exists():
             raise DataError(f"{item} does not exist; give text files, directories or 'stdlib'")
-        out.extend(_local_files(root, suffixes))
+        out.extend(local_files(root, suffixes))
     if not out:
         raise DataError(f"no text files ({', '.join(suffixes)}) in {', '.join(map(str, items))}")
     return out
 
 
 def _texts(files: list[Path], max_bytes: int | None) -> Iterator[str]:
-    from spotline.data.corpus import not_text, text_problem
+    from spotline.data.textfiles import not_text, text_problem
 
     used = 0
     for f in files:

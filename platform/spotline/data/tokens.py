@@ -41,16 +41,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from spotline.config.redact import redact
-from spotline.data.corpus import (
-    explain_read_error,
-    is_remote,
-    local_path,
-    split_point,
-    storage_kwargs,
-)
-from spotline.data.errors import DataError, ShardError
-from spotline.data.streams import Mixture, ShardedStream
+from spotline.data.errors import DataError, ShardError, storage_kwargs
+from spotline.data.streams import Mixture, ShardedStream, split_point
 from spotline.storage import UnsafePathError, check_relpath, join_under
+from spotline.storage.fs import explain_read_error, hash_file, is_remote, local_path
 
 if TYPE_CHECKING:
     from spotline.config.schema import JobSpec
@@ -310,7 +304,6 @@ class ShardCache:
 
         if stamped():
             return path
-        from spotline.checkpoint.store import hash_file
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._lock)

@@ -125,7 +125,7 @@ def hf_checkpoint_fs(spec: JobSpec, uri: str):
     if "://" not in uri or uri.startswith("file://"):
         local = Path(uri.removeprefix("file://")).expanduser().resolve()
         return fsspec.filesystem("file"), str(local)
-    from spotline.data.corpus import fsspec_options
+    from spotline.data.text import fsspec_options
 
     return fsspec.core.url_to_fs(uri, **fsspec_options(uri, spec.data, "model.init_from"))
 

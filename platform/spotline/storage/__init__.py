@@ -9,6 +9,10 @@ Destinations the user names (`--out`) are looked at before anything is written t
 `files_under` lists what a destination already holds, so a writer can refuse to replace
 it without `--overwrite`.
 
+`fs` is the one fsspec layer both of them read and write through: what a URI is,
+the options its filesystem takes (checked), what a read error means in one line, and
+the sha256 of a local file.
+
 This room sits below data/ and checkpoint/: it must never import from the rest of
 Spotline (no config, no runtime, no Ray). It never writes or removes a file, and opens
 none but to list a destination; its callers do the rest, with the paths it hands back.

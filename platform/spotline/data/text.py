@@ -9,10 +9,6 @@ tokenizer encodes each file as a document followed by its end-of-text token.
 
 from __future__ import annotations
 
-import codecs
-import functools
-import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,8 +17,10 @@ import numpy as np
 
 from spotline.config.redact import redact
 from spotline.config.schema import DataSpec
-from spotline.data.errors import CorpusError, DataError
-from spotline.data.streams import ArrayStream
+from spotline.data.errors import CorpusError, storage_kwargs
+from spotline.data.streams import ArrayStream, split_point
+from spotline.data.textfiles import local_files, not_text, stdlib_files, text_problem
+from spotline.storage.fs import explain_read_error, is_remote, local_path, unreachable
 
 if TYPE_CHECKING:
     from spotline.config.schema import JobSpec
@@ -32,19 +30,9 @@ __all__ = [
     "Corpus",
     "CorpusError",
     "TextDataset",
-    "explain_read_error",
     "fsspec_options",
-    "is_remote",
     "load_corpus",
-    "not_text",
-    "stdlib_files",
-    "stdlib_root",
-    "storage_kwargs",
-    "text_problem",
 ]
-
-TEXT_SAMPLE_BYTES = 1 << 16
-"""How much of a file is looked at to tell text from binary before reading it whole."""
 
 
 @dataclass(frozen=True)
@@ -58,56 +46,6 @@ class Corpus:
         return int(self.train.size + self.heldout.size)
 
 
-def stdlib_root() -> str:
-    return sysconfig.get_paths()["stdlib"]
-
-
-def text_problem(data: bytes, final: bool = True) -> str | None:
-    """Why `data` is not text, or None. Text is UTF-8 with no NUL byte: random bytes,
-    binaries, UTF-16 and legacy encodings (Latin-1, Big5...) all fail, so a file that
-    merely carries a text suffix is never trained on. `final=False`: `data` is the
-    head of a file, and may end inside a character."""
-    nul = data.find(b"\0")
-    if nul >= 0:
-        return f"it holds a NUL byte at offset {nul} (binary data, or UTF-16 text)"
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
-    except UnicodeDecodeError as e:
-        return f"byte {e.start} (0x{data[e.start]:02x}) is not UTF-8"
-    return None
-
-
-def not_text(where: str, why: str) -> str:
-    """The one-line refusal of a file that is not text."""
-    return (
-        f"{where} is not text: {why}; convert it to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) "
-        "or leave it out"
-    )
-
-
-@functools.lru_cache
-def stdlib_files(suffixes: tuple[str, ...]) -> tuple[Path, ...]:
-    """The 'stdlib' corpus: Python's own source files with these suffixes, less the few
-    test fixtures written in other encodings (Latin-1, Big5...), which are not text by
-    `text_problem`'s rule and are no one's mistake to fix."""
-    return tuple(
-        p
-        for p in _local_files(Path(stdlib_root()), suffixes)
-        if text_problem(p.read_bytes()) is None
-    )
-
-
-def _local_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    if root.is_file():
-        return [root]
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # site-packages holds third-party code; keep the stdlib corpus the same everywhere.
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
-        out.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(suffixes))
-    return out
-
-
 def _read_local(root: Path, spec: DataSpec) -> list[bytes]:
     if not root.exists():
         raise CorpusError(
@@ -115,59 +53,10 @@ def _read_local(root: Path, spec: DataSpec) -> list[bytes]:
             "or use 'stdlib'"
         )
     try:
-        files = _local_files(root, tuple(spec.file_suffixes))
+        files = local_files(root, tuple(spec.file_suffixes))
     except OSError as e:
         raise CorpusError(f"data.corpus: cannot list {root}: {e}") from None
     return _read_files(files, spec.max_bytes, root, lambda p: p.read_bytes())
-
-
-# The package an fsspec protocol needs, by URI scheme (for an ImportError's hint).
-_SCHEME_PACKAGES = {
-    "s3": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "hdfs": "pyarrow",
-    "http": "aiohttp",
-    "https": "aiohttp",
-}
-
-
-def is_remote(uri: str) -> bool:
-    """True for an fsspec URI other than file:// (s3://, gs://, http://, memory://...)."""
-    return "://" in uri and not uri.startswith("file://")
-
-
-def local_path(uri: str) -> Path:
-    """The local path of a plain path or file:// URI."""
-    return Path(uri.removeprefix("file://")).expanduser()
-
-
-def storage_kwargs(
-    uri: str,
-    *,
-    endpoint_url: str | None = None,
-    storage_options: dict | None = None,
-    options_field: str = "data.storage_options",
-) -> dict:
-    """Keyword arguments of the fsspec filesystem of `uri`: `storage_options`, plus
-    `endpoint_url` for s3:// (unknown S3 options are refused, naming `options_field`).
-    A local path or file:// URI takes none: both are ignored there, so one set of
-    options can serve a mixture of local and remote sources."""
-    if not is_remote(uri):
-        return {}
-    opts = dict(storage_options or {})
-    if uri.split("://", 1)[0].lower() == "s3":
-        from spotline.checkpoint.store import check_s3_options
-
-        try:
-            check_s3_options(opts, options_field)
-        except Exception as e:  # noqa: BLE001 - StorageError: report it as a data error
-            raise DataError(redact(str(e))) from None
-        if endpoint_url:
-            opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "endpoint_url": endpoint_url}
-    return opts
 
 
 def fsspec_options(uri: str, spec: DataSpec, field: str = "data.corpus") -> dict:
@@ -180,64 +69,6 @@ def fsspec_options(uri: str, spec: DataSpec, field: str = "data.corpus") -> dict
     if scheme == "s3":
         return storage_kwargs(uri, endpoint_url=spec.endpoint_url, storage_options=opts)
     return opts
-
-
-def explain_read_error(uri: str, e: BaseException) -> str:
-    """What went wrong reading the corpus, and the fix, in one line."""
-    names = {c.__name__ for c in type(e).__mro__}
-    if isinstance(e, ImportError):
-        scheme = uri.split("://", 1)[0].lower()
-        pkg = getattr(e, "name", None) or _SCHEME_PACKAGES.get(scheme)
-        if pkg is None:
-            return f"reading {uri} needs a package that is not installed ({e})"
-        pkg = pkg.split(".")[0]
-        return (
-            f"reading {uri} needs the package {pkg!r}, which is not installed; run: "
-            f"pip install {pkg}"
-        )
-    if "NoCredentialsError" in names:
-        return (
-            f"no AWS credentials found for {uri}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "AWS_PROFILE or an instance role, or put key/secret in data.storage_options"
-        )
-    if isinstance(e, PermissionError) or "AccessDenied" in str(e):
-        return f"access denied reading {uri} ({e}); check the credentials' read permission"
-    if any(
-        n in names
-        for n in (
-            "ClientConnectorError",
-            "ConnectionError",
-            "EndpointConnectionError",
-            "ServerDisconnectedError",
-            "TimeoutError",
-            "ClientOSError",
-        )
-    ):
-        return (
-            f"cannot reach the server of {uri} ({type(e).__name__}: {e}); check that it is "
-            "running and reachable from this node (and data.endpoint_url for S3)"
-        )
-    return f"cannot read {uri}: {type(e).__name__}: {' '.join(str(e).split())}"
-
-
-def _unreachable(uri: str) -> str | None:
-    """For http(s): why the server cannot be reached, when that is why a path 'does not
-    exist' (fsspec's HTTP filesystem reports a refused connection as a missing file)."""
-    import socket
-    import urllib.parse
-
-    parts = urllib.parse.urlsplit(uri)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return None
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=5).close()
-    except OSError as e:
-        return (
-            f"cannot reach the server of {uri} ({parts.hostname}:{port}: "
-            f"{e.strerror or e}); check that it is running and reachable from this node"
-        )
-    return None
 
 
 def _read_fsspec(uri: str, spec: DataSpec) -> list[bytes]:
@@ -253,7 +84,7 @@ def _read_fsspec(uri: str, spec: DataSpec) -> list[bytes]:
         if not files:
             fs.info(path)  # an empty listing may hide an unreachable server: ask directly
     except FileNotFoundError:
-        down = _unreachable(uri)
+        down = unreachable(uri)
         if down:
             raise CorpusError(f"data.corpus: {down}") from None
         raise CorpusError(f"data.corpus: {uri} does not exist; check the URI") from None
@@ -318,11 +149,6 @@ def read_documents(spec: DataSpec) -> list[bytes]:
         docs.append(chunk[: spec.max_bytes - used])
         used += len(docs[-1])
     return docs
-
-
-def split_point(n_tokens: int, heldout_fraction: float) -> int:
-    """Where the held-out tail of a stream of `n_tokens` starts."""
-    return int(n_tokens * (1.0 - heldout_fraction))
 
 
 def load_corpus(spec: DataSpec, min_tokens: int = 0) -> Corpus:
