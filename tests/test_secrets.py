@@ -158,3 +158,14 @@ def test_log_records_mask_uri_userinfo(caplog: pytest.LogCaptureFixture) -> None
         logging.getLogger("s3fs.test").info("opening %s", URI)
     assert "s3://***@bucket/x" in caplog.text
     _clean(caplog.text)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("field", ["data.endpoint_url", "checkpoint.endpoint_url"])
+def test_an_endpoint_url_with_credentials_is_refused_without_echoing_them(field):
+    with pytest.raises(SpecError) as e:
+        load_spec(None, {field: "http://AKIAEXAMPLE:s3cr3tvalue@127.0.0.1:9000"})
+    msg = str(e.value)
+    assert f"{field}: must not hold a user or password" in msg
+    assert "s3cr3tvalue" not in msg and "AKIAEXAMPLE" not in msg
+    assert "AWS_ACCESS_KEY_ID" in msg  # where credentials go instead

@@ -17,6 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from spotline.config.urls import refuse_credentials
+
 
 class _Tracker(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -60,17 +62,17 @@ class MlflowTrackerSpec(_Tracker):
     @field_validator("tracking_uri")
     @classmethod
     def _no_credentials_in_uri(cls, v: str) -> str:
+        refuse_credentials(
+            v,
+            None,
+            "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+            "MLFLOW_TRACKING_TOKEN) in the environment instead",
+        )
         parts = urllib.parse.urlsplit(v)
         if parts.scheme not in ("http", "https", "sqlite", "file", "databricks"):
             raise ValueError(
                 f"{v!r} must be http(s)://host:port of a tracking server, "
                 "sqlite:////path/mlflow.db or file:///path/mlruns"
-            )
-        if parts.username or parts.password:
-            raise ValueError(
-                "must not hold a user or password; set "
-                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
-                "MLFLOW_TRACKING_TOKEN) in the environment instead"
             )
         return v
 

@@ -10,9 +10,32 @@ from __future__ import annotations
 import re
 import urllib.parse
 
+ENDPOINT_CREDENTIALS = (
+    "credentials go in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+    "AWS_PROFILE) or the section's storage_options, never in a URL"
+)
 
-def check_http_url(value: str, field: str, example: str) -> str:
-    """`value` if it is an http(s) base URL with a host; ValueError naming `field`."""
+
+def refuse_credentials(value: str, field: str | None, fix: str) -> None:
+    """ValueError naming `field` (None: the validator's own location names it) when the
+    URL `value` holds a user or password: a URL is shown, logged and recorded, so no URL
+    of a spec may carry credentials (`fix` says where they go). The value is never
+    echoed."""
+    try:
+        parts = urllib.parse.urlsplit(value)
+    except ValueError:
+        return  # not a URL: the caller's own check says what is wrong with it
+    if parts.username is not None or parts.password is not None:
+        where = f"{field}: " if field else ""
+        raise ValueError(f"{where}must not hold a user or password; {fix}")
+
+
+def check_http_url(
+    value: str, field: str, example: str, credentials_fix: str = ENDPOINT_CREDENTIALS
+) -> str:
+    """`value` if it is an http(s) base URL with a host and no user or password;
+    ValueError naming `field` otherwise."""
+    refuse_credentials(value, field, credentials_fix)
     try:
         parts = urllib.parse.urlsplit(value)
         port_ok = parts.port is None or parts.port > 0
