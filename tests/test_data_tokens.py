@@ -669,3 +669,79 @@ def test_prefetcher_raises_the_builders_exception_in_the_caller() -> None:
     pf.close()
     with pytest.raises(RuntimeError, match="after close"):
         pf.get(0)
+
+
+class _FlakyShards:
+    """An HTTP server on 127.0.0.1 serving a prepared dataset, which drops the
+    connection of the first `drops` requests for shard files (no answer at all)."""
+
+    def __init__(self, root: Path, drops: int):
+        import functools
+        import threading
+        from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+        self.dropped = 0
+        flaky = self
+
+        class Handler(SimpleHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _drop(self) -> bool:
+                if "shard-" in self.path and flaky.dropped < drops:
+                    flaky.dropped += 1
+                    self.close_connection = True
+                    return True
+                return False
+
+            def do_GET(self) -> None:
+                if not self._drop():
+                    super().do_GET()
+
+            def do_HEAD(self) -> None:
+                if not self._drop():
+                    super().do_HEAD()
+
+        handler = functools.partial(Handler, directory=str(root))
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("drops", [2, 50])
+def test_a_dropped_shard_download_is_retried_a_missing_one_never(
+    prepared: Path, bpe_dir: Path, tmp_path: Path, drops: int, monkeypatch
+) -> None:
+    from spotline import constants
+
+    monkeypatch.setattr(constants, "SPOTLINE_STORAGE_RETRIES", 4)
+    served = _FlakyShards(prepared, drops)
+    try:
+        ds = TokenDataset(_tokens_spec(tmp_path, served.uri, bpe_dir))
+        if drops == 2:  # two dropped connections, then the shard: it trains on it
+            got = ds.train.windows(np.array([100]), 10)[0]
+            np.testing.assert_array_equal(got, _all_tokens(prepared)[100:110])
+            assert served.dropped == 2
+            assert ds.cache.downloads == [f"{served.uri}/shard-00000.npy"]
+        else:  # the server never answers: a ShardError after the retries, nothing cached
+            with pytest.raises(ShardError, match="cannot reach the server"):
+                ds.train.windows(np.array([100]), 10)
+            assert 4 <= served.dropped < 50  # tried again (4 attempts), then given up
+            assert not list((tmp_path / "cache" / "shards").glob("*.npy"))
+    finally:
+        served.close()
+    # A shard that is not there is not retried: it is missing.
+    missing = _copy(prepared, tmp_path / "gone")
+    (missing / "shard-00000.npy").unlink()
+    served = _FlakyShards(missing, 0)
+    try:
+        ds = TokenDataset(_tokens_spec(tmp_path / "m", served.uri, bpe_dir))
+        with pytest.raises(ShardError) as e:
+            ds.train.windows(np.array([100]), 10)
+        assert "missing" in str(e.value) or "404" in str(e.value) or "not" in str(e.value)
+    finally:
+        served.close()

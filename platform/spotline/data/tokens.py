@@ -40,11 +40,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from spotline import constants
 from spotline.config.redact import redact
 from spotline.data.errors import DataError, ShardError, storage_kwargs
 from spotline.data.streams import Mixture, ShardedStream, split_point
 from spotline.storage import UnsafePathError, check_relpath, join_under
-from spotline.storage.fs import explain_read_error, hash_file, is_remote, local_path
+from spotline.storage.fs import (
+    explain_read_error,
+    hash_file,
+    is_remote,
+    local_path,
+    network_cause,
+    retrying,
+)
 
 if TYPE_CHECKING:
     from spotline.config.schema import JobSpec
@@ -248,26 +256,15 @@ class ShardCache:
             ) from None
 
     def _download(self, uri: str, fs, path: str, target: Path, sha: str, size: int) -> None:
+        """Copy the shard into the cache, verified; a dropped connection or a throttle is
+        retried (`storage.fs.retrying`), a missing or damaged shard never is."""
         tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.part")
-        h = hashlib.sha256()
-        n = 0
-        try:
-            try:
-                src = fs.open(path, "rb")
-            except FileNotFoundError:
-                raise ShardError(
-                    f"shard {uri} is missing (the index lists it); prepare the dataset again"
-                ) from None
-            except Exception as e:  # noqa: BLE001 - any backend error: unreadable
-                raise ShardError(f"shard {redact(explain_read_error(uri, e))}") from None
-            with src, open(tmp, "wb") as dst:
-                while True:
-                    try:
-                        chunk = src.read(READ_CHUNK)
-                    except Exception as e:  # noqa: BLE001
-                        raise ShardError(f"shard {redact(explain_read_error(uri, e))}") from None
-                    if not chunk:
-                        break
+
+        def fetch() -> tuple[int, str]:
+            h = hashlib.sha256()
+            n = 0
+            with fs.open(path, "rb") as src, open(tmp, "wb") as dst:
+                while chunk := src.read(READ_CHUNK):
                     h.update(chunk)
                     try:
                         dst.write(chunk)
@@ -277,7 +274,22 @@ class ShardCache:
                             "free space there or point data.cache_dir at a larger disk"
                         ) from None
                     n += len(chunk)
-            _check_content(uri, n, h.hexdigest(), size, sha)
+            return n, h.hexdigest()
+
+        try:
+            try:
+                n, got = retrying(fetch, constants.SPOTLINE_STORAGE_RETRIES)
+            except DataError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any backend error: unreadable
+                cause = network_cause(e)
+                if isinstance(e, FileNotFoundError) and cause is None:
+                    raise ShardError(
+                        f"shard {uri} is missing (the index lists it); prepare the dataset again"
+                    ) from None
+                why = explain_read_error(uri, cause or e)
+                raise ShardError(f"shard {redact(why)}") from None
+            _check_content(uri, n, got, size, sha)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -12,7 +12,11 @@ import difflib
 import hashlib
 import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 HASH_CHUNK_BYTES = 8 * 2**20
 """Local files are hashed in chunks of this size, never read whole into memory."""
@@ -121,6 +125,67 @@ def _s3fs_option_names() -> set[str] | None:
     return names - {"self"}
 
 
+# Errors (by class name, anywhere in the class's MRO) that a dropped or refused
+# connection raises in fsspec's backends: aiohttp (http, s3fs, gcsfs), botocore, the OS.
+NETWORK_ERRORS = frozenset(
+    {
+        "ClientConnectorError",
+        "ConnectionError",
+        "EndpointConnectionError",
+        "ServerDisconnectedError",
+        "TimeoutError",
+        "ClientOSError",
+        "ClientPayloadError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "IncompleteReadError",
+        "ResponseStreamingError",
+    }
+)
+# S3 error codes that ask the client to come back later.
+_RETRY_LATER_CODES = frozenset(
+    {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable", "503"}
+)
+
+
+def network_cause(e: BaseException) -> BaseException | None:
+    """The dropped or refused connection behind `e` (itself, or what it was raised
+    from: fsspec's HTTP filesystem reports one as a missing file), or None."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if {c.__name__ for c in type(seen).__mro__} & NETWORK_ERRORS:
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a storage call that raised `e` is worth another try: a dropped or refused
+    connection, a timeout, a throttle or a server error. Never a missing file, a denied
+    access, bad credentials or bad content."""
+    if network_cause(e) is not None:
+        return True
+    response = getattr(e, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in _RETRY_LATER_CODES
+
+
+def retrying(
+    fn: Callable[[], T], attempts: int, retryable: Callable[[BaseException], bool] = is_transient
+) -> T:
+    """`fn()`, tried again on what `retryable` says may pass (`is_transient` by default)
+    up to `attempts` times in all, with exponential backoff and jitter (tenacity); the
+    last error is raised as it is."""
+    import tenacity
+
+    return tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(max(1, attempts)),
+        wait=tenacity.wait_random_exponential(multiplier=0.2, max=5.0),
+        retry=tenacity.retry_if_exception(retryable),
+        reraise=True,
+    )(fn)
+
+
 def explain_read_error(uri: str, e: BaseException) -> str:
     """What went wrong reading `uri` (data, a tokenizer, a model), and the fix, in one
     line."""
@@ -142,17 +207,7 @@ def explain_read_error(uri: str, e: BaseException) -> str:
         )
     if isinstance(e, PermissionError) or "AccessDenied" in str(e):
         return f"access denied reading {uri} ({e}); check the credentials' read permission"
-    if any(
-        n in names
-        for n in (
-            "ClientConnectorError",
-            "ConnectionError",
-            "EndpointConnectionError",
-            "ServerDisconnectedError",
-            "TimeoutError",
-            "ClientOSError",
-        )
-    ):
+    if names & NETWORK_ERRORS:
         return (
             f"cannot reach the server of {uri} ({type(e).__name__}: {e}); check that it is "
             "running and reachable from this node (and data.endpoint_url for S3)"
