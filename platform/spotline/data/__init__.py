@@ -9,6 +9,10 @@
 Names are imported on first use, so importing the package (e.g. in a `prepare`
 worker process) pulls in neither torch nor the tokenizers library. Preparing a
 dataset: `spotline.data.prepare.prepare(input, tokenizer, out)`.
+
+Reads go through `spotline.storage` (paths from an index never leave their root). It
+must never import models, train/, the runtime or checkpoint/, nor write anywhere but
+data.cache_dir and the `--out` that `prepare` was given.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 `model_def(spec)` is the one way to get a job's architecture: it finds the provider
 in the registry, validates its config, and builds the `ModelDef` that pipelines,
 checkpoints, FLOPs and backfill all use (see `spotline.models.provider`).
+
+A provider describes layers; it must never start anything, read storage or import
+the runtime, the controller or train/ (DeepSpeed appears only to wrap this stage's
+layers in its PipelineModule).
 """
 
 from __future__ import annotations
