@@ -1,5 +1,9 @@
 """Preemption notices: sources that ask whether this node is about to go (cloud metadata,
-Ray's node drain, SIGTERM) and a watcher that reports each notice once."""
+Ray's node drain, SIGTERM) and a watcher that reports each notice once.
+
+It only reports: it never stops a worker, saves a checkpoint or talks to training
+itself (the controller decides what a notice means).
+"""
 
 from spotline.preemption.sources import (
     Notice,

@@ -14,8 +14,9 @@ the options its filesystem takes (checked), what a read error means in one line,
 the sha256 of a local file.
 
 This room sits below data/ and checkpoint/: it must never import from the rest of
-Spotline (no config, no runtime, no Ray). It never writes or removes a file, and opens
-none but to list a destination; its callers do the rest, with the paths it hands back.
+Spotline (no config, no runtime, no Ray). It never writes or removes a file, and reads
+only to list a destination or hash a local file; its callers do the rest, with the
+paths and options it hands back.
 """
 
 from spotline.storage.outputs import files_under, some_names
