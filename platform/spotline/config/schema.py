@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from spotline.config.backfill import BackfillSpec
 from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
-from spotline.config.redact import register_secrets, split_secrets
+from spotline.config.redact import split_secrets
 from spotline.config.tracking import TrackerSpec, check_kinds
 from spotline.config.urls import CHECKPOINT_SCHEMES, READ_SCHEMES, check_http_url, check_scheme
 from spotline.registry import DATASETS
@@ -579,10 +579,6 @@ class JobSpec(_Section):
                     f"model.seq_len ({self.model.seq_len}): prompt and completion must fit "
                     "in the model's context; lower max_new_tokens"
                 )
-        # Any process that builds this spec can then mask its secrets in free text.
-        # The whole spec: a custom model's config, a tracker URI or runtime_env may
-        # carry credentials as much as storage_options do.
-        register_secrets(self.model_dump())
         return self
 
     def _check_adaptive(self) -> None:
