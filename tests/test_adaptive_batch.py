@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from spotline.config import SpecError, load_spec
 from spotline.train.adaptive import BatchSchedule, GradProbe, NoiseScale, grow_to
+from spotline.train.ds_config import deepspeed_config
 
 # --- the estimator on a problem whose tr(Σ) and |G|² are known ---------------------------
 
@@ -134,7 +135,7 @@ def test_spec_derives_the_adaptive_batch():
     assert spec.micro_batches_for(24, 2) == 6
     spec = _adaptive(**{"train.adaptive.min_batch_size": 4})
     assert spec.global_batch(2) == 4 and spec.grad_accum(2) == 1
-    assert spec.deepspeed_config(2)["train_batch_size"] == 4
+    assert deepspeed_config(spec, 2)["train_batch_size"] == 4
     # A fixed job's hash does not see the adaptive fields; an adaptive one does.
     fixed = load_spec(None, {"train.adaptive.ema_decay": 0.5})
     assert fixed.spec_hash() == load_spec(None, {}).spec_hash()

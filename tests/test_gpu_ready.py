@@ -26,6 +26,7 @@ import torch
 from spotline.config import load_spec
 from spotline.models import BuildOptions, build_sequential, model_def
 from spotline.models.provider import LayerDef, build_layer
+from spotline.train.ds_config import deepspeed_config
 
 TINY = {"model.n_layers": 4, "model.d_model": 32, "model.n_heads": 2, "model.seq_len": 32}
 LLAMA = {
@@ -61,8 +62,8 @@ def test_auto_precision_is_bf16_on_a_gpu_and_fp32_on_cpu():
     assert spec.parallel.precision == "auto"
     assert spec.on_device("gpu").parallel.precision == "bf16"
     assert spec.on_device("cpu").parallel.precision == "fp32"
-    assert spec.on_device("cpu").deepspeed_config(1)["bf16"] == {"enabled": False}
-    assert spec.on_device("gpu").deepspeed_config(1)["bf16"] == {"enabled": True}
+    assert deepspeed_config(spec.on_device("cpu"), 1)["bf16"] == {"enabled": False}
+    assert deepspeed_config(spec.on_device("gpu"), 1)["bf16"] == {"enabled": True}
     # TF32 for any fp32 matmul left on a GPU; full fp32 on CPU.
     assert float32_matmul_precision("gpu") == "high"
     assert float32_matmul_precision("cpu") == "highest"

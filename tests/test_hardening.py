@@ -31,6 +31,7 @@ from spotline.config import SpecError, load_spec, redact
 from spotline.config.redact import install_log_redaction, join_secrets, split_secrets
 from spotline.controller.policies import Fail, FailurePolicy, Restart, classify
 from spotline.preflight import check_offline, preflight
+from spotline.train.ds_config import deepspeed_config
 
 pytestmark = pytest.mark.unit
 
@@ -432,8 +433,8 @@ def test_deepspeed_keys_that_contradict_the_spec_are_refused(key, value, owner) 
 
 def test_deepspeed_keys_that_agree_or_are_new_are_fine() -> None:
     spec = load_spec(QUICKSTART, {"deepspeed.train_batch_size": 16, "deepspeed.seed": 3})
-    assert spec.deepspeed_config(2)["train_batch_size"] == 16
-    assert spec.deepspeed_config(2)["seed"] == 3
+    assert deepspeed_config(spec, 2)["train_batch_size"] == 16
+    assert deepspeed_config(spec, 2)["seed"] == 3
     with pytest.raises(SpecError, match="deepspeed.optimizer cannot be set"):
         load_spec(QUICKSTART, {"deepspeed.optimizer": {"type": "Adam"}})
 

@@ -135,6 +135,28 @@ def test_a_spec_with_uri_credentials_registers_them(tmp_path: Path) -> None:
     assert "an0ther-s3cr3t" not in str(ei.value) and "tracking[0].tracking_uri" in str(ei.value)
 
 
+def test_validating_a_spec_registers_nothing_and_loading_it_to_run_does(tmp_path: Path) -> None:
+    import spotline
+    from spotline.config import JobSpec, validate_dict
+
+    def raw(password: str) -> dict:
+        uri = f"https://ops-user:{password}@h:1/data"
+        return {
+            "checkpoint": {"uri": f"file://{tmp_path}/ckpt"},
+            "data": {"kind": "tokens", "uri": uri},
+        }
+
+    checked, built = "only-validated-s3cr3t", "built-by-hand-s3cr3t"
+    for _ in range(2):
+        JobSpec.model_validate(raw(checked))
+    assert redact(f"401 with {checked}") == f"401 with {checked}"
+    validate_dict(raw(checked))  # a spec loaded to run
+    assert redact(f"401 with {checked}") == "401 with ***"
+    # A spec built with the SDK's models, then run as a job.
+    spotline.Job(JobSpec.model_validate(raw(built)))
+    assert redact(f"401 with {built}") == "401 with ***"
+
+
 def test_manifests_record_a_custom_models_config_with_its_secrets_masked(tmp_path: Path) -> None:
     def spec(width: int):
         config = {"width": width, "depth": 2, "api_token": "hf_UserProviderToken123"}

@@ -628,3 +628,24 @@ def test_prompts_file_is_read_before_any_worker_starts(tmp_path: Path) -> None:
         os.chdir(cwd)
     prompts = spec.backfill.tasks[1].prompts
     assert isinstance(prompts, list) and prompts[0] == "def __init__(self"
+
+
+def test_config_imports_nothing_from_the_runtime() -> None:
+    """config/ is pure data and validation: besides itself it imports only the registry
+    of named parts (the DeepSpeed config of a group is train/'s)."""
+    import ast
+
+    for path in (Path(spotline.__file__).parent / "config").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] == "spotline":
+                    assert name.startswith(("spotline.config", "spotline.registry")), (
+                        path.name,
+                        name,
+                    )

@@ -19,7 +19,7 @@ from typing import Any
 
 from spotline import constants
 from spotline.config import JobSpec, apply_overrides, load_spec
-from spotline.config.loader import validate_dict
+from spotline.config.loader import register_spec_secrets, validate_dict
 from spotline.config.redact import install_log_redaction, split_secrets, write_secrets_package
 from spotline.plan import Plan
 from spotline.runtime.cluster import connect_ray
@@ -343,7 +343,7 @@ class Job:
     """A validated job spec plus the ways to run it."""
 
     def __init__(self, spec: JobSpec):
-        self.spec = spec
+        self.spec = register_spec_secrets(spec)  # however it was built
 
     @classmethod
     def from_yaml(

@@ -23,9 +23,10 @@ from spotline.checkpoint import (
 )
 from spotline.checkpoint.staging import GB, check_local_dir
 from spotline.config.backfill import SpeculativeTaskSpec
+from spotline.config.identity import RETUNABLE_FIELDS
 from spotline.config.loader import SpecError
 from spotline.config.redact import redact
-from spotline.config.schema import RETUNABLE_FIELDS, JobSpec
+from spotline.config.schema import JobSpec
 from spotline.data import open_dataset
 from spotline.plan import checkpoint_bytes, memory_problem
 from spotline.storage.fs import explain_read_error

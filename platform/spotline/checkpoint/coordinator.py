@@ -37,9 +37,9 @@ from spotline.checkpoint.store import (
     CheckpointStore,
     CorruptCheckpointError,
     StorageError,
-    spec_differences,
 )
 from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
+from spotline.config.identity import spec_differences
 from spotline.config.schema import JobSpec
 
 Event = Callable[..., None]

@@ -46,6 +46,7 @@ from spotline.checkpoint.manifest import (
     Receipt,
     check_relpath,
 )
+from spotline.config.identity import foreign_job, mismatch_reason, resumable_by
 from spotline.config.redact import redact
 from spotline.storage import UnsafePathError, join_under
 from spotline.storage.fs import (
@@ -1151,10 +1152,7 @@ class CheckpointStore:
             except (CorruptCheckpointError, FileNotFoundError):
                 continue
             job = m.extra.get("job")
-            if (
-                job == spec.name
-                and spec.retuned_fields(m.spec_hash, m.extra.get("spec")) is not None
-            ):
+            if resumable_by(spec, job, m.spec_hash, m.extra.get("spec")):
                 return
             raise CheckpointMismatchError(
                 self.describe_mismatch(spec, job, m.spec_hash, m.extra.get("spec"), step)
@@ -1165,18 +1163,14 @@ class CheckpointStore:
         except ValueError:
             summary = {}
         job = summary.get("name") if isinstance(summary, dict) else None
-        if job is not None and job != spec.name:
+        if foreign_job(spec, job):
             raise CheckpointMismatchError(self.describe_mismatch(spec, job, None, None, None))
 
     def describe_mismatch(
         self, spec: Any, job: str | None, their_hash: str | None, theirs: Any, step: int | None
     ) -> str:
         what = f"checkpoint step {step}" if step is not None else "the job summary"
-        if job is not None and job != spec.name:
-            why = f"belongs to job {job!r}, and this job is {spec.name!r}"
-        else:
-            why = f"was written with spec hash {their_hash}, and this job has {spec.spec_hash()}"
-        why += spec_differences(spec, theirs)
+        why = mismatch_reason(spec, job, their_hash, theirs)
         return (
             f"{self.fields.uri} {self.uri}: {what} there {why}. Nothing was written there. "
             f"Point {self.fields.uri} at a new location (e.g. --set checkpoint.uri=...), or use the "
@@ -1310,21 +1304,6 @@ class CheckpointStore:
             if not f.cancelled() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
         return [f.result() for f in futures]
-
-
-def spec_differences(spec: Any, theirs: Any) -> str:
-    """' (field: theirs there, ours here; ...)' for each hashed field in which `spec`
-    differs from `theirs` (the `hashed_fields` a manifest or receipt recorded), or ''."""
-    if not isinstance(theirs, dict):
-        return ""
-    ours = spec.recorded_fields()
-    diff = [
-        f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here"
-        for k in spec.changed_fields(theirs)
-    ]
-    if not diff:
-        return ""
-    return " (" + "; ".join(diff[:6]) + ("; ..." if len(diff) > 6 else "") + ")"
 
 
 def _describe_mismatch(size: int, digest: str | None, entry: FileEntry) -> str | None:

@@ -1,7 +1,18 @@
-"""The job spec: typed sections, YAML loading with overrides, and redaction.
+"""The job spec: pure data and its validation.
 
-A leaf package: it imports nothing from the runtime, so every other part of
-Spotline (driver, controller, workers, executors) can import it.
+Typed sections with their cross-field checks (schema.py and one module per large
+section), the batch policy (batch.py), the spec's identity and resume rules
+(identity.py), the DeepSpeed keys the spec decides (deepspeed_keys.py), YAML loading
+with overrides and one-line errors (loader.py), and the one redaction function
+(redact.py). Every other part of Spotline (driver, controller, workers, executors)
+imports it.
+
+It must never import the runtime (train/, runtime/, controller/, checkpoint/,
+planning) nor touch storage or the network, and it has no side effects at import or
+validation time: validating a spec, twice or in a test, changes nothing. The one
+explicit step with an effect is `loader.register_spec_secrets`, which a spec loaded
+to run takes (`load_spec`, `validate_dict`, `spotline.Job`, an actor opening its
+spec) so that redaction masks its secrets in free text.
 """
 
 from spotline.config.backfill import (

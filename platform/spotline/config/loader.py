@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from spotline.config.redact import is_secret_key, is_secret_path, redact
+from spotline.config.redact import is_secret_key, is_secret_path, redact, register_secrets
 from spotline.config.schema import JobSpec
 
 
@@ -69,7 +69,8 @@ def load_spec(
     source: str | Path | dict[str, Any] | None = None,
     overrides: dict[str, Any] | list[str] | None = None,
 ) -> JobSpec:
-    """Build a validated `JobSpec` from a YAML path or a dict, then apply overrides."""
+    """Build a validated `JobSpec` from a YAML path or a dict, then apply overrides; its
+    secrets are registered for redaction (see `register_spec_secrets`)."""
     if source is None:
         raw: dict[str, Any] = {}
         where = "<defaults>"
@@ -173,11 +174,27 @@ def _is_value(path: list[str]) -> bool:
 
 
 def validate_dict(raw: dict[str, Any], where: str = "<dict>") -> JobSpec:
+    """A validated `JobSpec` from a dict, its secrets registered for redaction (see
+    `register_spec_secrets`); a spec that cannot run raises SpecError."""
     try:
-        return JobSpec.model_validate(raw)
+        spec = JobSpec.model_validate(raw)
     except ValidationError as e:
         lines = [_format_error(err) for err in e.errors()]
         raise SpecError(f"invalid job spec ({where}): " + "; ".join(lines)) from None
+    return register_spec_secrets(spec)
+
+
+def register_spec_secrets(spec: JobSpec) -> JobSpec:
+    """Remember `spec`'s secret values in this process, so that free text echoing one
+    (a client library's error that repeats its arguments) is masked; returns `spec`.
+
+    The whole spec: a custom model's config, a tracker URI or runtime_env may carry
+    credentials as much as storage_options do. Validation itself has no side effect;
+    this is the explicit step of loading a spec to run it, which `load_spec` and
+    `validate_dict` take, and so do `spotline.Job` and an actor opening its spec.
+    """
+    register_secrets(spec.model_dump())
+    return spec
 
 
 def _format_error(err: dict[str, Any]) -> str:

@@ -11,9 +11,11 @@ What is secret:
 - in free text, every such value a spec of this process carried, and the values of
   environment variables whose names say they hold a secret.
 
-A `JobSpec` registers its secret values when it is built (in the driver, the
-controller and every worker alike), so text that echoes one, such as a client
-library's error that repeats its arguments, is masked too.
+A spec loaded to run registers its secret values (`config.loader.register_spec_secrets`:
+`load_spec`, `validate_dict`, `spotline.Job`, and every actor opening its spec), in the
+driver, the controller and every worker alike, so text that echoes one, such as a
+client library's error that repeats its arguments, is masked too. Validating a spec
+registers nothing.
 """
 
 from __future__ import annotations

@@ -1,25 +1,25 @@
 """The typed job spec: one pydantic model per section, docs next to each field.
 
-Everything a worker needs is derived from a validated `JobSpec`. Checks that
-need only the spec itself live here (cross-field rules); checks that touch the
-outside world (storage reachability, credentials, the corpus) live in
-`spotline.preflight` and run before any worker starts.
+Everything a worker needs is derived from a validated `JobSpec`. Checks that need
+only the spec live here (cross-field rules), with the batch policy (`config.batch`),
+identity and resume rules (`config.identity`) and the DeepSpeed keys the spec decides
+(`config.deepspeed_keys`) beside it. Checks that touch the outside world (storage,
+credentials, the corpus) live in `spotline.preflight`. Validation has no side effect.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from spotline.config.backfill import BackfillSpec
+from spotline.config.batch import BatchPolicy
+from spotline.config.deepspeed_keys import check_deepspeed_keys, zero_bucket_elements
+from spotline.config.identity import SpecIdentity
 from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
-from spotline.config.redact import register_secrets, split_secrets
 from spotline.config.tracking import TrackerSpec, check_kinds
 from spotline.config.urls import CHECKPOINT_SCHEMES, READ_SCHEMES, check_http_url, check_scheme
 from spotline.registry import DATASETS
@@ -427,8 +427,13 @@ class MetricsSpec(_Section):
     """Steps that set the baseline after the warm-up."""
 
 
-class JobSpec(_Section):
-    """A whole Spotline job."""
+class JobSpec(_Section, BatchPolicy, SpecIdentity):
+    """A whole Spotline job.
+
+    Its batch arithmetic comes from `BatchPolicy` (spotline.config.batch), its hash and
+    resume rules from `SpecIdentity` (spotline.config.identity); the DeepSpeed config
+    a group runs with is `spotline.train.ds_config.deepspeed_config(spec, replicas)`.
+    """
 
     name: str = "spotline-job"
     """Job name: names the controller actor (spotline:<name>:controller) and the checkpoint path."""
@@ -543,28 +548,8 @@ class JobSpec(_Section):
                 f"parallel.pipeline_stages={p.pipeline_stages}: DeepSpeed pipelines support "
                 "ZeRO stage 0 or 1 only; set zero_stage: 1, or pipeline_stages: 1 for ZeRO-2/3"
             )
-        b, m = self.train.global_batch_size, p.micro_batches
-        slots = m * e.max_replicas  # micro-batches per step at max_replicas
-        if b % slots != 0:
-            raise ValueError(
-                f"train.global_batch_size ({b}) must be divisible by parallel.micro_batches x "
-                f"elastic.max_replicas ({m} x {e.max_replicas} = {slots}): that is the number "
-                f"of micro-batches of one step at full size; set global_batch_size to a "
-                f"multiple of {slots}"
-            )
-        if e.batch_policy == "constant" and slots % e.min_replicas:
-            raise ValueError(
-                f"with elastic.batch_policy 'constant', elastic.min_replicas "
-                f"({e.min_replicas}) must divide parallel.micro_batches x "
-                f"elastic.max_replicas ({slots}), so a group of min_replicas runs a whole "
-                f"number of micro-batches per replica; the job runs at the replica counts "
-                f"that divide {slots}. Set min_replicas to one of "
-                f"{[d for d in range(1, e.max_replicas + 1) if slots % d == 0]}, or use "
-                "batch_policy 'scaled'"
-            )
-        if self.train.batch_schedule == "adaptive":
-            self._check_adaptive()
-        self._check_deepspeed_keys()
+        self._check_batch()
+        check_deepspeed_keys(self)
         bf = self.backfill
         if bf.enabled and p.pipeline_stages < 2:
             raise ValueError(
@@ -579,115 +564,7 @@ class JobSpec(_Section):
                     f"model.seq_len ({self.model.seq_len}): prompt and completion must fit "
                     "in the model's context; lower max_new_tokens"
                 )
-        # Any process that builds this spec can then mask its secrets in free text.
-        # The whole spec: a custom model's config, a tracker URI or runtime_env may
-        # carry credentials as much as storage_options do.
-        register_secrets(self.model_dump())
         return self
-
-    def _check_adaptive(self) -> None:
-        e, p, a = self.elastic, self.parallel, self.train.adaptive
-        if e.batch_policy != "constant":
-            raise ValueError(
-                "train.batch_schedule 'adaptive' needs elastic.batch_policy 'constant' (got "
-                f"{e.batch_policy!r}): the schedule, not the replica count, sets the batch; "
-                "set batch_policy: constant, or batch_schedule: fixed"
-            )
-        if p.zero_stage != 1:
-            raise ValueError(
-                f"train.batch_schedule 'adaptive' needs parallel.zero_stage: 1 (got "
-                f"{p.zero_stage}): the noise scale reads each rank's gradient after its first "
-                "micro-batch, before ZeRO reduces it; set zero_stage: 1, or batch_schedule: fixed"
-            )
-        if _dig(self.deepspeed, ["zero_optimization", "overlap_comm"]) is True:
-            raise ValueError(
-                "deepspeed.zero_optimization.overlap_comm cannot be true with "
-                "train.batch_schedule 'adaptive': it reduces gradients during the backward, "
-                "before the noise scale reads them; remove the key, or use batch_schedule: fixed"
-            )
-        if a.max_batch_size is None:
-            raise ValueError(
-                "train.adaptive.max_batch_size is required with train.batch_schedule "
-                "'adaptive'; set it to the largest global batch (sequences) the job may grow to"
-            )
-        unit = self.batch_unit()
-        lo, hi = self.batch_bounds()
-        for name, v in (("min_batch_size", lo), ("max_batch_size", hi)):
-            if v % unit:
-                raise ValueError(
-                    f"train.adaptive.{name} ({v}) must be a multiple of {unit} (micro-batch "
-                    f"size {self.micro_batch_size()} x {unit // self.micro_batch_size()} "
-                    f"micro-batches, which every replica count in {self.replica_counts()} "
-                    f"divides); set it to {max(unit, v - v % unit)} or {v - v % unit + unit}"
-                )
-        if lo > hi:
-            raise ValueError(
-                f"train.adaptive.min_batch_size ({lo}) must be <= train.adaptive."
-                f"max_batch_size ({hi}); raise max_batch_size or lower min_batch_size"
-            )
-
-    def _check_deepspeed_keys(self) -> None:
-        """A `deepspeed:` key that Spotline derives from the spec must agree with it at
-        every replica count the job may run at; otherwise which one wins is a guess."""
-        for key, owner in _SPOTLINE_OWNED_DEEPSPEED_KEYS.items():
-            path = key.split(".")
-            given = _dig(self.deepspeed, path)
-            if given is _ABSENT:
-                continue
-            if owner is None:
-                raise ValueError(
-                    f"deepspeed.{key} cannot be set: Spotline builds AdamW and the warm-up + "
-                    "cosine schedule from train.lr, train.warmup_steps, train.min_lr_ratio "
-                    f"and train.weight_decay; remove deepspeed.{key} and set those instead"
-                )
-            derived = {_dig(self._derived_deepspeed(d), path) for d in self.replica_counts()}
-            if derived != {given}:
-                want = " or ".join(str(v) for v in sorted(derived, key=str))
-                raise ValueError(
-                    f"deepspeed.{key} ({given!r}) contradicts the value Spotline derives "
-                    f"from {owner} ({want}); remove deepspeed.{key} and set {owner}"
-                )
-
-    def _derived_deepspeed(self, replicas: int) -> dict[str, Any]:
-        p, t = self.parallel, self.train
-        return {
-            "train_batch_size": self.global_batch(replicas),
-            "train_micro_batch_size_per_gpu": self.micro_batch_size(),
-            "gradient_accumulation_steps": self.grad_accum(replicas),
-            "gradient_clipping": t.grad_clip,
-            "zero_optimization": {"stage": p.zero_stage},
-            "bf16": {"enabled": p.precision == "bf16"},
-            "fp16": {"enabled": False},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-
-    def deepspeed_config(self, replicas: int, stage_params: int | None = None) -> dict[str, Any]:
-        """The DeepSpeed config of a group of `replicas` (of a stage of `stage_params`
-        parameters): derived from the spec, with the `deepspeed:` section merged over it
-        (its keys never contradict the derived ones)."""
-        derived = self._derived_deepspeed(replicas)
-        bucket = self.zero_bucket_elements(stage_params) if stage_params else None
-        if bucket is not None:
-            derived["zero_optimization"]["reduce_bucket_size"] = bucket
-        return _deep_merge(derived, self.deepspeed)
-
-    def zero_bucket_elements(self, stage_params: int) -> int | None:
-        """Elements of the gradient-reduction bucket DeepSpeed's ZeRO-1/2 allocates on
-        every rank of a stage of `stage_params` parameters (None without ZeRO).
-
-        DeepSpeed allocates its whole reduce_bucket_size (5e8 elements: 2 GB in fp32)
-        whatever the model's size. A bucket larger than the stage holds nothing more,
-        so Spotline sizes it to the stage, never above DeepSpeed's default, unless
-        deepspeed.zero_optimization.reduce_bucket_size is set.
-        """
-        if self.parallel.zero_stage not in (1, 2):
-            return None
-        given = _dig(self.deepspeed, ["zero_optimization", "reduce_bucket_size"])
-        if given is not _ABSENT:
-            return int(given)
-        return max(1, min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, stage_params))
 
     # --- derived -----------------------------------------------------------------
 
@@ -708,63 +585,10 @@ class JobSpec(_Section):
     def resolved_checkpoint_uri(self) -> str:
         return self.checkpoint.uri.replace("{job}", self.name)
 
-    def micro_batch_size(self) -> int:
-        """Sequences per micro-batch per replica: fixed at every replica count."""
-        return self.train.global_batch_size // (
-            self.parallel.micro_batches * self.elastic.max_replicas
-        )
-
-    def replica_counts(self) -> list[int]:
-        """Replica counts the job runs at: under the constant batch policy, those in
-        [min, max] that divide micro_batches x max_replicas (each replica then runs a
-        whole number of micro-batches); every count in [min, max] when scaled."""
-        e = self.elastic
-        span = range(e.min_replicas, e.max_replicas + 1)
-        if e.batch_policy == "scaled":
-            return list(span)
-        slots = self.parallel.micro_batches * e.max_replicas
-        return [d for d in span if slots % d == 0]
-
-    def grad_accum(self, replicas: int) -> int:
-        """Micro-batches per step per replica (the 1F1B depth when pipelined; at the
-        start of an adaptive schedule)."""
-        m = self.parallel.micro_batches
-        if self.train.batch_schedule == "adaptive":
-            return self.micro_batches_for(self.batch_bounds()[0], replicas)
-        if self.elastic.batch_policy == "scaled":
-            return m
-        return m * self.elastic.max_replicas // replicas
-
-    def global_batch(self, replicas: int) -> int:
-        """Sequences per optimizer step with `replicas` replicas (at the start of an
-        adaptive schedule)."""
-        if self.train.batch_schedule == "adaptive":
-            return self.batch_bounds()[0]
-        return self.micro_batch_size() * self.grad_accum(replicas) * replicas
-
-    def batch_unit(self) -> int:
-        """The step of an adaptive batch: micro-batch size x the least number of
-        micro-batches every allowed replica count divides, so the batch in force runs
-        whole micro-batches per replica at any of them."""
-        return self.micro_batch_size() * math.lcm(*self.replica_counts())
-
-    def batch_bounds(self) -> tuple[int, int]:
-        """[min, max] sequences per step of the adaptive schedule (fixed: both the
-        configured batch)."""
-        a, b = self.train.adaptive, self.train.global_batch_size
-        if self.train.batch_schedule != "adaptive":
-            return b, b
-        return (a.min_batch_size or b), (a.max_batch_size or b)
-
-    def micro_batches_for(self, batch: int, replicas: int) -> int:
-        """Micro-batches per step per replica that make a global batch of `batch`."""
-        per = self.micro_batch_size() * replicas
-        if batch % per:
-            raise ValueError(
-                f"a global batch of {batch} is not a whole number of micro-batches of "
-                f"{self.micro_batch_size()} over {replicas} replica(s)"
-            )
-        return batch // per
+    def zero_bucket_elements(self, stage_params: int) -> int | None:
+        """ZeRO's gradient-reduction bucket on every rank of a stage of `stage_params`
+        parameters (see `spotline.config.deepspeed_keys.zero_bucket_elements`)."""
+        return zero_bucket_elements(self, stage_params)
 
     def on_device(self, device: str) -> JobSpec:
         """This spec as it trains on `device` ('gpu' or 'cpu'): parallel.precision
@@ -775,189 +599,3 @@ class JobSpec(_Section):
         return self.model_copy(
             update={"parallel": self.parallel.model_copy(update={"precision": precision})}
         )
-
-    def lr_scale(self, replicas: int) -> float:
-        """Learning-rate multiplier: 1, or sqrt(D / max_replicas) for the scaled policy."""
-        if self.elastic.batch_policy == "scaled":
-            return math.sqrt(replicas / self.elastic.max_replicas)
-        return 1.0
-
-    def topology(self, replicas: int, batch: int | None = None) -> dict[str, Any]:
-        """The layout a checkpoint records, and a resume compares against (`batch`: the
-        adaptive schedule's global batch in force, if any)."""
-        p = self.parallel
-        micro = (
-            self.grad_accum(replicas) if batch is None else self.micro_batches_for(batch, replicas)
-        )
-        return {
-            "pipeline_stages": p.pipeline_stages,
-            "replicas": replicas,
-            "world_size": p.pipeline_stages * replicas,
-            "zero_stage": p.zero_stage,
-            "micro_batches": micro,
-            "micro_batch_size": self.micro_batch_size(),
-            "precision": p.precision,
-        }
-
-    def batch_record(self, replicas: int, schedule: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The batch policy in force at `replicas`, as every manifest records it;
-        `schedule` is the adaptive schedule's record (`BatchSchedule.to_dict`) when the
-        job has one: its history then sets the batch."""
-        rule = (
-            "global batch constant; micro-batches per step = m x max_replicas / D"
-            if self.elastic.batch_policy == "constant"
-            else "global batch = global_batch_size x D / max_replicas; lr x sqrt(D / max_replicas)"
-        )
-        out = {
-            "policy": self.elastic.batch_policy,
-            "schedule": self.train.batch_schedule,
-            "rule": rule,
-            "global_batch_size": self.global_batch(replicas),
-            "micro_batch_size": self.micro_batch_size(),
-            "micro_batches_per_step": self.grad_accum(replicas),
-            "lr_scale": self.lr_scale(replicas),
-        }
-        if schedule is not None:
-            batch = int(schedule["history"][-1][1])
-            start = int(schedule["history"][0][1])
-            out.update(
-                rule="global batch grows toward the gradient noise scale at checkpoint "
-                "boundaries, in whole micro-batches within train.adaptive's bounds; "
-                "lr x sqrt(batch / min_batch_size)",
-                global_batch_size=batch,
-                micro_batches_per_step=self.micro_batches_for(batch, replicas),
-                lr_scale=math.sqrt(batch / start),
-                history=schedule["history"],
-                noise=schedule["noise"],
-                estimates=schedule.get("estimates", []),
-            )
-        return out
-
-    def hashed_fields(self) -> dict[str, Any]:
-        """Everything that changes the training math (not where it runs, logs, or which
-        credentials read its data), flattened to dotted keys."""
-        return flatten_dotted(self._hashed_tree())
-
-    def recorded_fields(self) -> dict[str, Any]:
-        """`hashed_fields` with every secret masked (a custom model's `config` may hold
-        an API token): what manifests record, so a refused resume can say which fields
-        differ, and what they are compared with."""
-        return flatten_dotted(split_secrets(self._hashed_tree())[0])
-
-    def _hashed_tree(self) -> dict[str, Any]:
-        data_where = {"endpoint_url", "storage_options", "cache_dir", "prefetch", "uri"}
-        fields = self.model_dump(
-            mode="json",
-            include={
-                "model": True,
-                "tokenizer": {"kind", "sha256"},  # what it is, not where it lies
-                "data": True,
-                "train": True,
-                "parallel": {"precision"},
-            },
-            exclude={
-                "train": {"log_every", "steps", "batch_schedule", "adaptive"},
-                "data": data_where,
-            },
-        )
-        if self.train.batch_schedule == "adaptive":  # fixed jobs keep their old hash
-            fields["train"]["batch_schedule"] = "adaptive"
-            fields["train"]["adaptive"] = self.train.adaptive.model_dump(mode="json")
-        # A dataset is its index (contents, tokenizer); where it lies may change.
-        fields["data"]["sources"] = [
-            {"weight": s.weight, "index_sha256": s.index_sha256} for s in self.data.token_sources()
-        ]
-        fields["elastic"] = {"batch_policy": self.elastic.batch_policy}
-        if self.elastic.batch_policy == "scaled":  # the reference size of batch and lr
-            fields["elastic"]["max_replicas"] = self.elastic.max_replicas
-        return fields
-
-    def retuned_fields(self, their_hash: str | None, theirs: Any) -> list[str] | None:
-        """How this spec differs from the one a checkpoint was written with (`theirs`: the
-        manifest's recorded `hashed_fields`): [] when the hashes match, "field: old ->
-        new" for each changed field when only `RETUNABLE_FIELDS` changed, None when the
-        checkpoint must not be resumed by this spec."""
-        if their_hash == self.spec_hash():
-            return []
-        if not isinstance(theirs, dict):
-            return None
-        changed = self.changed_fields(theirs)
-        if not changed or any(k not in RETUNABLE_FIELDS for k in changed):
-            return None
-        ours = self.recorded_fields()
-        return [f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed]
-
-    def changed_fields(self, theirs: dict[str, Any]) -> list[str]:
-        """The `recorded_fields` keys whose value differs from `theirs` (a manifest's
-        record of the spec it was written with), sorted."""
-        ours = self.recorded_fields()
-        return [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
-
-    def spec_hash(self) -> str:
-        """Hash of `hashed_fields`. A checkpoint is only resumed by a job with the same
-        hash, so a resumed run cannot silently train a different model."""
-        blob = json.dumps(self.hashed_fields(), sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
-RETUNABLE_FIELDS = frozenset(
-    {
-        "train.lr",
-        "train.min_lr_ratio",
-        "train.warmup_steps",
-        "train.weight_decay",
-        "train.grad_clip",
-    }
-)
-"""Optimizer hyperparameters a resumed job may change (Population Based Training mutates
-them). Each is applied from the spec, never from the checkpoint: the peak lr and the
-schedule's shape, AdamW's weight decay and the gradient clip. The model, tokenizer, data,
-batch and seed must stay the same."""
-
-_ABSENT = object()
-# deepspeed: keys Spotline derives, and the spec field each comes from (None: Spotline
-# supplies the object itself, so the key cannot be set at all).
-DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
-"""DeepSpeed's default zero_optimization.reduce_bucket_size."""
-
-_SPOTLINE_OWNED_DEEPSPEED_KEYS: dict[str, str | None] = {
-    "train_batch_size": "train.global_batch_size",
-    "train_micro_batch_size_per_gpu": "train.global_batch_size / (parallel.micro_batches "
-    "x elastic.max_replicas)",
-    "gradient_accumulation_steps": "parallel.micro_batches and elastic.batch_policy",
-    "gradient_clipping": "train.grad_clip",
-    "zero_optimization.stage": "parallel.zero_stage",
-    "bf16.enabled": "parallel.precision",
-    "fp16.enabled": "parallel.precision (fp32 or bf16; fp16 is not supported)",
-    "optimizer": None,
-    "scheduler": None,
-}
-
-
-def _dig(d: Any, path: list[str]) -> Any:
-    for part in path:
-        if not isinstance(d, dict) or part not in d:
-            return _ABSENT
-        d = d[part]
-    return d
-
-
-def _deep_merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = (
-            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-        )
-    return out
-
-
-def flatten_dotted(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}: the spec hash's fields, and a tracker's params."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten_dotted(v, key + "."))
-        else:
-            out[key] = v
-    return out

@@ -58,7 +58,7 @@ class AshaSchedulerSpec(_Section):
 class PbtSchedulerSpec(_Section):
     """Population based training: every perturbation_interval reports, the worse
     trials go on from a better trial's committed checkpoint with mutated
-    hyperparameters (only spotline.config.schema.RETUNABLE_FIELDS may be searched)."""
+    hyperparameters (only spotline.config.identity.RETUNABLE_FIELDS may be searched)."""
 
     kind: Literal["pbt"]
     metric: str = "train_loss"

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from spotline import constants
+from spotline.config.identity import flatten_dotted
 from spotline.config.redact import redact
-from spotline.config.schema import JobSpec, flatten_dotted
+from spotline.config.schema import JobSpec
 from spotline.config.tracking import (
     MlflowTrackerSpec,
     TensorBoardTrackerSpec,

@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from spotline.checkpoint import CheckpointStore
+from spotline.config.loader import register_spec_secrets
 from spotline.config.redact import join_secrets, split_secrets
 from spotline.config.schema import JobSpec
 
@@ -47,9 +48,11 @@ class SealedJob:
         return ray.get(self._secrets[0]) if self._secrets else {"spec": [], "store": []}
 
     def open_spec(self, secrets: dict[str, list] | None = None) -> JobSpec:
-        """The spec, secrets restored (in the actor that was given this)."""
+        """The spec, secrets restored and registered for redaction (in the actor that
+        was given this)."""
         spec_secrets = (secrets or self._resolve())["spec"]
-        return JobSpec.model_validate(join_secrets(json.loads(self.spec_json), spec_secrets))
+        spec = JobSpec.model_validate(join_secrets(json.loads(self.spec_json), spec_secrets))
+        return register_spec_secrets(spec)
 
     def open(self) -> tuple[JobSpec, CheckpointStore]:
         """The spec and the store, secrets restored (in the actor that was given this)."""

@@ -48,6 +48,7 @@ from spotline.models import (
 from spotline.plan import stage_micro_s
 from spotline.train import state
 from spotline.train.adaptive import BatchSchedule, GradProbe, grow_to
+from spotline.train.ds_config import deepspeed_config
 
 
 @dataclass(frozen=True)
@@ -352,7 +353,9 @@ class Trainer:
             model=model,
             optimizer=opt,
             lr_scheduler=sched,
-            config=spec.deepspeed_config(topo.replicas, sum(p.numel() for p in model.parameters())),
+            config=deepspeed_config(
+                spec, topo.replicas, sum(p.numel() for p in model.parameters())
+            ),
             dist_init_required=False,
         )
         self.device = self.engine.device
@@ -393,7 +396,7 @@ class Trainer:
         every rank, from the layer's seed; rank 0's values are kept), unless the
         weights come from the checkpoint this group restores next."""
         with deepspeed.zero.Init(
-            config_dict_or_path=self.spec.deepspeed_config(self.topo.replicas)
+            config_dict_or_path=deepspeed_config(self.spec, self.topo.replicas)
         ):
             model = build_sequential(self.model_def, replace(opts, init=False, meta=False))
         if opts.init:

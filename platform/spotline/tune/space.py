@@ -12,7 +12,8 @@ import difflib
 from typing import Any
 
 from spotline.config import SpecError, apply_overrides, validate_dict
-from spotline.config.schema import RETUNABLE_FIELDS, JobSpec
+from spotline.config.identity import RETUNABLE_FIELDS
+from spotline.config.schema import JobSpec
 from spotline.config.sweep import check_domain
 
 # Fields a trial's job gets from the sweep, not from the space.
