@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spotline.config import load_spec
-from spotline.train.state import HostCopier
+from spotline.train.engine import HostCopier
 from spotline.train.trainer import build_optimizer
 
 pytestmark = pytest.mark.unit

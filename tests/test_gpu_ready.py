@@ -302,6 +302,7 @@ def _losses(spec, stages, rank, steps=3, **kw):
 def _resume(make, rank: int, root: Path, stages: int, **over) -> dict:
     """Train 2 steps, save, train 2 more; a rank built without an init (empty weights)
     loads the save and trains the same 2 steps."""
+    from spotline.checkpoint import layout, reshard
     from spotline.train import state
     from spotline.train.trainer import Fetched, Topology, Trainer
 
@@ -310,7 +311,7 @@ def _resume(make, rank: int, root: Path, stages: int, **over) -> dict:
     first = Trainer(spec, topo, threads=1)
     [first.train_step() for _ in range(2)]
     snap = state.snapshot(first.engine, topo, write_weights=topo.replica == 0)
-    state.write(snap, state.rank_dir(root, rank))
+    state.write(snap, layout.rank_dir(root, rank))
     reference = [first.train_step() for _ in range(2)]
     first.prefetch.close()
     torch.distributed.barrier()
@@ -320,9 +321,9 @@ def _resume(make, rank: int, root: Path, stages: int, **over) -> dict:
         refused = ""
     except RuntimeError as e:
         refused = str(e)
-    index, meta = state.read_index(root)
-    state.load(empty.engine, topo, index, meta, state.directory_reader(root))
-    own = json.loads((state.rank_dir(root, rank) / state.META_FILE).read_text())
+    index, meta = reshard.read_index(root)
+    state.load(empty.engine, topo, index, meta, reshard.directory_reader(root))
+    own = json.loads((layout.rank_dir(root, rank) / layout.META_FILE).read_text())
     empty.load(Fetched(2, own, meta, 0))
     resumed = [empty.train_step() for _ in range(2)]
     empty.prefetch.close()

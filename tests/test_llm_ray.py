@@ -120,8 +120,8 @@ def test_export_loads_in_transformers_and_init_from_it_gives_the_same_model(
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from spotline.checkpoint import reshard
     from spotline.cli import main
-    from spotline.train import state
 
     spec, result, ref_tmp = reference
     out = tmp_path / "hf"
@@ -138,7 +138,7 @@ def test_export_loads_in_transformers_and_init_from_it_gives_the_same_model(
     # Spotline's own forward on the committed weights of step 30.
     store = CheckpointStore(result.checkpoint_uri)
     manifest = store.load_manifest(30)
-    weights = state.full_params(manifest.extra["index"], state.store_reader(store, 30))
+    weights = reshard.full_params(manifest.extra["index"], reshard.store_reader(store, 30))
     ours = _spotline_logits(spec, weights, ids)
     with torch.no_grad():
         theirs = hf_model(ids).logits

@@ -22,6 +22,7 @@ from spotline.checkpoint import (
     CorruptCheckpointError,
     Manifest,
     ManifestError,
+    reshard,
 )
 from spotline.checkpoint.coordinator import CommitCoordinator
 from spotline.checkpoint.layout import CheckpointFormatError
@@ -29,7 +30,6 @@ from spotline.config import load_spec
 from spotline.data import ByteTokenizer, DataError, ShardError, TokenDataset, read_index
 from spotline.data.prepare import prepare
 from spotline.storage import UnsafePathError, check_relpath, join_under
-from spotline.train import state
 
 pytestmark = pytest.mark.unit
 
@@ -339,7 +339,7 @@ def test_the_sharded_state_reader_never_opens_a_file_outside_its_root(tmp_path: 
     (root / "rank_00000").mkdir(parents=True)
     outside = tmp_path / "outside.safetensors"
     outside.write_bytes(b"0123456789")
-    read = state.directory_reader(root)
+    read = reshard.directory_reader(root)
     with pytest.raises(CheckpointFormatError, match=r"k: leaves the checkpoint \(holds '\.\.'\)"):
         read({"file": "../outside.safetensors", "key": "k", "offset": 0}, 0, 4)
     (root / "rank_00000" / "state.safetensors").symlink_to(outside)

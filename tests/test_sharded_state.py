@@ -1,4 +1,5 @@
-"""Sharded training state (spotline.train.state) on real DeepSpeed engines over gloo.
+"""Sharded training state (spotline.train.state, its engine adapter, and the files and
+reads of spotline.checkpoint.layout and .reshard) on real DeepSpeed engines over gloo.
 
 Ranks run as torch.multiprocessing processes with the same `Trainer` the Ray workers
 host. Each rank saves only what it owns (`snapshot` + `write`, with every
@@ -129,6 +130,7 @@ def _trainer(stages, replicas, rank, port, **over):
 
 def _save(trainer, root: Path, chunk_bytes: int | None = None) -> dict:
     """Sharded save of this rank, collectives forbidden; returns sizes."""
+    from spotline.checkpoint import layout
     from spotline.train import state
 
     topo = trainer.topo
@@ -136,18 +138,19 @@ def _save(trainer, root: Path, chunk_bytes: int | None = None) -> dict:
         snap = state.snapshot(trainer.engine, topo, write_weights=topo.replica == 0)
     kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
     with _no_collectives("write"):
-        entries = state.write(snap, state.rank_dir(root, topo.rank), **kw)
+        entries = state.write(snap, layout.rank_dir(root, topo.rank), **kw)
     return {"snap_bytes": snap.nbytes, "entries": len(entries)}
 
 
 def _load(trainer, root: Path, step: int, index=None, meta=None, read=None) -> dict:
     """Sharded load, collectives forbidden, then what Trainer.load does after it."""
+    from spotline.checkpoint import reshard
     from spotline.train import state
 
     torch.distributed.barrier()  # every rank has written (outside the save under test)
     if index is None:
-        index, meta = state.read_index(root)
-    read = read or state.directory_reader(root)
+        index, meta = reshard.read_index(root)
+    read = read or reshard.directory_reader(root)
     with _no_collectives("load"):
         stats = state.load(trainer.engine, trainer.topo, index, meta, read)
     trainer.step = step
@@ -158,9 +161,9 @@ def _load(trainer, root: Path, step: int, index=None, meta=None, read=None) -> d
 def _stage_bytes(root: Path, stage: int) -> dict:
     """Bytes of the checkpoint at `root` per kind, of the params of `stage` at the
     checkpoint's shape, and in all."""
-    from spotline.train import state
+    from spotline.checkpoint import reshard
 
-    index, _ = state.read_index(root)
+    index, _ = reshard.read_index(root)
     out = {"total": sum(e["nbytes"] for e in index)}
     for e in index:
         if e["rank"] // _replicas_of(root) == stage:
@@ -169,9 +172,9 @@ def _stage_bytes(root: Path, stage: int) -> dict:
 
 
 def _replicas_of(root: Path) -> int:
-    from spotline.train import state
+    from spotline.checkpoint import reshard
 
-    return state.read_index(root)[1]["topology"]["replicas"]
+    return reshard.read_index(root)[1]["topology"]["replicas"]
 
 
 def _gather(trainer) -> dict:
@@ -324,11 +327,12 @@ def _round_trip(trainer, root: Path) -> dict:
 
 def _errors(trainer, root: Path) -> dict:
     """What a load of a damaged checkpoint raises (and that it changes nothing)."""
+    from spotline.checkpoint import reshard
     from spotline.checkpoint.layout import CheckpointFormatError
     from spotline.train import state
 
-    index, meta = state.read_index(root)
-    read = state.directory_reader(root)
+    index, meta = reshard.read_index(root)
+    read = reshard.directory_reader(root)
     before = _gather(trainer)
     name = sorted({e["param"] for e in index})[-1]
 
@@ -499,28 +503,29 @@ def test_save_is_deterministic(ckpt, phase_a, phase_v):
 
     from safetensors.torch import load_file
 
+    from spotline.checkpoint import layout, reshard
     from spotline.checkpoint.layout import load_json
     from spotline.train import state
 
-    index, meta = state.read_index(ckpt / "a" / "shards")
+    index, meta = reshard.read_index(ckpt / "a" / "shards")
     assert meta["topology"] == {"pipeline_stages": 2, "replicas": 2, "zero_stage": 1}
-    read = state.directory_reader(ckpt / "a" / "shards")
+    read = reshard.directory_reader(ckpt / "a" / "shards")
     for e in index:
         assert hashlib.sha256(read(e, 0, e["nbytes"])).hexdigest() == e["sha256"]
-    rank0 = state.rank_dir(ckpt / "a" / "shards", 0)
-    tensors = load_file(str(rank0 / state.STATE_FILE))
-    doc = load_json(rank0 / state.META_FILE)
+    rank0 = layout.rank_dir(ckpt / "a" / "shards", 0)
+    tensors = load_file(str(rank0 / layout.STATE_FILE))
+    doc = load_json(rank0 / layout.META_FILE)
     entries = [
         {k: e[k] for k in ("key", "param", "kind", "start", "numel", "shape", "dtype", "rank")}
         for e in doc["entries"]
     ]
-    snap = state.RankSnapshot(tensors, entries, doc["meta"])
+    snap = layout.RankSnapshot(tensors, entries, doc["meta"])
     again = ckpt / "again"
-    state.write(snap, state.rank_dir(again, 0))
-    assert (state.rank_dir(again, 0) / state.STATE_FILE).read_bytes() == (
-        rank0 / state.STATE_FILE
+    state.write(snap, layout.rank_dir(again, 0))
+    assert (layout.rank_dir(again, 0) / layout.STATE_FILE).read_bytes() == (
+        rank0 / layout.STATE_FILE
     ).read_bytes()
-    assert load_json(state.rank_dir(again, 0) / state.META_FILE) == doc
+    assert load_json(layout.rank_dir(again, 0) / layout.META_FILE) == doc
 
 
 def test_reshard_chain_is_exact(phase_a, phase_b, phase_c, phase_d):
@@ -609,11 +614,11 @@ def test_damaged_checkpoints_raise_and_change_nothing(phase_v):
 
 def test_full_params_assembles_every_ranks_fragments(ckpt, phase_a):
     # What export and backfill read: whole fp32 params from all four ranks' fragments.
-    from spotline.train import state
+    from spotline.checkpoint import reshard
 
     root = ckpt / "a" / "shards"
-    index, _ = state.read_index(root)
-    weights = state.full_params(index, state.directory_reader(root))
+    index, _ = reshard.read_index(root)
+    weights = reshard.full_params(index, reshard.directory_reader(root))
     ref = _ref(ckpt / "a" / "portable", 2)
     assert sorted(weights) == sorted(ref["params"])
     for name, t in weights.items():

@@ -87,8 +87,8 @@ def export_hf(
 ) -> tuple[int, str]:
     """Export committed `step` (default: the latest) of `store` to `out`; (step, out). A
     non-empty `out` is refused unless `overwrite`."""
+    from spotline.checkpoint import reshard
     from spotline.models import provider
-    from spotline.train import state
 
     if store.root_missing():
         raise SpecError(
@@ -111,7 +111,7 @@ def export_hf(
             raise SpecError(
                 f"model.kind {spec.model.kind!r} has no Hugging Face format; export supports llama"
             )
-        weights = state.full_params(manifest.extra["index"], state.store_reader(store, step))
+        weights = reshard.full_params(manifest.extra["index"], reshard.store_reader(store, step))
     except (CorruptCheckpointError, CheckpointFormatError) as e:
         raise _corrupt(store, step, steps, e.path, e.reason) from None
     with tempfile.TemporaryDirectory(prefix="spotline-export-") as tmp:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from spotline.backfill import speculative as spec_dec
-from spotline.checkpoint import CheckpointStore, Manifest
+from spotline.checkpoint import CheckpointStore, Manifest, reshard
 from spotline.config.backfill import DraftSpec, EvalTaskSpec, SpeculativeTaskSpec
 from spotline.config.model import GptModelSpec
 from spotline.config.schema import JobSpec
@@ -39,7 +39,6 @@ from spotline.models import ModelDef, build_sequential, model_def
 from spotline.models.decode import supports_kv_cache
 from spotline.models.gpt import PROVIDER as GPT
 from spotline.registry import BACKFILL_TASKS
-from spotline.train import state
 
 Units = Generator[str, None, dict[str, Any]]
 SETUP = "setup"  # the label of a task's first yield, after its host-side loading
@@ -91,7 +90,9 @@ class TaskContext:
 def load_target(spec: JobSpec, store: CheckpointStore, manifest: Manifest) -> torch.nn.Sequential:
     """The whole model at a committed step: its full fp32 weights, assembled from every
     rank's fragments with ranged, sha256-verified reads."""
-    weights = state.full_params(manifest.extra["index"], state.store_reader(store, manifest.step))
+    weights = reshard.full_params(
+        manifest.extra["index"], reshard.store_reader(store, manifest.step)
+    )
     model = build_sequential(model_def(spec))
     model.load_state_dict(weights, strict=True)
     return model.eval()

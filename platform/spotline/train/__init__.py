@@ -1,21 +1,23 @@
-"""One rank's training state (no Ray here): sharded, topology-free checkpoints.
+"""One rank's training, with no Ray in it: the step loop, save and load of its state.
 
-See `spotline.train.state`.
+`trainer` is the rank's loop (engine, step, eval); `engine` is the engine adapter, the
+only code that touches DeepSpeed's private optimizer attributes; `state` snapshots and
+loads a rank's share of a sharded, topology-free checkpoint, whose files are
+`spotline.checkpoint.layout`'s and whose reads are `spotline.checkpoint.reshard`'s
+(re-exported here for callers of this package).
+
+Never here: Ray, storage backends, the controller. Training never waits for storage.
 """
 
-from spotline.train.state import (
-    FORMAT,
-    RankSnapshot,
+from spotline.checkpoint.layout import FORMAT, RankSnapshot, rank_dir
+from spotline.checkpoint.reshard import (
     combine_meta,
     directory_reader,
     full_params,
-    load,
-    rank_dir,
     read_index,
-    snapshot,
     store_reader,
-    write,
 )
+from spotline.train.state import load, snapshot, write
 
 __all__ = [
     "FORMAT",
