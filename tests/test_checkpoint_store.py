@@ -1,5 +1,5 @@
 """Checkpoint store on the local filesystem (file://): commit protocol, verification,
-fallback, retention, URI parsing. No Ray, no network.
+fallback, retention, URI parsing, paced uploads. No Ray, no network.
 
 The helpers at the top are shared with test_s3_store.py, which runs the same
 protocol against a real S3-protocol server.
@@ -365,3 +365,31 @@ def test_missing_s3_packages_give_the_install_command() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
     )
     assert "pip install 'spotline[s3]'" in out.stdout, out.stderr
+
+
+# --- paced uploads ---------------------------------------------------------------------
+
+
+def test_the_rate_pacer_holds_the_average_rate() -> None:
+    from spotline.checkpoint.uploads import RatePacer
+
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    pacer = RatePacer(100.0, clock=lambda: now[0], sleep=sleep)
+    pacer.sent(50)  # 0.5 s worth, sent at once
+    now[0] += 2.0  # a slow transfer: already behind the rate
+    pacer.sent(100)  # 1.5 s worth by 2.5 s: no wait
+    pacer.sent(300)  # 4.5 s worth by 2.5 s: wait 2 s
+    assert slept == [0.5, 0.0, 2.0]
+
+
+def test_a_paced_upload_dir_uploads_every_file(store: CheckpointStore, tmp_path: Path) -> None:
+    staging = make_staging(tmp_path / "s", 3)
+    files = store.upload_dir(staging, 3, max_bytes_per_s=1e9)
+    assert [f.path for f in files] == sorted(tree(staging))
+    assert all(f.sha256 == hash_file(staging / f.path) for f in files)
