@@ -3,7 +3,7 @@ restored from the newest step that verifies (file:// or s3://).
 
 The room is layered; arrows point down:
 
-- `coordinator`: the only owner of receipts -> manifest -> retention ->
+- `coordinator` (with `retention`): the only owner of receipts -> manifest -> retention ->
   quarantine -> restore fallback. The controller talks to storage only through it.
 - `store.CheckpointStore`: the facade other rooms use, over `uploads` (files, the rate
   pacer, receipts), `reads` (ranged reads, verification), `catalog` (listings, the

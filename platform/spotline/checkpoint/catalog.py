@@ -7,8 +7,8 @@ a quarantined one; it is never offered for restore. The manifest is written last
 its files are checked in storage) and deleted first, so no reader ever sees a manifest
 whose files are gone.
 
-Which steps go, and when, is not decided here. This module never deletes a step unless
-asked to.
+Which steps go, and when, is not decided here: that is the commit coordinator's
+retention (`retention.py`). This module never deletes a step unless asked to.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@
   quarantined: kept for inspection, never read again, never counted by keep_last.
 - Receipts read back from storage commit only when they verify (signed, when a key is
   set) and were written by this job under this spec.
+- Retention (checkpoint.keep_last, `retention.py`) runs after commits, keeping the steps
+  readers pin or hold.
 - A storage error in a commit, in retention or in an artifact write is reported and
   retried later; it never reaches the workers, so it never tears down a healthy group.
 
@@ -29,14 +31,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, StorageError
 from spotline.checkpoint.manifest import Manifest, Receipt
+from spotline.checkpoint.retention import apply_retention
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
     SUMMARY_ARTIFACT,
-    CheckpointMismatchError,
     CheckpointStore,
-    CorruptCheckpointError,
-    StorageError,
     spec_differences,
 )
 from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
@@ -282,7 +283,7 @@ class CommitCoordinator:
             self._holds = {s: t for s, t in self._holds.items() if t > now}
             pinned = set(self.pinned()) | set(self._holds)
         try:
-            deleted = self.store.apply_retention(self.spec.checkpoint.keep_last, pinned)
+            deleted = apply_retention(self.store, self.spec.checkpoint.keep_last, pinned)
         except StorageError as e:
             self._event(f"retention deferred: {e}", logging.WARNING)
             return

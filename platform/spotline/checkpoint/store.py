@@ -7,15 +7,15 @@ backend and filesystem, retries), `uploads` (files, the rate pacer, receipts), `
 the job's artifacts, and checks that a root holds this job's checkpoints
 (`check_owner`).
 
-This module must never hand back a checkpoint it has not verified; the layers it
-passes to keep the commit protocol's other promises.
+Retention is not here: the commit coordinator applies checkpoint.keep_last
+(`retention.py`). This module must never hand back a checkpoint it has not verified;
+the layers it passes to keep the commit protocol's other promises.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from typing import Any
 
 from spotline.checkpoint import catalog, probes, reads, uploads
@@ -63,7 +63,7 @@ LEDGER_ARTIFACT = "ledger.json"  # the goodput ledger, continued by a restarted 
 
 
 class CheckpointStore(StepStorage):
-    """Checkpoint steps under one root URI: upload, commit, list, restore, retain.
+    """Checkpoint steps under one root URI: upload, commit, list, restore.
 
     Safe to pickle (Ray ships it to workers); the filesystem client is rebuilt on
     first use in each process. Safe to call from several threads. The constructor's
@@ -183,39 +183,6 @@ class CheckpointStore(StepStorage):
     def latest_manifest(self) -> Manifest | None:
         """Manifest of the newest committed step, or None if nothing is committed."""
         return catalog.latest_manifest(self)
-
-    # --- housekeeping -----------------------------------------------------------------
-
-    def apply_retention(self, keep_last: int, pinned: Iterable[int] = ()) -> list[int]:
-        """Delete all but the newest ``keep_last`` committed steps, and abandoned uploads.
-        A quarantined step is not committed: it neither counts nor goes.
-
-        A committed step in ``pinned`` (one a reader still uses) is kept past
-        ``keep_last`` until a later call no longer pins it. An uncommitted step older
-        than the newest commit is abandoned and deleted; one newer than it may still
-        be uploading and is left alone. A committed step loses its manifest before its
-        files. Returns the deleted steps.
-        """
-        if keep_last < 1:
-            raise ValueError(f"checkpoint.keep_last must be >= 1 (got {keep_last})")
-        all_steps = catalog.step_dirs(self)
-        committed = [s for s in all_steps if catalog.is_committed(self, s)]
-        if not committed:
-            return []
-        newest = committed[-1]
-        held = set(pinned)
-        expired = [s for s in committed[:-keep_last] if s not in held]
-        committed_set = set(committed)
-        abandoned = [
-            s
-            for s in all_steps
-            if s not in committed_set and s < newest and not self.holds_quarantine_record(s)
-        ]
-        for step in expired:
-            catalog.delete_committed(self, step)
-        for step in abandoned:
-            catalog.delete_step_dir(self, step)
-        return sorted(expired + abandoned)
 
     # --- ownership --------------------------------------------------------------------
 
