@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import tenacity
+
 from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, StorageError
 from spotline.checkpoint.manifest import Manifest, Receipt
 from spotline.checkpoint.retention import apply_retention
@@ -457,24 +459,30 @@ class CommitCoordinator:
         sleep: Callable[[float], None],
         source: str | None = None,
     ) -> int:
-        """group.restore, retried when it fails for a reason other than corruption or a
-        dead worker (those go up: fall back, or restart the group). `source`: the root
-        URI the step lies under, when it is not this job's own (checkpoint.resume_from)."""
-        for attempt in range(self.load_retries + 1):
-            try:
-                return group.restore(manifest, source) if source else group.restore(manifest)
-            except (CorruptCheckpointError, StorageError):
-                raise
-            except Exception as e:  # noqa: BLE001 - a load error: bounded retries
-                if getattr(e, "process_died", False) or attempt == self.load_retries:
-                    raise
-                self._event(
-                    f"loading checkpoint step {manifest.step} failed ({e}); retrying "
-                    f"({attempt + 1}/{self.load_retries})",
-                    logging.WARNING,
-                )
-                sleep(1.0)
-        raise AssertionError("unreachable")
+        """group.restore, retried (`load_retries` more tries, 1 s apart, each one said)
+        when it fails for a reason other than corruption, an outage or a dead worker
+        (those go up: fall back, or restart the group). `source`: the root URI the step
+        lies under, when it is not this job's own (checkpoint.resume_from)."""
+
+        def say(state: tenacity.RetryCallState) -> None:
+            e = state.outcome.exception() if state.outcome else None
+            self._event(
+                f"loading checkpoint step {manifest.step} failed ({e}); retrying "
+                f"({state.attempt_number}/{self.load_retries})",
+                logging.WARNING,
+            )
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.load_retries + 1),
+            wait=tenacity.wait_fixed(1.0),
+            sleep=sleep,
+            retry=tenacity.retry_if_exception(_load_error),
+            before_sleep=say,
+            reraise=True,
+        )
+        return retrying(
+            lambda: group.restore(manifest, source) if source else group.restore(manifest)
+        )
 
     def _check_compatible(self, m: Manifest, source: CheckpointStore | None = None) -> None:
         """Refuse a step this spec must not resume: another job's (unless it is the
@@ -539,6 +547,16 @@ class CommitCoordinator:
     def store_summary(self, summary: dict[str, Any], ledger: dict[str, Any]) -> None:
         self.write_artifact(LEDGER_ARTIFACT, json.dumps(ledger).encode())
         self.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())
+
+
+def _load_error(e: BaseException) -> bool:
+    """A load error worth retrying: not corruption or an outage (fall back or report),
+    not a dead worker (restart the group), not an interrupt."""
+    return (
+        isinstance(e, Exception)
+        and not isinstance(e, (CorruptCheckpointError, StorageError))
+        and not getattr(e, "process_died", False)
+    )
 
 
 def build_manifest(
