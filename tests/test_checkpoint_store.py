@@ -1,5 +1,5 @@
 """Checkpoint store on the local filesystem (file://): commit protocol, verification,
-fallback, retention, URI parsing. No Ray, no network.
+fallback, URI parsing, paced uploads. No Ray, no network (retention: test_checkpoint_retention.py).
 
 The helpers at the top are shared with test_s3_store.py, which runs the same
 protocol against a real S3-protocol server.
@@ -288,52 +288,6 @@ def test_corrupt_checkpoint_error_survives_pickling() -> None:
     )
 
 
-# --- retention -------------------------------------------------------------------------
-
-
-def test_retention_keeps_last_k_and_removes_abandoned_but_not_in_flight(
-    store: CheckpointStore, tmp_path: Path
-) -> None:
-    for step in (100, 200, 300, 400):
-        save_step(store, step, tmp_path)
-    store.upload_dir(make_staging(tmp_path / "p150", 150), 150)  # abandoned partial
-    store.upload_dir(make_staging(tmp_path / "p500", 500), 500)  # still uploading
-    deleted = store.apply_retention(keep_last=2)
-    assert deleted == [100, 150, 200]
-    assert store.committed_steps() == [300, 400]
-    assert sorted(p.name for p in _root(store).iterdir()) == [
-        "step_00000300",
-        "step_00000400",
-        "step_00000500",
-    ]
-    assert store.apply_retention(keep_last=2) == []
-
-
-def test_retention_keeps_pinned_steps_past_keep_last(
-    store: CheckpointStore, tmp_path: Path
-) -> None:
-    for step in (100, 200, 300):
-        save_step(store, step, tmp_path)
-    assert store.apply_retention(keep_last=1, pinned={100}) == [200]
-    assert store.committed_steps() == [100, 300]
-    assert store.load_manifest(100).step == 100
-    assert store.apply_retention(keep_last=1) == [100]
-    assert store.committed_steps() == [300]
-
-
-def test_retention_with_nothing_committed_deletes_nothing(
-    store: CheckpointStore, tmp_path: Path
-) -> None:
-    store.upload_dir(make_staging(tmp_path / "p", 50), 50)
-    assert store.apply_retention(keep_last=1) == []
-    assert (_root(store) / "step_00000050").is_dir()
-
-
-def test_retention_needs_keep_last_of_at_least_one(store: CheckpointStore) -> None:
-    with pytest.raises(ValueError, match="keep_last"):
-        store.apply_retention(0)
-
-
 # --- preflight -------------------------------------------------------------------------
 
 
@@ -365,3 +319,31 @@ def test_missing_s3_packages_give_the_install_command() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
     )
     assert "pip install 'spotline[s3]'" in out.stdout, out.stderr
+
+
+# --- paced uploads ---------------------------------------------------------------------
+
+
+def test_the_rate_pacer_holds_the_average_rate() -> None:
+    from spotline.checkpoint.uploads import RatePacer
+
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    pacer = RatePacer(100.0, clock=lambda: now[0], sleep=sleep)
+    pacer.sent(50)  # 0.5 s worth, sent at once
+    now[0] += 2.0  # a slow transfer: already behind the rate
+    pacer.sent(100)  # 1.5 s worth by 2.5 s: no wait
+    pacer.sent(300)  # 4.5 s worth by 2.5 s: wait 2 s
+    assert slept == [0.5, 0.0, 2.0]
+
+
+def test_a_paced_upload_dir_uploads_every_file(store: CheckpointStore, tmp_path: Path) -> None:
+    staging = make_staging(tmp_path / "s", 3)
+    files = store.upload_dir(staging, 3, max_bytes_per_s=1e9)
+    assert [f.path for f in files] == sorted(tree(staging))
+    assert all(f.sha256 == hash_file(staging / f.path) for f in files)

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry, Manifest
+from spotline.checkpoint import (
+    CheckpointStore,
+    CorruptCheckpointError,
+    FileEntry,
+    Manifest,
+    StorageError,
+)
 from spotline.checkpoint.coordinator import CommitCoordinator
 from spotline.checkpoint.manifest import sign
 from spotline.checkpoint.transfer import UploadResult
@@ -332,3 +338,50 @@ def test_data_files_and_their_directories_are_fsynced_before_the_manifest(
         assert str(step_dir / e.path) in before, synced
         assert str((step_dir / e.path).parent) in before, synced
     assert {str(step_dir), str(step_dir / "a-att0"), str(step_dir.parent)} <= before, synced
+
+
+# --- load retries -----------------------------------------------------------------------
+
+
+class FlakyGroup:
+    """Fails its first `failures` loads with `error`, then loads."""
+
+    replicas, attempt = 1, "g"
+
+    def __init__(self, failures: int, error: Exception):
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def restore(self, manifest: Manifest) -> int:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return manifest.step
+
+
+def test_a_load_error_is_retried_a_bounded_number_of_times_then_goes_up(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    store = CheckpointStore(spec.checkpoint.uri)
+    coord, log = _coordinator(spec, store)  # load_retries: 2
+    _commit(coord, store, tmp_path, 10, "att0")
+    slept: list[float] = []
+
+    group = FlakyGroup(2, RuntimeError("gloo hiccup"))
+    assert coord.restore(group, sleep=slept.append)[0] == 10
+    assert group.calls == 3 and slept == [1.0, 1.0]
+    retried = [m for m in log if "retrying" in m]
+    assert retried == [
+        f"loading checkpoint step 10 failed (gloo hiccup); retrying ({n}/2)" for n in (1, 2)
+    ]
+
+    group = FlakyGroup(3, RuntimeError("still broken"))
+    with pytest.raises(RuntimeError, match="still broken"):
+        coord.restore(group, sleep=slept.append)
+    assert group.calls == 3
+
+    dead = RuntimeError("worker died")
+    dead.process_died = True  # type: ignore[attr-defined]
+    for error in (dead, StorageError("unreachable")):
+        group = FlakyGroup(1, error)
+        with pytest.raises(type(error)):
+            coord.restore(group, sleep=slept.append)
+        assert group.calls == 1  # a dead worker or an outage is not retried here

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry, StorageError
+from spotline.checkpoint import coordinator as coordinator_module
 from spotline.checkpoint.manifest import Receipt
 from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
 from spotline.config import load_spec
@@ -603,15 +604,15 @@ def test_failed_commit_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
 def test_a_retention_error_does_not_restart_the_group(tmp_path, monkeypatch):
     ctl, store = make(tmp_path)
     calls = {"n": 0}
-    real = store.apply_retention
+    real = coordinator_module.apply_retention
 
-    def flaky(keep_last, pinned=()):
+    def flaky(store, keep_last, pinned=()):
         calls["n"] += 1
         if calls["n"] == 1:
             raise StorageError("throttled")
-        return real(keep_last, pinned)
+        return real(store, keep_last, pinned)
 
-    monkeypatch.setattr(store, "apply_retention", flaky)
+    monkeypatch.setattr(coordinator_module, "apply_retention", flaky)
     res = ctl.run()
     assert res["state"] == "finished" and res["failures"] == 0
     assert len(FakeGroup.instances) == 1

@@ -20,6 +20,7 @@ from spotline.checkpoint import (
     Manifest,
     StorageError,
 )
+from spotline.checkpoint.retention import apply_retention
 from test_checkpoint_store import first_shard, make_staging, save_step, tree
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def test_retention_on_s3(s3_bucket: S3Bucket, tmp_path: Path) -> None:
         save_step(store, step, tmp_path)
     store.upload_dir(make_staging(tmp_path / "p150", 150), 150)
     store.upload_dir(make_staging(tmp_path / "p400", 400), 400)
-    assert store.apply_retention(keep_last=1) == [100, 150, 200]
+    assert apply_retention(store, keep_last=1) == [100, 150, 200]
     assert store.committed_steps() == [300]
     steps_left = {k.split("/")[1] for k in _keys(s3_bucket)}
     assert steps_left == {"step_00000300", "step_00000400"}

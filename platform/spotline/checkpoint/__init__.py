@@ -1,20 +1,42 @@
-"""Checkpoint storage: step files plus a manifest commit, on file:// or s3://.
+"""Checkpoints: a step's files uploaded to storage, committed by a manifest written last,
+restored from the newest step that verifies (file:// or s3://).
 
-Imports nothing heavy: the S3 client packages load only when an s3:// URI is used.
+The room is layered; arrows point down:
+
+- `coordinator` (with `retention`): the only owner of receipts -> manifest -> retention ->
+  quarantine -> restore fallback. The controller talks to storage only through it.
+- `store.CheckpointStore`: the facade other rooms use, over `uploads` (files, the rate
+  pacer, receipts), `reads` (ranged reads, verification), `catalog` (listings, the
+  manifest commit, quarantine records) and `probes` (preflight checks).
+- `storage` with its `backends` and `s3`: the one storage layer of a checkpoint root,
+  retries through tenacity; it uses `spotline.storage.fs` for what data/ shares.
+- `reshard`: the index readers, the planner that maps a saved step onto any new shape,
+  and the verified (sha256) ranged reads; used by train/, backfill and export.
+- `layout`: what a step's files are (safetensors entries, chunk hashes, meta files),
+  written by a rank and hashed once as written.
+- `manifest`, `errors`, `staging`: pure data, messages and paths; `transfer`: a rank's
+  background uploader.
+
+Never: hand back a checkpoint that has not been verified, unpickle anything read from
+storage, delete an upload that may still be running, let a path from a manifest leave
+its step, or put a secret in a message. Imports nothing heavy: the S3 client packages
+load only when an s3:// URI is used.
 """
 
+from spotline.checkpoint.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    StorageError,
+    StoreFields,
+)
 from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
     SUMMARY_ARTIFACT,
     TRACE_ARTIFACT,
-    CheckpointMismatchError,
     CheckpointStore,
-    CorruptCheckpointError,
-    StorageError,
-    StoreFields,
-    hash_file,
 )
+from spotline.storage.fs import hash_file
 
 __all__ = [
     "LEDGER_ARTIFACT",

@@ -12,6 +12,8 @@
   quarantined: kept for inspection, never read again, never counted by keep_last.
 - Receipts read back from storage commit only when they verify (signed, when a key is
   set) and were written by this job under this spec.
+- Retention (checkpoint.keep_last, `retention.py`) runs after commits, keeping the steps
+  readers pin or hold.
 - A storage error in a commit, in retention or in an artifact write is reported and
   retried later; it never reaches the workers, so it never tears down a healthy group.
 
@@ -29,14 +31,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import tenacity
+
+from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, StorageError
 from spotline.checkpoint.manifest import Manifest, Receipt
+from spotline.checkpoint.retention import apply_retention
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
     SUMMARY_ARTIFACT,
-    CheckpointMismatchError,
     CheckpointStore,
-    CorruptCheckpointError,
-    StorageError,
 )
 from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
 from spotline.config.identity import spec_differences
@@ -282,7 +285,7 @@ class CommitCoordinator:
             self._holds = {s: t for s, t in self._holds.items() if t > now}
             pinned = set(self.pinned()) | set(self._holds)
         try:
-            deleted = self.store.apply_retention(self.spec.checkpoint.keep_last, pinned)
+            deleted = apply_retention(self.store, self.spec.checkpoint.keep_last, pinned)
         except StorageError as e:
             self._event(f"retention deferred: {e}", logging.WARNING)
             return
@@ -456,24 +459,30 @@ class CommitCoordinator:
         sleep: Callable[[float], None],
         source: str | None = None,
     ) -> int:
-        """group.restore, retried when it fails for a reason other than corruption or a
-        dead worker (those go up: fall back, or restart the group). `source`: the root
-        URI the step lies under, when it is not this job's own (checkpoint.resume_from)."""
-        for attempt in range(self.load_retries + 1):
-            try:
-                return group.restore(manifest, source) if source else group.restore(manifest)
-            except (CorruptCheckpointError, StorageError):
-                raise
-            except Exception as e:  # noqa: BLE001 - a load error: bounded retries
-                if getattr(e, "process_died", False) or attempt == self.load_retries:
-                    raise
-                self._event(
-                    f"loading checkpoint step {manifest.step} failed ({e}); retrying "
-                    f"({attempt + 1}/{self.load_retries})",
-                    logging.WARNING,
-                )
-                sleep(1.0)
-        raise AssertionError("unreachable")
+        """group.restore, retried (`load_retries` more tries, 1 s apart, each one said)
+        when it fails for a reason other than corruption, an outage or a dead worker
+        (those go up: fall back, or restart the group). `source`: the root URI the step
+        lies under, when it is not this job's own (checkpoint.resume_from)."""
+
+        def say(state: tenacity.RetryCallState) -> None:
+            e = state.outcome.exception() if state.outcome else None
+            self._event(
+                f"loading checkpoint step {manifest.step} failed ({e}); retrying "
+                f"({state.attempt_number}/{self.load_retries})",
+                logging.WARNING,
+            )
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.load_retries + 1),
+            wait=tenacity.wait_fixed(1.0),
+            sleep=sleep,
+            retry=tenacity.retry_if_exception(_load_error),
+            before_sleep=say,
+            reraise=True,
+        )
+        return retrying(
+            lambda: group.restore(manifest, source) if source else group.restore(manifest)
+        )
 
     def _check_compatible(self, m: Manifest, source: CheckpointStore | None = None) -> None:
         """Refuse a step this spec must not resume: another job's (unless it is the
@@ -538,6 +547,16 @@ class CommitCoordinator:
     def store_summary(self, summary: dict[str, Any], ledger: dict[str, Any]) -> None:
         self.write_artifact(LEDGER_ARTIFACT, json.dumps(ledger).encode())
         self.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())
+
+
+def _load_error(e: BaseException) -> bool:
+    """A load error worth retrying: not corruption or an outage (fall back or report),
+    not a dead worker (restart the group), not an interrupt."""
+    return (
+        isinstance(e, Exception)
+        and not isinstance(e, (CorruptCheckpointError, StorageError))
+        and not getattr(e, "process_died", False)
+    )
 
 
 def build_manifest(

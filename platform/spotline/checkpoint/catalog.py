@@ -1,0 +1,214 @@
+"""The catalog of checkpoint steps under a root: which steps exist and in what state
+(committed, uploading or abandoned, quarantined), the manifest commit, manifest reads,
+quarantine records and deletions.
+
+A step directory without ``manifest.json`` is an upload in progress, an abandoned one or
+a quarantined one; it is never offered for restore. The manifest is written last (after
+its files are checked in storage) and deleted first, so no reader ever sees a manifest
+whose files are gone.
+
+Which steps go, and when, is not decided here: that is the commit coordinator's
+retention (`retention.py`). This module never deletes a step unless asked to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import posixpath
+import re
+import time
+
+from spotline.checkpoint.errors import CorruptCheckpointError
+from spotline.checkpoint.manifest import Manifest, ManifestError, check_relpath
+from spotline.checkpoint.storage import MANIFEST_NAME, StepStorage
+from spotline.config.redact import redact
+
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+# --- listings -------------------------------------------------------------------------
+
+
+def step_dirs(storage: StepStorage) -> list[int]:
+    """Every step with a directory under the root, ascending."""
+    with storage.io("listing checkpoint steps"):
+        try:
+            names = storage.fs.ls(storage.backend.root, detail=False)
+        except FileNotFoundError:
+            return []
+    steps = []
+    for name in names:
+        m = _STEP_RE.match(posixpath.basename(str(name).rstrip("/")))
+        if m:
+            steps.append(int(m.group(1)))
+    return sorted(set(steps))
+
+
+def is_committed(storage: StepStorage, step: int) -> bool:
+    with storage.io(f"checking the manifest of step {step}"):
+        return bool(storage.fs.exists(storage.manifest_path(step)))
+
+
+def holds_quarantine_record(storage: StepStorage, step: int) -> bool:
+    """The step's folder holds a quarantine record: it is quarantined, or was, and a
+    later save of the same step committed beside the files kept for inspection."""
+    with storage.io(f"checking the quarantine record of step {step}"):
+        return bool(storage.fs.exists(storage.quarantine_path(step)))
+
+
+def committed_steps(storage: StepStorage) -> list[int]:
+    """Steps with a manifest, ascending. Step directories without one are ignored."""
+    return [s for s in step_dirs(storage) if is_committed(storage, s)]
+
+
+def uncommitted_steps(storage: StepStorage) -> list[int]:
+    """Step directories with neither a manifest nor a quarantine record, ascending
+    (uploads in flight or abandoned)."""
+    return [
+        s
+        for s in step_dirs(storage)
+        if not is_committed(storage, s) and not holds_quarantine_record(storage, s)
+    ]
+
+
+def quarantined_steps(storage: StepStorage) -> list[int]:
+    """Steps set aside after they failed verification (see `quarantine`), ascending."""
+    return [
+        s
+        for s in step_dirs(storage)
+        if not is_committed(storage, s) and holds_quarantine_record(storage, s)
+    ]
+
+
+# --- manifests ------------------------------------------------------------------------
+
+
+def commit(storage: StepStorage, manifest: Manifest) -> None:
+    """Make a step visible to readers by writing its manifest, after checking its files.
+
+    Refuses (CorruptCheckpointError) if a listed file is absent or has another
+    size in storage: committing it would publish a checkpoint that cannot load.
+    """
+    step = manifest.step
+    step_path = storage.step_path(step)
+    with storage.io(f"listing step {step} before commit"):
+        try:
+            found = storage.fs.find(step_path, detail=True)
+        except FileNotFoundError:
+            found = {}
+    sizes = {posixpath.relpath(k, step_path): v.get("size") for k, v in found.items()}
+    for entry in manifest.files:
+        have = sizes.get(entry.path)
+        if have is None:
+            reason = "not in storage; upload it before committing"
+        elif have != entry.size:
+            reason = f"is {have} bytes in storage, manifest says {entry.size}"
+        else:
+            continue
+        raise CorruptCheckpointError(
+            step,
+            entry.path,
+            reason,
+            uri=storage.uri,
+            message=f"refusing to commit checkpoint step {step} at {storage.uri}: "
+            f"{entry.path} {reason}",
+        )
+    with storage.io(f"writing the manifest of step {step}"):
+        storage.write_atomic(
+            storage.manifest_path(step), manifest.to_json(storage.signing_key()).encode()
+        )
+
+
+def load_manifest(storage: StepStorage, step: int) -> Manifest:
+    """Read the manifest of a committed step.
+
+    Raises FileNotFoundError if the step is not committed, CorruptCheckpointError
+    if its manifest cannot be parsed.
+    """
+    path = storage.manifest_path(step)
+    with storage.io(f"reading the manifest of step {step}", passthrough=(FileNotFoundError,)):
+        try:
+            raw = storage.fs.cat_file(path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"checkpoint step {step} is not committed at {storage.uri} (no {MANIFEST_NAME})"
+            ) from e
+    try:
+        manifest = Manifest.from_json(raw, storage.signing_key())
+    except ManifestError as e:
+        raise CorruptCheckpointError(step, MANIFEST_NAME, str(e), uri=storage.uri) from e
+    if manifest.step != step:
+        raise CorruptCheckpointError(
+            step,
+            MANIFEST_NAME,
+            f"it says step {manifest.step} but lies in {storage.step_name(step)}",
+            uri=storage.uri,
+        )
+    return manifest
+
+
+def latest_manifest(storage: StepStorage) -> Manifest | None:
+    """Manifest of the newest committed step, or None if nothing is committed."""
+    steps = committed_steps(storage)
+    return load_manifest(storage, steps[-1]) if steps else None
+
+
+# --- quarantine and deletion ----------------------------------------------------------
+
+
+def quarantine(storage: StepStorage, step: int, path: str, reason: str) -> str:
+    """Set aside a committed step that failed verification; the URI of its record.
+
+    The record (which file failed, why, and the manifest as it was) is written
+    first, then the manifest goes: from then on no listing offers the step, no
+    restore reads it again and retention neither counts nor deletes it, and its
+    files stay where they are for inspection. A marker rather than a move: on S3 a
+    move is a copy of every file, and a crash halfway would tear the evidence. A
+    crash between the two writes leaves a step that is still committed, so the
+    next restore verifies it again and finishes the job.
+    """
+    record_path = storage.quarantine_path(step)
+    with storage.io(f"quarantining step {step}"):
+        try:
+            raw = storage.fs.cat_file(storage.manifest_path(step))
+        except FileNotFoundError:
+            raw = None
+        record = {
+            "step": step,
+            "file": path,
+            "reason": redact(reason),
+            "quarantined_at": time.time(),
+            "manifest": raw.decode("utf-8", "replace") if raw is not None else None,
+        }
+        storage.write_atomic(record_path, json.dumps(record, indent=1).encode())
+        with contextlib.suppress(FileNotFoundError):
+            storage.fs.rm_file(storage.manifest_path(step))
+    return storage.full_uri(record_path)
+
+
+def remove(storage: StepStorage, step: int, relprefix: str) -> None:
+    """Delete everything under `relprefix` of a step (an abandoned attempt's files)."""
+    path = f"{storage.step_path(step)}/{check_relpath(relprefix)}"
+    with (
+        storage.io(f"deleting {relprefix} of step {step}"),
+        contextlib.suppress(FileNotFoundError),
+    ):
+        storage.fs.rm(path, recursive=True)
+
+
+def delete_committed(storage: StepStorage, step: int) -> None:
+    """Delete a committed step: its manifest first (no reader is then offered it), then
+    its files."""
+    with (
+        storage.io(f"deleting the manifest of expired step {step}"),
+        contextlib.suppress(FileNotFoundError),
+    ):
+        storage.fs.rm_file(storage.manifest_path(step))
+    delete_step_dir(storage, step)
+
+
+def delete_step_dir(storage: StepStorage, step: int) -> None:
+    """Delete a step's whole directory (an expired or abandoned step)."""
+    with storage.io(f"deleting step {step}"), contextlib.suppress(FileNotFoundError):
+        storage.fs.rm(storage.step_path(step), recursive=True)

@@ -1,0 +1,176 @@
+"""How a rank's step files reach storage: one file (hashed once, from the local copy),
+a whole staging directory in parallel or paced to a rate, and the rank's signed upload
+receipt, read back by the commit coordinator.
+
+Every storage call here is retried through `StepStorage.retrying` (tenacity), only for
+errors the backend calls transient. Nothing here commits a step, and nothing here
+raises past a file's upload with another file of it still being written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from spotline.checkpoint.backends import TRANSFER_THREADS
+from spotline.checkpoint.manifest import FileEntry, ManifestError, Receipt, check_relpath
+from spotline.checkpoint.storage import RECEIPTS_DIR, StepStorage
+from spotline.storage.fs import hash_file
+
+
+class RatePacer:
+    """Holds a sequence of transfers to an average rate: after each one, waits until the
+    bytes sent so far are no longer ahead of `bytes_per_s` since the pacer was made."""
+
+    def __init__(
+        self,
+        bytes_per_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._clock = clock
+        self._sleep = sleep
+        self._sent = 0
+        self._t0 = clock()
+
+    def sent(self, nbytes: int) -> None:
+        """`nbytes` more went out: wait as long as the average rate asks."""
+        self._sent += nbytes
+        self._sleep(max(0.0, self._sent / self.bytes_per_s - (self._clock() - self._t0)))
+
+
+def upload_file(
+    storage: StepStorage, local_path: str | os.PathLike[str], step: int, relpath: str
+) -> FileEntry:
+    """Upload one local file to ``<root>/step_xxx/<relpath>``; return its manifest entry.
+
+    The sha256 is computed from the local file, so the manifest describes what
+    was meant to be stored and a damaged upload is caught on restore.
+    """
+    relpath = check_relpath(relpath)
+    local = Path(local_path)
+    size = local.stat().st_size
+    digest = hash_file(local)
+    remote = f"{storage.step_path(step)}/{relpath}"
+    with storage.io(f"uploading {local} as {relpath} of step {step}"):
+        storage.retrying(lambda: storage.backend.put_file(storage.fs, str(local), remote))
+    return FileEntry(path=relpath, size=size, sha256=digest)
+
+
+def upload_dir(
+    storage: StepStorage,
+    local_dir: str | os.PathLike[str],
+    step: int,
+    prefix: str = "",
+    max_bytes_per_s: float | None = None,
+) -> list[FileEntry]:
+    """Upload every file under ``local_dir``; entries are sorted by path.
+
+    Each file's relpath is ``prefix`` + its path relative to ``local_dir``
+    (a '/' is added after a non-empty prefix that lacks one). With
+    ``max_bytes_per_s``, files go one at a time, paced to that average rate.
+    """
+    root = Path(local_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint staging directory {root} does not exist")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    jobs = [(p, prefix + p.relative_to(root).as_posix()) for p in files]
+    if max_bytes_per_s is None:
+        return parallel([lambda p=p, r=r: upload_file(storage, p, step, r) for p, r in jobs])
+    out, pacer = [], RatePacer(max_bytes_per_s)
+    for p, r in jobs:
+        out.append(upload_file(storage, p, step, r))
+        pacer.sent(out[-1].size)
+    return sorted(out, key=lambda e: e.path)
+
+
+def parallel(tasks: list[Callable[[], Any]]) -> list[Any]:
+    """Run tasks on a few threads; results in task order; the first error is raised
+    after the tasks already running have finished (none is left writing behind us)."""
+    if len(tasks) <= 1:
+        return [t() for t in tasks]
+    with ThreadPoolExecutor(
+        max_workers=min(TRANSFER_THREADS, len(tasks)), thread_name_prefix="spotline-ckpt"
+    ) as pool:
+        futures = [pool.submit(t) for t in tasks]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+# --- receipts -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ReceiptScan:
+    """The upload receipts found under one step."""
+
+    receipts: dict[str, list[Receipt]] = dataclasses.field(default_factory=dict)
+    """Those that parsed and verified, by the attempt (group) that wrote them."""
+    refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(path under the step, why) of each one that can never complete a commit."""
+    attempts: set[str] = dataclasses.field(default_factory=set)
+    """Every attempt with a receipt there, refused ones included."""
+
+
+def write_receipt(storage: StepStorage, receipt: Receipt) -> None:
+    """Record that a rank of group `receipt.attempt` finished uploading its files of
+    `receipt.step` (signed when checkpoint.signing_key_env is set).
+
+    Receipts let a restarted controller commit a step whose uploads all finished
+    but whose completion reports were lost with the workers that sent them. They
+    live under the attempt that wrote them, so two groups' receipts never mix.
+    """
+    step, rank = receipt.step, receipt.rank
+    body = receipt.to_json(storage.signing_key()).encode()
+    path = f"{storage.step_path(step)}/{RECEIPTS_DIR}/{receipt.attempt}/rank_{rank:05d}.json"
+    with storage.io(f"writing the upload receipt of rank {rank}, step {step}"):
+        storage.retrying(lambda: storage.write_atomic(path, body))
+
+
+def read_receipts(storage: StepStorage, step: int) -> ReceiptScan:
+    """Upload receipts of a step, by the attempt (group) that wrote them. A receipt
+    that does not parse, is not signed with the key (when one is set) or names
+    another step is refused: it can never complete a commit."""
+    step_path = storage.step_path(step)
+    base = f"{step_path}/{RECEIPTS_DIR}"
+    key = storage.signing_key()
+    scan = ReceiptScan()
+    with storage.io(f"reading upload receipts of step {step}"):
+        try:
+            found = sorted(storage.fs.find(base))
+        except FileNotFoundError:
+            return scan
+        for name in found:
+            rel = posixpath.relpath(str(name), step_path)
+            parts = rel.split("/")
+            if len(parts) < 3 or not rel.endswith(".json"):
+                continue
+            scan.attempts.add(parts[1])
+            try:
+                receipt = Receipt.from_json(storage.fs.cat_file(name), key)
+            except FileNotFoundError:
+                continue
+            except ManifestError as e:
+                scan.refused.append((rel, str(e)))
+                continue
+            if receipt.step != step or receipt.attempt != parts[1]:
+                scan.refused.append(
+                    (rel, f"it is for step {receipt.step}, group {receipt.attempt!r}")
+                )
+                continue
+            scan.receipts.setdefault(receipt.attempt, []).append(receipt)
+    return scan
