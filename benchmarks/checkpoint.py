@@ -290,7 +290,7 @@ class _RankBench:
         mine["snapshot_bytes"] = snap.nbytes
         self.rss["after_snapshot"] = _proc_status().get("VmRSS", 0)
         t0 = time.perf_counter()
-        index = Trainer.write(snap, local)
+        index = Trainer.write(snap, local).entries
         mine["write_s"] = time.perf_counter() - t0
         del snap
         gc.collect()

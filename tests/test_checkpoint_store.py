@@ -347,3 +347,24 @@ def test_a_paced_upload_dir_uploads_every_file(store: CheckpointStore, tmp_path:
     files = store.upload_dir(staging, 3, max_bytes_per_s=1e9)
     assert [f.path for f in files] == sorted(tree(staging))
     assert all(f.sha256 == hash_file(staging / f.path) for f in files)
+
+
+def test_an_upload_takes_the_writers_digest_instead_of_hashing_again(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    import hashlib
+
+    from spotline.checkpoint.layout import FileDigest
+
+    local = tmp_path / "staging"
+    local.mkdir()
+    (local / "a.bin").write_bytes(b"a" * 100)
+    (local / "b.bin").write_bytes(b"b" * 100)
+    told = "f" * 64  # not the bytes' hash: only a writer's word would put it there
+    known = {
+        "a.bin": FileDigest(100, told),
+        "b.bin": FileDigest(99, told),  # the file changed since: its size says so
+    }
+    entries = {e.path: e for e in store.upload_dir(local, 1, prefix="r0", known=known)}
+    assert entries["r0/a.bin"].sha256 == told
+    assert entries["r0/b.bin"].sha256 == hashlib.sha256(b"b" * 100).hexdigest()

@@ -201,13 +201,14 @@ def test_receipts_of_another_spec_are_refused_naming_what_changed(tmp_path: Path
 
 
 def test_a_rank_signs_its_receipt_with_the_job_and_spec(tmp_path: Path, signed) -> None:
+    from spotline.checkpoint.layout import RankFiles
     from spotline.checkpoint.transfer import Uploader
 
     spec, store = signed
 
-    def write(d: Path) -> list[dict]:
+    def write(d: Path) -> RankFiles:
         (d / "state.safetensors").write_bytes(b"s" * 64)
-        return []
+        return RankFiles(entries=[], files={})
 
     up = Uploader(store, spec, 0, 1, "att7")
     up.submit(10, tmp_path / "stage" / "r0", write, losses=[(9, 2.5), (10, 2.25)])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from spotline.checkpoint import catalog, probes, reads, uploads
@@ -26,6 +27,7 @@ from spotline.checkpoint.errors import (
     StorageError,
     StoreFields,
 )
+from spotline.checkpoint.layout import FileDigest
 from spotline.checkpoint.manifest import FileEntry, Manifest, Receipt
 from spotline.checkpoint.storage import (
     ARTIFACTS_DIR,
@@ -99,10 +101,13 @@ class CheckpointStore(StepStorage):
         step: int,
         prefix: str = "",
         max_bytes_per_s: float | None = None,
+        known: Mapping[str, FileDigest] | None = None,
     ) -> list[FileEntry]:
         """Upload every file under ``local_dir`` (as ``prefix`` + its relative path), in
-        parallel or paced to ``max_bytes_per_s``; entries sorted by path."""
-        return uploads.upload_dir(self, local_dir, step, prefix, max_bytes_per_s)
+        parallel or paced to ``max_bytes_per_s``; entries sorted by path. `known`: the
+        sizes and sha256s the writer computed (`layout.RankFiles.files`), not hashed
+        again."""
+        return uploads.upload_dir(self, local_dir, step, prefix, max_bytes_per_s, known)
 
     def commit(self, manifest: Manifest) -> None:
         """Make a step visible to readers by writing its manifest, after checking its

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spotline.checkpoint.layout import RankFiles
 from spotline.checkpoint.manifest import FileEntry, Receipt
 from spotline.checkpoint.store import CheckpointStore
 
@@ -60,8 +61,9 @@ class UploadResult:
 @dataclass
 class _Job:
     step: int
-    write: Callable[[Path], list[dict[str, Any]]]
-    """Serializes the snapshot into a directory; returns its index entries."""
+    write: Callable[[Path], RankFiles]
+    """Serializes the snapshot into a directory; returns its index entries and each
+    file's size and sha256."""
     local: Path
     batch: dict[str, Any] | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
@@ -102,7 +104,7 @@ class Uploader:
         self,
         step: int,
         local: Path,
-        write: Callable[[Path], list[dict]],
+        write: Callable[[Path], RankFiles],
         batch: dict[str, Any] | None = None,
         losses: list[tuple[int, float]] | None = None,
     ) -> None:
@@ -133,9 +135,14 @@ class Uploader:
             try:
                 shutil.rmtree(job.local, ignore_errors=True)
                 job.local.mkdir(parents=True, exist_ok=True)
-                index = job.write(job.local)
+                written = job.write(job.local)
+                index = written.entries
                 files = self.store.upload_dir(
-                    job.local, job.step, prefix=prefix, max_bytes_per_s=self.max_bytes_per_s
+                    job.local,
+                    job.step,
+                    prefix=prefix,
+                    max_bytes_per_s=self.max_bytes_per_s,
+                    known=written.files,
                 )
                 for entry in index:
                     entry["file"] = f"{prefix}/{entry['file']}"

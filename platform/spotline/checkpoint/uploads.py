@@ -13,12 +13,13 @@ import dataclasses
 import os
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 from spotline.checkpoint.backends import TRANSFER_THREADS
+from spotline.checkpoint.layout import FileDigest
 from spotline.checkpoint.manifest import FileEntry, ManifestError, Receipt, check_relpath
 from spotline.checkpoint.storage import RECEIPTS_DIR, StepStorage
 from spotline.storage.fs import hash_file
@@ -47,17 +48,23 @@ class RatePacer:
 
 
 def upload_file(
-    storage: StepStorage, local_path: str | os.PathLike[str], step: int, relpath: str
+    storage: StepStorage,
+    local_path: str | os.PathLike[str],
+    step: int,
+    relpath: str,
+    known: FileDigest | None = None,
 ) -> FileEntry:
     """Upload one local file to ``<root>/step_xxx/<relpath>``; return its manifest entry.
 
-    The sha256 is computed from the local file, so the manifest describes what
-    was meant to be stored and a damaged upload is caught on restore.
+    The sha256 is of the local file, so the manifest describes what was meant to be
+    stored and a damaged upload is caught on restore. `known`: the size and sha256 its
+    writer computed from the bytes on disk (`checkpoint.layout`), used when the size
+    still matches, so the same bytes are not hashed twice.
     """
     relpath = check_relpath(relpath)
     local = Path(local_path)
     size = local.stat().st_size
-    digest = hash_file(local)
+    digest = known.sha256 if known is not None and known.size == size else hash_file(local)
     remote = f"{storage.step_path(step)}/{relpath}"
     with storage.io(f"uploading {local} as {relpath} of step {step}"):
         storage.retrying(lambda: storage.backend.put_file(storage.fs, str(local), remote))
@@ -70,25 +77,33 @@ def upload_dir(
     step: int,
     prefix: str = "",
     max_bytes_per_s: float | None = None,
+    known: Mapping[str, FileDigest] | None = None,
 ) -> list[FileEntry]:
     """Upload every file under ``local_dir``; entries are sorted by path.
 
     Each file's relpath is ``prefix`` + its path relative to ``local_dir``
     (a '/' is added after a non-empty prefix that lacks one). With
-    ``max_bytes_per_s``, files go one at a time, paced to that average rate.
+    ``max_bytes_per_s``, files go one at a time, paced to that average rate. `known`:
+    the digests the writer computed, by path relative to ``local_dir``.
     """
+    known = known or {}
     root = Path(local_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint staging directory {root} does not exist")
     if prefix and not prefix.endswith("/"):
         prefix += "/"
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    jobs = [(p, prefix + p.relative_to(root).as_posix()) for p in files]
+    jobs = [(p, p.relative_to(root).as_posix()) for p in files]
     if max_bytes_per_s is None:
-        return parallel([lambda p=p, r=r: upload_file(storage, p, step, r) for p, r in jobs])
+        return parallel(
+            [
+                lambda p=p, r=r: upload_file(storage, p, step, prefix + r, known.get(r))
+                for p, r in jobs
+            ]
+        )
     out, pacer = [], RatePacer(max_bytes_per_s)
     for p, r in jobs:
-        out.append(upload_file(storage, p, step, r))
+        out.append(upload_file(storage, p, step, prefix + r, known.get(r)))
         pacer.sent(out[-1].size)
     return sorted(out, key=lambda e: e.path)
 

@@ -374,7 +374,7 @@ class TrainWorker:
         with self._lock:
             self._buf["saves"].append((step, blocked, snap.nbytes))
 
-    def _write(self, snap: Any, out: Path) -> list[dict[str, Any]]:
+    def _write(self, snap: Any, out: Path) -> Any:
         try:
             return self.trainer.write(snap, out)
         except OSError as e:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from spotline import constants
 from spotline.bubbles.channel import WindowChannel
 from spotline.bubbles.recorder import StepRecorder
-from spotline.checkpoint.layout import CheckpointFormatError
+from spotline.checkpoint.layout import CheckpointFormatError, RankFiles, write_rank
 from spotline.config.schema import JobSpec
 from spotline.data import Prefetcher, Sampler, open_dataset
 from spotline.metrics.flops import device_peak
@@ -586,10 +586,11 @@ class Trainer:
         return snap
 
     @staticmethod
-    def write(snap: state.RankSnapshot, out: Path) -> list[dict[str, Any]]:
-        """Serialize a snapshot into `out` (safetensors + JSON); its index entries, with
-        files relative to `out`. Runs on the upload thread."""
-        return state.write(snap, out, root=out)
+    def write(snap: state.RankSnapshot, out: Path) -> RankFiles:
+        """Serialize a snapshot into `out` (safetensors + JSON): its index entries, with
+        files relative to `out`, and each file's size and sha256 as written (the upload
+        does not hash them again). Runs on the upload thread."""
+        return write_rank(snap, out, root=out)
 
     def fetch(self, manifest: Any, store: Any) -> Fetched:
         """Read, verify and load just what this rank holds of a committed checkpoint
