@@ -429,7 +429,7 @@ def test_recomputed_and_compiled_blocks_train_the_same_losses(tmp_path):
 @pytest.mark.unit
 def test_hfu_counts_the_recomputed_forwards():
     from spotline.metrics.flops import hardware_flops_per_token, model_flops_per_token
-    from spotline.plan import layer_flops_per_token
+    from spotline.models.flops import layer_flops_per_token
 
     def extra(every: int) -> float:
         spec = _llama(**{"parallel.activation_checkpointing": every})

@@ -41,6 +41,7 @@ from typing import Any
 
 from spotline.config.schema import JobSpec
 from spotline.models import ModelDef, layer_param_counts, model_def, stage_bounds
+from spotline.models.flops import layer_flops_per_token, model_width
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 PIPE_BUFFERS = 2  # DeepSpeed's 1F1B keeps max(2, stages - stage) buffers: 2 on the last
@@ -96,24 +97,6 @@ class StageMemory:
     @property
     def total_bytes(self) -> int:
         return self.state_bytes + self.activation_bytes
-
-
-def model_width(spec: JobSpec, model: ModelDef | None = None) -> int:
-    """The hidden width the blocks pass on: model.d_model of the built-in kinds; of a
-    custom model, the last dimension of what its first layer (the embedding) returns,
-    found on the meta device, where nothing is allocated."""
-    d = getattr(spec.model, "d_model", None)
-    if d:
-        return int(d)
-    import torch
-
-    model = model or model_def(spec)
-    try:
-        with torch.device("meta"):
-            out = model.layers[0].build()(torch.zeros(1, model.seq_len, dtype=torch.long))
-        return int(out.shape[-1])
-    except Exception:  # noqa: BLE001 - a first layer that cannot run on meta: a guess
-        return 1024
 
 
 class StageMemoryModel:
@@ -227,26 +210,6 @@ def memory_problem(spec: JobSpec, capacity: int, source: str) -> str | None:
 
 
 # --- step time and bubble -------------------------------------------------------------
-
-
-def layer_flops_per_token(spec: JobSpec, model: ModelDef | None = None) -> list[float]:
-    """Training FLOPs per token of each layer: 6 x the weights of its matrix
-    multiplications (nn.Linear: embeddings are gathers), plus 12·T·d of attention per
-    block, scaled so the layers add up to the provider's own `flops_per_token`."""
-    import torch
-    from torch import nn
-
-    model = model or model_def(spec)
-    d = model_width(spec, model)
-    raw = []
-    with torch.device("meta"):
-        for ld in model.layers:
-            layer = ld.build()
-            linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
-            attention = 12.0 * model.seq_len * d if ld.cls is model.block_class else 0.0
-            raw.append(6.0 * linear + attention)
-    scale = model.flops_per_token / sum(raw) if sum(raw) > 0 else 0.0
-    return [scale * r for r in raw]
 
 
 def stage_flops_per_token(
