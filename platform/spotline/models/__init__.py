@@ -2,7 +2,12 @@
 
 `model_def(spec)` is the one way to get a job's architecture: it finds the provider
 in the registry, validates its config, and builds the `ModelDef` that pipelines,
-checkpoints, FLOPs and backfill all use (see `spotline.models.provider`).
+checkpoints, FLOPs and backfill all use (see `spotline.models.provider`);
+`spotline.models.flops` counts each layer's width and FLOPs on the meta device.
+
+models/ describes and builds architectures; it never decides how a job is cut into
+stages (the caller passes the bounds: `spotline.planning.partition` owns the cut) and
+never imports planning/, train/, runtime/ or anything else that imports it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from spotline.models.provider import (
     build_sequential,
     layer_param_counts,
     lm_loss,
-    stage_bounds,
 )
 from spotline.registry import MODELS, note_user_code
 
@@ -44,7 +48,6 @@ __all__ = [
     "lm_loss",
     "model_def",
     "provider",
-    "stage_bounds",
 ]
 
 

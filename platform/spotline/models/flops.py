@@ -1,7 +1,7 @@
 """What each layer of a `ModelDef` computes: its width and its share of the FLOPs.
 
 Counted on the meta device, where nothing is allocated, so any model (a 70B one on a
-laptop) is measured without its weights. `spotline.plan` cuts stages and predicts
+laptop) is measured without its weights. `spotline.planning` cuts stages and predicts
 step times from these figures; `spotline.metrics.flops` counts HFU with them. The
 conventions are those of `spotline.metrics.flops` (6·N + 12·T·d per token).
 """
