@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spotline.config.schema import JobSpec
+from spotline.metrics.flops import mfu
 from spotline.models import ModelDef, model_def
 from spotline.models.flops import layer_flops_per_token
 from spotline.planning.partition import stage_bounds
@@ -86,8 +87,7 @@ def predict_step(
     known = flops_per_s is not None
     util = None
     if known and peak_flops:
-        total = sum(stage) * tokens * m * replicas
-        util = total / step / (devices * peak_flops)
+        util = mfu(tokens * m * replicas / step, sum(stage), devices, peak_flops)
     return StepPrediction(
         step_s=step if known else None,
         bubble_fraction=bubble,
