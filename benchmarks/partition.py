@@ -10,7 +10,7 @@ the 2-thread stage stalls at its thread pool's barriers whenever another process
 evenly, so the head's cost lands on the last stage; the balanced one is what a
 `parallel.partition: balanced` job runs: each worker's matmul probe and each stage's
 per-layer forward + backward times (`spotline.train.profile.probe`, one rank at a
-time), cut by `spotline.plan.choose_partition`.
+time), cut by `spotline.planning.choice.choose_partition`.
 
 Every repeat probes, builds one engine at each partition, warms each up for W steps,
 then runs N timed steps of each, taking turns step by step so that both see the same
@@ -79,9 +79,9 @@ def _rank(
     import torch.distributed as dist
 
     from spotline.config.schema import JobSpec
-    from spotline.models import model_def, stage_bounds
-    from spotline.models.partition import imbalance
-    from spotline.plan import choose_partition
+    from spotline.models import model_def
+    from spotline.planning.choice import choose_partition
+    from spotline.planning.partition import imbalance, stage_bounds
     from spotline.train.profile import probe
     from spotline.train.trainer import Topology, Trainer, init_distributed
 
@@ -168,7 +168,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
-    from spotline.models.partition import sizes_from_bounds
+    from spotline.planning.partition import sizes_from_bounds
 
     workdir = Path(tempfile.mkdtemp(prefix="spotline-partition-"))
     threads = [int(t) for t in args.threads.split(",")]

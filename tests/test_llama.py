@@ -13,10 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from spotline.config import load_spec
 from spotline.config.model import LlamaModelSpec
-from spotline.models import build_sequential, layer_param_counts, llama, model_def, stage_bounds
+from spotline.models import build_sequential, layer_param_counts, llama, model_def
 from spotline.models import hf as hfmod
 from spotline.models.decode import LayerKV, attend
 from spotline.models.provider import residual_std
+from spotline.planning.partition import stage_bounds
 
 pytestmark = pytest.mark.unit
 

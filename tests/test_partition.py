@@ -9,15 +9,16 @@ import pytest
 
 from spotline.config import load_spec
 from spotline.config.loader import SpecError
-from spotline.models import model_def, stage_bounds
-from spotline.models.partition import (
+from spotline.models import model_def
+from spotline.planning.memory import StageMemoryModel, memory_per_device
+from spotline.planning.partition import (
     NoPartitionFits,
     balanced_bounds,
     bounds_from_sizes,
     imbalance,
+    stage_bounds,
     stage_times,
 )
-from spotline.plan import StageMemoryModel, memory_per_device
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ import pytest
 import spotline
 from conftest import tiny_spec
 from spotline.checkpoint import CheckpointStore
-from spotline.models.partition import check_bounds
+from spotline.planning.partition import check_bounds
 
 pytestmark = pytest.mark.ray
 

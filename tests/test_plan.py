@@ -19,12 +19,9 @@ from spotline.config import load_spec
 from spotline.config.loader import SpecError
 from spotline.metrics.memory import TensorMemory
 from spotline.models import model_def
-from spotline.plan import (
-    make_plan,
-    memory_per_device,
-    predict_step,
-    stage_flops_per_token,
-)
+from spotline.planning.memory import memory_per_device
+from spotline.planning.plan import make_plan
+from spotline.planning.step import predict_step, stage_flops_per_token
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -325,7 +322,7 @@ def _built_stage_bytes(spec, stage: int) -> dict[str, int]:
     gradients, and the optimizer's state (its two moments; the fp32 master copy that
     DeepSpeed's ZeRO keeps is one more copy of the weights), and the activations its
     forward saves for the backward of one micro-batch (parameters left out)."""
-    from spotline.models import stage_bounds
+    from spotline.planning.partition import stage_bounds
 
     model = model_def(spec)
     lo, hi = stage_bounds(model, spec.parallel.pipeline_stages)[stage : stage + 2]

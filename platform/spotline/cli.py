@@ -413,7 +413,7 @@ def _dispatch(args) -> int:
 
         (check_offline if args.offline else preflight)(job.spec)
         print(f"{job.spec.name}: OK (spec hash {job.spec.spec_hash()})")
-        from spotline.plan import make_plan
+        from spotline.planning.plan import make_plan
 
         for warning in make_plan(job.spec).warnings:  # the checks `spotline plan` makes
             print(f"spotline: warning: {warning}", file=sys.stderr)

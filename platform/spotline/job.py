@@ -21,7 +21,7 @@ from spotline import constants
 from spotline.config import JobSpec, apply_overrides, load_spec
 from spotline.config.loader import register_spec_secrets, validate_dict
 from spotline.config.redact import install_log_redaction, split_secrets, write_secrets_package
-from spotline.plan import Plan
+from spotline.planning.plan import Plan
 from spotline.runtime.cluster import connect_ray
 
 
@@ -73,7 +73,7 @@ class JobResult:
     """Sustained performance deviations the controller warned about."""
     plan: dict[str, Any] | None = None
     """The plan's predictions (memory per stage, bubble, step time, MFU) beside the
-    measured values, at the replica count measured (see `spotline.plan`)."""
+    measured values, at the replica count measured (see `spotline.planning`)."""
     batch: dict[str, Any] | None = None
     """The global batch at the end: schedule, global_batch_size, noise_scale (adaptive),
     and history ([[first_step, global_batch], ...])."""
@@ -369,7 +369,7 @@ class Job:
     ) -> Plan:
         """Predict memory per stage, the bubble, step time and MFU, the checkpoint and its
         just-in-time save against each notice, the replica counts and the cost of 1B
-        tokens, before anything starts on the cluster (see `spotline.plan`).
+        tokens, before anything starts on the cluster (see `spotline.planning`).
 
         Runs the offline checks first, so a stage that cannot fit its device is refused
         (SpecError) naming the field to change. The FLOP/s per device: `peak_tflops`,
@@ -378,7 +378,8 @@ class Job:
         without a GPU. `device_memory_gb` stands in for resources.device_memory_gb.
         """
         from spotline.metrics.flops import device_peak
-        from spotline.plan import make_plan, precision
+        from spotline.planning.memory import precision
+        from spotline.planning.plan import make_plan
         from spotline.preflight import check_offline, device_memory_bytes
 
         spec = self.spec

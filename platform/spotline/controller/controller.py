@@ -74,8 +74,9 @@ from spotline.controller.state import (
     reported_snapshot,
 )
 from spotline.controller.telemetry import Telemetry
-from spotline.models.partition import imbalance
-from spotline.plan import memory_per_device, predict_step
+from spotline.planning.memory import memory_per_device
+from spotline.planning.partition import imbalance
+from spotline.planning.step import predict_step
 from spotline.registry import user_code_error
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.demand import Demand
@@ -1227,7 +1228,7 @@ class Controller:
                 + r.upload_s[-1]
                 + 2 * (constants.SPOTLINE_POLL_INTERVAL_S)
             )
-        from spotline.plan import predicted_save_s
+        from spotline.planning.jit import predicted_save_s
 
         replicas = self.group.replicas if self.group else self.spec.replica_counts()[0]
         return predicted_save_s(self.spec, replicas)
@@ -1235,7 +1236,7 @@ class Controller:
     def _check_jit_fit(self, measured: bool) -> None:
         """Say so when a just-in-time checkpoint cannot meet the shortest notice: at the
         start from the state size, and once more from the first measured save."""
-        from spotline.plan import jit_fit_problem
+        from spotline.planning.jit import jit_fit_problem
 
         group = self.group
         if measured:
@@ -1367,7 +1368,7 @@ class Controller:
         first = window[-1][0] - policy.window_steps
         rows = [s for step, _, s in self._stage_window if step > first]
         stage_s = [sum(col) / len(rows) for col in zip(*rows, strict=True)]
-        from spotline.plan import balanced_partition
+        from spotline.planning.choice import balanced_partition
 
         decision = policy.decide(
             window=window,
@@ -1402,7 +1403,7 @@ class Controller:
         group = self.group
         if sizes is None or group is None:
             return None
-        from spotline.models.partition import bounds_from_sizes, check_bounds
+        from spotline.planning.partition import bounds_from_sizes, check_bounds
 
         bounds = bounds_from_sizes(sizes)
         current = self.rec.attempts[-1].partition.get("bounds") or []

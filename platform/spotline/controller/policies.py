@@ -277,7 +277,7 @@ class RebalancePolicy:
     ) -> Repartition | None:
         """`window`: (step, imbalance) of the latest polls, oldest first; `stage_s`: each
         stage's measured compute seconds per step over that window."""
-        from spotline.models.partition import cost_rows, imbalance, stage_times
+        from spotline.planning.partition import cost_rows, imbalance, stage_times
 
         if not window or window[-1][0] - window[0][0] < self.window_steps:
             return None

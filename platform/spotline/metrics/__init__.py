@@ -1,7 +1,10 @@
 """Spotline's figures: Ray metrics, MFU/HFU, GPU samples, the goodput ledger.
 
-It computes and exports; it never decides anything for the job, and never imports the
-runtime or the controller (they hand it their numbers)."""
+MFU is computed once, `spotline.metrics.flops.mfu` (the plan's prediction uses it too).
+It computes and exports; it never decides anything for the job, and never imports
+planning/ (per-layer FLOPs come from `spotline.models.flops`), train/, the runtime or
+the controller (they hand it their numbers).
+"""
 
 from spotline.metrics.export import BY_NAME, METRICS, MetricDef, Metrics
 

@@ -43,7 +43,7 @@ def hardware_flops_per_token(spec: JobSpec) -> float:
     """`model_flops_per_token` plus the forward of every block that
     parallel.activation_checkpointing recomputes in the backward (1/3 of its share)."""
     from spotline.models import model_def
-    from spotline.plan import layer_flops_per_token
+    from spotline.models.flops import layer_flops_per_token
 
     every = spec.parallel.activation_checkpointing
     model = model_def(spec) if every else None

@@ -2,11 +2,14 @@
 
 `model_def(spec)` is the one way to get a job's architecture: it finds the provider
 in the registry, validates its config, and builds the `ModelDef` that pipelines,
-checkpoints, FLOPs and backfill all use (see `spotline.models.provider`).
+checkpoints, FLOPs and backfill all use (see `spotline.models.provider`);
+`spotline.models.flops` counts each layer's width and FLOPs on the meta device.
 
-A provider describes layers; it must never start anything, read storage or import
-the runtime, the controller or train/ (DeepSpeed appears only to wrap this stage's
-layers in its PipelineModule).
+A provider describes and builds layers; it must never start anything, read storage,
+or decide how a job is cut into stages (the caller passes the bounds:
+`spotline.planning.partition` owns the cut), and never imports planning/, train/, the
+runtime or the controller (DeepSpeed appears only to wrap a stage's layers in its
+PipelineModule).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from spotline.models.provider import (
     build_sequential,
     layer_param_counts,
     lm_loss,
-    stage_bounds,
 )
 from spotline.registry import MODELS, note_user_code
 
@@ -48,7 +50,6 @@ __all__ = [
     "lm_loss",
     "model_def",
     "provider",
-    "stage_bounds",
 ]
 
 

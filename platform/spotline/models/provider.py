@@ -5,9 +5,9 @@ loss, and the FLOPs per token. Spotline builds everything else from it, for any
 architecture:
 
 - **Pipelines.** DeepSpeed's `PipelineModule` holds the list cut into contiguous
-  stages: by default the `block_class` layers split evenly (the first stage also takes
-  what comes before the first block, the last what comes after the last one), or at the
-  bounds the balanced partition measured (`spotline.models.partition`). At pp=1 the list is a plain
+  stages at the layer bounds its caller passes (`spotline.planning.partition` cuts
+  them: by default the `block_class` layers split evenly, or where the balanced
+  partition measured); models/ never cuts by itself. At pp=1 the list is a plain
   `nn.Sequential`. Each layer maps one tensor to one tensor: token ids to hidden
   states, hidden states to hidden states, hidden states to logits.
 - **Stable parameter names.** A parameter is named `<layer index>.<name inside the
@@ -108,7 +108,7 @@ class ModelDef:
     layers: list[LayerDef]
     """Embedding, blocks, head: the flat layer list."""
     block_class: type[nn.Module]
-    """The class of the repeated blocks; pipeline stages split these evenly."""
+    """The class of the repeated blocks; the uniform partition splits these evenly."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """loss(logits [B, T, V], labels [B, T]) -> scalar mean over tokens."""
     flops_per_token: float
@@ -197,15 +197,15 @@ def build_sequential(model: ModelDef, opts: BuildOptions = BuildOptions()) -> nn
 def build_pipeline_module(
     model: ModelDef,
     num_stages: int,
-    bounds: list[int] | None = None,
+    bounds: list[int],
     opts: BuildOptions = BuildOptions(),
 ):
     """A DeepSpeed PipelineModule of `num_stages` stages, stage s holding layers
-    bounds[s]:bounds[s+1] (default: `stage_bounds`, blocks split evenly); only this
-    stage's layers are built, each once (`build_layer`)."""
+    bounds[s]:bounds[s+1] (the caller's cut, from `spotline.planning.partition`); only
+    this stage's layers are built, each once (`build_layer`)."""
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    parts = list(bounds) if bounds is not None else stage_bounds(model, num_stages)
+    parts = list(bounds)
 
     class StageLayer(LayerSpec):
         # DeepSpeed builds the layers of this rank's stage only, through this.
@@ -239,22 +239,6 @@ def layer_param_counts(model: ModelDef) -> list[int]:
         for ld in model.layers:
             counts.append(sum(p.numel() for p in ld.build().parameters()))
     return counts
-
-
-def stage_bounds(model: ModelDef, num_stages: int) -> list[int]:
-    """Layer index boundaries of each stage as DeepSpeed's `type:` partition cuts them:
-    blocks split as evenly as possible, earlier stages taking the remainder, the layers
-    before the first block on the first stage and those after the last on the last."""
-    block_idx = [i for i, ld in enumerate(model.layers) if ld.cls is model.block_class]
-    n = len(block_idx)
-    base, extra = divmod(n, num_stages)
-    bounds = [0]
-    taken = 0
-    for s in range(num_stages - 1):
-        taken += base + (1 if s < extra else 0)
-        bounds.append(block_idx[taken] if taken < n else len(model.layers))
-    bounds.append(len(model.layers))
-    return bounds
 
 
 def init_normal(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:

@@ -375,11 +375,11 @@ class RayWorkerGroup:
 
     def _choose_partition(self, pinned: list[int] | None, timeout: float) -> dict[str, Any]:
         """The layer bounds of the stages, and what they were chosen from (see
-        `spotline.plan.choose_partition`). A balanced job measures first: every worker's
+        `spotline.planning.choice.choose_partition`). A balanced job measures first: every worker's
         matmul speed (one rank at a time on CPU, where workers share the host's cores;
         all at once on GPUs), and on replica 0 of each stage every layer's forward +
         backward time."""
-        from spotline.plan import choose_partition
+        from spotline.planning.choice import choose_partition
 
         probes = None
         if self.spec.parallel.partition == "balanced" and self.pp > 1:

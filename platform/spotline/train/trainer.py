@@ -43,9 +43,9 @@ from spotline.models import (
     build_sequential,
     init_from_hf,
     model_def,
-    stage_bounds,
 )
-from spotline.plan import stage_micro_s
+from spotline.planning.partition import stage_bounds
+from spotline.planning.step import stage_micro_s
 from spotline.train import state
 from spotline.train.adaptive import BatchSchedule, GradProbe, grow_to
 from spotline.train.ds_config import deepspeed_config

@@ -1,21 +1,32 @@
 """Which contiguous layers each pipeline stage holds: uniform, explicit, or balanced.
 
-Pure arithmetic (no torch, no Ray). A partition is given as layer-index bounds, as
-DeepSpeed's `PipelineModule` takes them: stage s holds layers `bounds[s]:bounds[s+1]`.
+The one place that cuts the layer list. Pure arithmetic (no torch, no Ray). A
+partition is given as layer-index bounds, as DeepSpeed's `PipelineModule` takes them:
+stage s holds layers `bounds[s]:bounds[s+1]`; `models.build_pipeline_module` builds
+whatever bounds its caller passes and never cuts by itself.
+
+The uniform partition (`stage_bounds`) is DeepSpeed's `type:` cut: the blocks split as
+evenly as possible. An explicit one comes from layer counts (`bounds_from_sizes`).
 
 The balanced partition minimises the slowest stage: with `costs[s][l]` the measured
 seconds of layer l on a device of stage s (forward + backward of one micro-batch) and
 `speeds[s]` how fast the stage's slowest device is against the one that measured
 them, stage s takes `sum(costs[s][a:b]) / speeds[s]`; a 1F1B step lasts about
 (m + p - 1) x the slowest stage. One cost list for every stage is the same as a row
-per stage (devices of one kind, speeds from a matmul). An exact dynamic programme over prefix sums finds the split whose slowest stage
-is fastest, among the splits whose every stage fits its device's memory (`fits`).
+per stage (devices of one kind, speeds from a matmul). An exact dynamic programme over
+prefix sums finds the split whose slowest stage is fastest, among the splits whose
+every stage fits its device's memory (`fits`). Which of these a job runs at is chosen
+in `spotline.planning.choice`.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spotline.models import ModelDef
 
 Fits = Callable[[int, int, int], bool]
 """fits(stage, lo, hi): whether layers lo:hi fit the memory of stage `stage`'s devices."""
@@ -23,6 +34,22 @@ Fits = Callable[[int, int, int], bool]
 
 class NoPartitionFits(ValueError):
     """No contiguous split of the layers over the stages fits every device's memory."""
+
+
+def stage_bounds(model: ModelDef, num_stages: int) -> list[int]:
+    """Layer index boundaries of each stage as DeepSpeed's `type:` partition cuts them:
+    blocks split as evenly as possible, earlier stages taking the remainder, the layers
+    before the first block on the first stage and those after the last on the last."""
+    block_idx = [i for i, ld in enumerate(model.layers) if ld.cls is model.block_class]
+    n = len(block_idx)
+    base, extra = divmod(n, num_stages)
+    bounds = [0]
+    taken = 0
+    for s in range(num_stages - 1):
+        taken += base + (1 if s < extra else 0)
+        bounds.append(block_idx[taken] if taken < n else len(model.layers))
+    bounds.append(len(model.layers))
+    return bounds
 
 
 def bounds_from_sizes(sizes: Sequence[int]) -> list[int]:

@@ -1,0 +1,97 @@
+"""One training step predicted from the spec: its time, its bubble and its MFU.
+
+Each stage's training FLOPs per micro-batch (its blocks' 6·N + 12·T·d per token, and
+the head's share on the last stage, the conventions of `spotline.metrics.flops`; per
+layer from `spotline.models.flops`) at the device's FLOP/s, played through the real
+1F1B schedule (`bubbles.schedule.simulate`, backward = 2 x forward). The simulated step
+gives the bubble (time stages wait on each other) as well. Data-parallel collectives
+and the optimizer step are not charged, so the step time is a lower bound at that rate.
+The trainer takes its stages' expected micro-batch times from `stage_micro_s`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spotline.config.schema import JobSpec
+from spotline.metrics.flops import mfu
+from spotline.models import ModelDef, model_def
+from spotline.models.flops import layer_flops_per_token
+from spotline.planning.partition import stage_bounds
+
+
+def stage_flops_per_token(
+    spec: JobSpec, model: ModelDef | None = None, bounds: list[int] | None = None
+) -> list[float]:
+    """Training FLOPs per token of each pipeline stage (`layer_flops_per_token`)."""
+    model = model or model_def(spec)
+    per_layer = layer_flops_per_token(spec, model)
+    bounds = bounds or stage_bounds(model, spec.parallel.pipeline_stages)
+    return [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def stage_micro_s(
+    spec: JobSpec,
+    flops_per_s: float,
+    bounds: list[int] | None = None,
+    model: ModelDef | None = None,
+    flops: list[float] | None = None,
+) -> list[float]:
+    """Seconds each pipeline stage spends on the forward and backward of one micro-batch
+    at `flops_per_s` (`flops`: its `stage_flops_per_token`, when already known)."""
+    flops = flops or stage_flops_per_token(spec, model, bounds)
+    tokens = spec.micro_batch_size() * spec.model.seq_len
+    return [f * tokens / flops_per_s for f in flops]
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    step_s: float | None
+    """Seconds per optimizer step at `flops_per_s` (None without a rate)."""
+    bubble_fraction: float
+    """Share of the step the stages wait on each other (0 without a pipeline)."""
+    theory: float
+    """(p - 1)/(m + p - 1): the bubble with equal stages."""
+    backfill_s_per_step: float | None
+    """Device-seconds per step the bubbles leave for backfill, over all devices."""
+    mfu: float | None
+    """Model FLOP/s over `peak_flops` at that step time."""
+
+
+def predict_step(
+    spec: JobSpec,
+    replicas: int,
+    flops_per_s: float | None = None,
+    peak_flops: float | None = None,
+    bounds: list[int] | None = None,
+) -> StepPrediction:
+    """One step at `replicas`, each device running `flops_per_s` (the relative stage
+    costs alone give the bubble when no rate is known), the stages cut at `bounds`
+    (default: the uniform partition)."""
+    from spotline.bubbles.detector import bubble_fraction
+    from spotline.bubbles.schedule import simulate_passes, theory_fraction
+
+    p, m = spec.parallel.pipeline_stages, spec.grad_accum(replicas)
+    stage = stage_flops_per_token(spec, bounds=bounds)
+    tokens = spec.micro_batch_size() * spec.model.seq_len
+    micro_s = stage_micro_s(spec, flops_per_s or 1.0, bounds, flops=stage)
+    if p > 1:
+        timelines = simulate_passes(p, m, micro_s)
+        spans = [tl[-1].end - tl[0].start for tl in timelines]
+        bubble = sum(bubble_fraction(tl) * sp for tl, sp in zip(timelines, spans, strict=True))
+        bubble /= sum(spans)
+        step = max(spans)
+    else:
+        bubble, step = 0.0, m * micro_s[0]
+    devices = p * replicas
+    known = flops_per_s is not None
+    util = None
+    if known and peak_flops:
+        util = mfu(tokens * m * replicas / step, sum(stage), devices, peak_flops)
+    return StepPrediction(
+        step_s=step if known else None,
+        bubble_fraction=bubble,
+        theory=theory_fraction(p, m) if p > 1 else 0.0,
+        backfill_s_per_step=bubble * step * devices if known else None,
+        mfu=util,
+    )
