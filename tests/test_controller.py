@@ -953,7 +953,7 @@ def test_does_not_grow_when_the_restart_would_not_pay(tmp_path):
     ctl, _ = make(tmp_path, capacity=_devices(total))
     run_until(ctl, lambda: ctl.step_count >= 5)
     total["nodes"] = 2
-    ctl._restart_s = 1e6  # a restart that costs more than the rest of the job
+    ctl.pace.restart_s = 1e6  # a restart that costs more than the rest of the job
     res = ctl.run()
     assert res["state"] == "finished"
     assert [g.replicas for g in FakeGroup.instances] == [1]
@@ -1098,7 +1098,7 @@ def test_balanced_stages_are_left_alone(tmp_path):
 def test_no_repartition_when_the_restart_would_not_pay(tmp_path):
     ctl, _ = _unequal(tmp_path, [1.0, 0.5])
     run_until(ctl, lambda: ctl.step_count >= 5)
-    ctl._restart_s = 1e6  # a restart that costs more than the rest of the job
+    ctl.pace.restart_s = 1e6  # a restart that costs more than the rest of the job
     res = ctl.run()
     assert len(FakeGroup.instances) == 1 and res["partition"]["repartitions"] == []
 
@@ -1187,18 +1187,3 @@ def test_a_lost_node_states_the_demand_again_at_once(tmp_path):
     res = ctl.run()
     assert res["node_losses"] == 1
     assert ctl.fake_demand.calls.count("force") == 1
-
-
-def test_one_slow_chunk_does_not_decide_that_a_size_is_not_worth_returning_to(tmp_path):
-    """A size's rate is a moving average of warm chunks: a single chunk slowed by a save
-    or a warm-up moves it a little, not to that chunk's figure."""
-    ctl, _ = make(tmp_path)
-    ctl._note_rate(2, 5.0, warm=False)  # the first group's warm-up
-    assert ctl._sps_by_replicas[2] == 5.0
-    for _ in range(10):
-        ctl._note_rate(2, 24.0, warm=True)
-    assert ctl._sps_by_replicas[2] == pytest.approx(24.0)  # the cold figure is gone
-    ctl._note_rate(2, 8.0, warm=True)  # one chunk during a just-in-time save
-    assert 20.0 < ctl._sps_by_replicas[2] < 24.0
-    ctl._note_rate(2, 1.0, warm=False)  # a cold chunk of a later group: ignored
-    assert 20.0 < ctl._sps_by_replicas[2] < 24.0

@@ -166,7 +166,7 @@ def test_resources_per_stage():
 
 
 def _decide(**over):
-    from spotline.controller.policies import RebalancePolicy
+    from spotline.controller.repartition import RebalancePolicy
 
     args = {
         "window": [(s, 0.3) for s in range(5, 31, 5)],

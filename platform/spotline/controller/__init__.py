@@ -1,16 +1,39 @@
-"""The per-job controller: a state machine, its policies, its inbox, and its Ray actor."""
+"""The per-job controller: a loop over states that carry their payload, and its rooms.
 
-from spotline.controller.controller import Attempt, Controller
+What lives here:
+- `controller.py`: the loop and its transitions; it carries decisions out.
+- `state.py`: the states and their payloads.
+- `policies.py`, `jit.py`, `repartition.py`: policies that return decisions (restart or
+  fail, how many replicas, when to grow, at which step to take a just-in-time
+  checkpoint, when to re-partition the pipeline), tested without Ray.
+- `pace.py`, `capacity.py`: the measured pace the decisions weigh; patient reads of
+  the cluster's capacity and losses.
+- `telemetry.py`: progress ingest, the goodput ledger, metrics and trackers.
+- `snapshot.py`: the job's typed record and snapshot; status, result and summary are
+  projections of it.
+- `inbox.py`: what other threads tell the controller, under a lock, and its events.
+- `artifacts.py`, `backfill_api.py`: what the job keeps beside its checkpoints; the
+  backfill pool's door for the SDK.
+- `actor.py`: the controller as a named Ray actor on the head node.
+
+What it must never do: talk to storage except through the commit coordinator, make
+the training step wait for it, or import spotline.backfill outside the actor (the
+pool is handed in). Policies hold no Ray handles and do no I/O.
+"""
+
+from spotline.controller.controller import Controller
+from spotline.controller.jit import JitPolicy
 from spotline.controller.policies import (
     Fail,
     FailurePolicy,
     GrowPolicy,
-    JitPolicy,
     Resize,
     Restart,
     ScalingPolicy,
     Wait,
 )
+from spotline.controller.repartition import RebalancePolicy
+from spotline.controller.snapshot import Attempt, Snapshot
 
 __all__ = [
     "Attempt",
@@ -19,8 +42,10 @@ __all__ = [
     "FailurePolicy",
     "GrowPolicy",
     "JitPolicy",
+    "RebalancePolicy",
     "Resize",
     "Restart",
     "ScalingPolicy",
+    "Snapshot",
     "Wait",
 ]

@@ -113,10 +113,10 @@ class ControllerActor:
         return self.controller.result()
 
     def submit_backfill(self, task: Any, name: str | None = None) -> int:
-        return self.controller.submit_backfill(task, name)
+        return self.controller.backfill_api.submit(task, name)
 
     def backfill_record(self, task_id: int) -> dict[str, Any] | None:
-        return self.controller.backfill_record(task_id)
+        return self.controller.backfill_api.record(task_id)
 
     def trace(self) -> dict[str, Any] | None:
         return self.controller.trace()

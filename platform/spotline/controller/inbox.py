@@ -1,11 +1,12 @@
-"""What other threads tell the controller: preemption notices, stop and re-partition
-requests.
+"""What other threads tell the controller (preemption notices, stop and re-partition
+requests), and the events it tells them back.
 
 Node watchers and the SDK call in from other threads of the controller actor at any
 moment; the state machine takes everything out at the start of each iteration, in
 whatever state it is. A notice is accepted once (by source, node and deadline), and
 `notify` returns True only when it was accepted or already known, so a watcher
-re-sends until it is sure the controller has it.
+re-sends until it is sure the controller has it. A notice that names its node dooms
+that node until the controller learns it is gone (`forget`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Inbox:
     _notices: list[dict[str, Any]] = field(default_factory=list)
     _stop: str | None = None
     _repartition: list[int] | None = None
+    _doomed: dict[str, float] = field(default_factory=dict)  # node id -> deadline
 
     def notify(self, notice: dict[str, Any], clock: float) -> bool:
         key = (notice["source"], notice.get("node_id"), notice["deadline"])
@@ -30,7 +32,21 @@ class Inbox:
             if key not in self._seen:
                 self._seen.add(key)
                 self._notices.append(dict(notice, received_at=time.time(), received_clock=clock))
+            node = notice.get("node_id")
+            if node is not None:
+                self._doomed[node] = notice["deadline"]
         return True
+
+    def doomed(self) -> list[str]:
+        """The nodes a notice named, sorted."""
+        with self._lock:
+            return sorted(self._doomed)
+
+    def forget(self, nodes) -> None:
+        """These nodes are gone: no longer doomed."""
+        with self._lock:
+            for node in nodes:
+                self._doomed.pop(node, None)
 
     def stop(self, reason: str) -> None:
         with self._lock:
@@ -54,3 +70,20 @@ class Inbox:
     def stop_reason(self) -> str | None:
         with self._lock:
             return self._stop
+
+
+@dataclass
+class EventLog:
+    """The controller's events, in order, for status() on other threads."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _events: list[str] = field(default_factory=list)
+
+    def append(self, text: str) -> None:
+        with self._lock:
+            self._events.append(text)
+
+    def since(self, first: int) -> tuple[list[str], int]:
+        """The events from index `first` on, and the index of the next one."""
+        with self._lock:
+            return self._events[first:], len(self._events)

@@ -1,7 +1,10 @@
 """Small policies that return decisions; the controller carries them out.
 
-Policies hold no Ray handles and do no I/O, so they are unit-tested as plain
-functions of their inputs.
+Here: failure (restart or fail), scaling (how many replicas), growing, and the cost
+rule of a restart that makes the job faster. The just-in-time checkpoint's timing is
+in `jit.py`, the stage re-partition decision in `repartition.py`. Policies hold no
+Ray handles and do no I/O, so they are unit-tested as plain functions of their
+inputs.
 """
 
 from __future__ import annotations
@@ -234,108 +237,3 @@ def restart_pays(
         return False
     saved_s = steps_left / steps_per_s - steps_left / faster
     return saved_s > 2 * restart_s
-
-
-@dataclass(frozen=True)
-class Repartition:
-    """Restart the group at the next checkpoint boundary with these stage bounds."""
-
-    bounds: list[int]
-    measured_imbalance: float
-    predicted_imbalance: float
-    speedup: float
-
-
-class RebalancePolicy:
-    """Whether to re-partition a pipeline whose stages take unequal compute time.
-
-    The imbalance (slowest stage / mean - 1, see `spotline.models.partition.imbalance`)
-    must have stayed above `threshold` over the latest `window_steps` steps. Each stage's
-    speed is then what its measured compute time says it is: the measured cost of its
-    layers / its measured seconds. `cut(speeds)` gives the bounds that balance those
-    speeds (memory included); the step is expected to speed up by the slowest stage's
-    time now over the slowest stage's predicted time, and the restart must pay for
-    itself under `restart_pays`, the same rule a grow obeys.
-    """
-
-    def __init__(self, threshold: float, window_steps: int):
-        self.threshold = threshold
-        self.window_steps = window_steps
-
-    def decide(
-        self,
-        *,
-        window: list[tuple[int, float]],
-        stage_s: list[float],
-        bounds: list[int],
-        layer_s: list[list[float]] | list[float],
-        cut,
-        steps_left: int,
-        steps_per_s: float,
-        restart_s: float,
-        running_s: float,
-    ) -> Repartition | None:
-        """`window`: (step, imbalance) of the latest polls, oldest first; `stage_s`: each
-        stage's measured compute seconds per step over that window."""
-        from spotline.planning.partition import cost_rows, imbalance, stage_times
-
-        if not window or window[-1][0] - window[0][0] < self.window_steps:
-            return None
-        recent = [imb for step, imb in window if step > window[-1][0] - self.window_steps]
-        if min(recent) <= self.threshold or min(stage_s) <= 0:
-            return None
-        rows = cost_rows(layer_s, len(stage_s))
-        work = [sum(rows[s][a:b]) for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
-        speeds = [w / t for w, t in zip(work, stage_s, strict=True)]
-        new = list(cut(speeds))
-        if new == list(bounds):
-            return None
-        predicted = stage_times(layer_s, speeds, new)
-        speedup = max(stage_s) / max(predicted)
-        if not restart_pays(steps_left, steps_per_s, steps_per_s * speedup, restart_s, running_s):
-            return None
-        return Repartition(new, imbalance(stage_s), imbalance(predicted), speedup)
-
-
-class JitPolicy:
-    """At which step to take the just-in-time checkpoint of a preemption notice.
-
-    Moving at once (save after the next step, then restart on what is left) forfeits
-    the doomed node's capacity for the rest of the notice; staying trains at the full
-    size until the latest step whose save still ends before the deadline with a margin.
-    With W = deadline - now - margin, step time t, predicted save time S (host copy +
-    upload + commit), and rates r now and r' on what is left (r' = r x D'/D unless
-    measured):
-
-        stay:  k = floor((W - S) / t) more steps, then save
-        move:  1 step, then the smaller group trains for about W - t
-        stay   iff  k > 1 + r' x (W - t)
-
-    Both then restart once; counted at the moment the stayer's new group starts, the
-    mover has trained r' x (W - t) steps more at the smaller size. A long notice (AWS:
-    120 s) with a fast save usually stays; a short one (GCP, Azure: 30 s) moves.
-    """
-
-    def __init__(self, margin_s: float):
-        self.margin_s = margin_s
-
-    def decide(
-        self,
-        *,
-        step: int,
-        seconds_left: float,
-        step_s: float,
-        save_s: float,
-        replicas: int,
-        replicas_after: int,
-        rate_after: float | None = None,
-    ) -> int:
-        """The step to save at: step + 1 (move at once) or a later one (stay)."""
-        w = seconds_left - self.margin_s
-        if step_s <= 0 or w <= save_s + step_s:
-            return step + 1
-        k = int((w - save_s) // step_s)
-        r_after = rate_after if rate_after is not None else (replicas_after / replicas) / step_s
-        if k > 1 + r_after * (w - step_s):
-            return step + k
-        return step + 1

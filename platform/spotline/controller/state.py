@@ -80,28 +80,6 @@ class Finished(State):
     reported: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
-def reported_snapshot(summary: dict[str, Any]) -> dict[str, Any]:
-    """A controller snapshot of a job that finished before, from its stored summary: the
-    parts the summary leaves out are what this controller did (nothing)."""
-    snap: dict[str, Any] = {
-        "workers": [],
-        "attempts": [],
-        "recoveries": [],
-        "checkpoint_blocked_s": [],
-        "checkpoint_upload_s": [],
-        "checkpoint_bytes": [],
-        "backfill": None,
-        "notices": [],
-        "resizes": [],
-        "alerts": [],
-        "tracking": [],
-        **summary,
-    }
-    snap["losses"] = {int(k): v for k, v in (summary.get("losses") or {}).items()}
-    snap["replicas"] = 0
-    return snap
-
-
 @dataclass(frozen=True)
 class Failed(State):
     name: ClassVar[str] = "failed"

@@ -1,10 +1,13 @@
-"""The controller's figures: Ray metrics, the goodput ledger, MFU, deviation alerts, and
-the job's run in the experiment trackers of `tracking:`.
+"""The controller's figures: the ranks' progress taken in, the goodput ledger, Ray
+metrics, MFU, deviation alerts, and the job's run in the experiment trackers of
+`tracking:`.
 
-Kept out of the state machine: the controller tells it what happened (a batch of
-steps the ranks reported, a commit, an event) and it does the accounting and the
-exporting. Nothing here may stop a job: metric export never raises, and trackers
-write from their own threads.
+Kept out of the state machine: the controller hands it what the ranks reported (a
+batch of steps, their figures, a commit, an event) and it keeps the record's figures
+(losses, tokens, step times, peak memory, the batch), the pace (`pace.Pace`), the
+ledger's accounting of every device-second, and the exporting. It decides nothing.
+Nothing here may stop a job: metric export never raises, and trackers write from
+their own threads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,17 @@ from spotline.checkpoint import (
     SUMMARY_ARTIFACT,
 )
 from spotline.config.schema import JobSpec
+from spotline.controller.pace import Pace
+from spotline.controller.snapshot import Record
+from spotline.controller.state import (
+    Finishing,
+    Leaving,
+    Pending,
+    Running,
+    Scheduling,
+    State,
+    Waiting,
+)
 from spotline.metrics.deviation import DeviationMonitor, likely_cause
 from spotline.metrics.export import Metrics
 from spotline.metrics.flops import hardware_flops_per_token, mfu, model_flops_per_token
@@ -28,8 +42,18 @@ from spotline.metrics.trackers import Trackers
 
 
 class Telemetry:
-    def __init__(self, spec: JobSpec, event, checkpoint_uri: str | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        event,
+        checkpoint_uri: str | None = None,
+        rec: Record | None = None,
+    ):
         self.spec = spec
+        self.rec = rec if rec is not None else Record()  # the job's record, shared
+        self.pace = Pace()
+        self.world = 0  # the latest group's world size
+        self._accounted = 0.0  # seconds of this iteration charged from the ranks' figures
         self._event = event
         self.metrics = Metrics(spec.name)
         self.trackers = Trackers(
@@ -57,6 +81,140 @@ class Telemetry:
         self.evals: list[dict[str, Any]] = []
         self.last: dict[str, Any] = {}
         self._exported: Counter = Counter()  # counters already exported, by key
+
+    # --- progress ingest -------------------------------------------------------------
+
+    def take_steps(self, p, replicas: int, now: float) -> None:
+        """The steps and saves a poll reported, into the record (losses, tokens, step
+        times, blocked seconds) and the pace; the first steps after a restart end it."""
+        r = self.rec
+        attempt = r.attempts[-1]
+        if p.batch is not None:
+            r.batch = p.batch
+        for step, loss, step_s, wall in p.steps:
+            r.tokens_trained += self.batch_at(step, replicas) * self.spec.model.seq_len
+            r.losses[step] = loss
+            r.step_seconds.append(step_s)
+            attempt.losses.append((step, loss))
+            self.pace.recent.append((step, wall))
+            if r.first_step_start is None:
+                r.first_step_start = wall - step_s
+            r.last_step_end = wall
+        if p.steps:
+            r.steps_trained += len(p.steps)
+            restart = self.pace.stepped(now)
+            if restart is not None:
+                why, seconds = restart
+                r.recoveries.append(
+                    {
+                        "why": why,
+                        "seconds": seconds,
+                        "resumed_at_step": p.steps[-1][0],
+                        "resumed_at": time.time(),
+                    }
+                )
+                self._event(f"training again {seconds:.1f}s after the {why}", track="recovery")
+        r.blocked_s.extend(blocked for _, blocked in sorted(p.saves.items()))
+
+    def take_memory(self, p, replicas: int) -> None:
+        """Peak memory per stage, of the first group only: the plan is compared at one
+        shape."""
+        r = self.rec
+        for m in p.memory:
+            if r.peak_memory_replicas not in (None, replicas):
+                continue
+            r.peak_memory_replicas = replicas
+            r.peak_memory[m["stage"]] = max(r.peak_memory.get(m["stage"], 0), m["peak_bytes"])
+
+    def account(self, p, elapsed: float, group, now: float, book, backfill, partitions) -> None:
+        """Figures of a poll of `group`: the pipeline's bubbles (`book`, None at pp=1) and
+        each stage's compute time (to `partitions`), the chunk that paces `backfill`
+        (None: off), the exported figures; the ledger gets the devices' wall time of
+        the poll (`elapsed`), split into what the steps measured and the rest."""
+        replicas, world = group.replicas, group.world_size
+        steps = [(s, loss) for s, loss, _, _ in p.steps]
+        step_time = sum(st for _, _, st, _ in p.steps)
+        blocked = sum(p.saves.values())
+        warm = now - self.pace.group_started > 1.0 and len(p.steps) > 0
+        if book is not None and p.bubbles:
+            on = backfill is not None and not backfill.governor.decision().paused
+            # The depth in force: an adaptive batch deepens the 1F1B schedule as it grows.
+            micro = (self.rec.batch or {}).get("micro_batches")
+            book.add(p.bubbles, micro or self.spec.grad_accum(replicas), on)
+            if p.steps and p.steps[0][0] > self.rec.attempts[-1].start_step + 1:
+                # A group's first step allocates and warms up: not the stages' pace.
+                partitions.measure(p.bubbles, p.steps[-1][0])
+        if backfill is not None:
+            if p.steps:
+                backfill.on_chunk(len(p.steps), step_time, warm=warm)
+            backfill.poll()
+        if p.steps:
+            self.pace.note_rate(replicas, len(p.steps) / max(step_time, 1e-9), warm)
+        self.steps(
+            steps=steps,
+            seconds=step_time,
+            replicas=replicas,
+            world=world,
+            bubbles=book.last_chunk if book is not None else None,
+            per_rank=p.bubbles,
+            lr=p.lr,
+            tokens=sum(self.batch_at(s, replicas) for s, _ in steps) * self.spec.model.seq_len,
+            batch=self.batch_view(steps[-1][0], replicas) if steps else None,
+            backfill_slowdown=backfill.governor.slowdown if backfill is not None else None,
+            data_stall_s=p.data_stall_s,
+            warm=warm,
+            uploading=p.uploading,
+        )
+        # The devices ran the whole time: what the steps and saves did not cover is
+        # waiting for the slowest rank, the step agreement, and publishing progress.
+        wall = max(elapsed, step_time + blocked)
+        self.ledger.charge("checkpoint_stall", blocked, world)
+        self.ledger.charge("startup_other", wall - step_time - blocked, world)
+        self._accounted += elapsed
+        self._report_progress(p, replicas)
+
+    def begin_iteration(self) -> None:
+        self._accounted = 0.0
+
+    def charge_iteration(self, state: State, seconds: float) -> None:
+        """Every iteration's device-seconds go to the ledger: what the ranks measured
+        (see `account`), and the rest to the part of the state it was spent in."""
+        part = {Pending: "startup_other", Waiting: "waiting"}.get(type(state), "recovery")
+        if isinstance(state, (Running, Leaving, Finishing)):
+            part = "startup_other"  # the final evaluation, a gap between two polls
+        elif isinstance(state, Scheduling) and state.reason == "start":
+            part = "startup_other"
+        rest = max(0.0, seconds - self._accounted)
+        self.ledger.charge(part, rest, self.world)
+
+    def _report_progress(self, p, replicas: int) -> None:
+        t = self.spec.train
+        for step, loss, step_s, _ in p.steps:
+            if step % t.log_every == 0 or step >= t.steps:
+                sps = 1.0 / step_s if step_s else 0.0
+                tok = sps * self.batch_at(step, replicas) * self.spec.model.seq_len
+                self._event(
+                    f"step {step}/{t.steps}  loss {loss:.4f}  {sps:.2f} steps/s  {tok:,.0f} tokens/s"
+                )
+
+    def batch_at(self, step: int, replicas: int | None) -> int:
+        """Sequences step `step` trained on: the adaptive schedule's history as the ranks
+        reported it, else what the batch policy gives the live group (`replicas`)."""
+        hist = (self.rec.batch or {}).get("history")
+        if self.spec.train.batch_schedule == "adaptive" and hist:
+            return next((size for first, size in reversed(hist) if first <= step), hist[0][1])
+        return self.spec.global_batch(replicas or self.spec.elastic.max_replicas)
+
+    def batch_view(self, step: int, replicas: int | None) -> dict[str, Any]:
+        """The batch of `step`, for status and metrics: schedule, global_batch_size,
+        noise_scale, history."""
+        b = self.rec.batch or {}
+        return {
+            "schedule": self.spec.train.batch_schedule,
+            "global_batch_size": self.batch_at(step, replicas),
+            "noise_scale": b.get("noise_scale"),
+            "history": b.get("history") or [[1, self.batch_at(1, replicas)]],
+        }
 
     # --- loading and storing ------------------------------------------------------
 
@@ -300,6 +458,15 @@ class Telemetry:
             self._count("spotline_restarts_total", n, why=why)
         for state, n in tasks.items():
             self._count("spotline_backfill_tasks_total", n, state=state)
+
+    def export_counts(self, tasks: dict[str, int]) -> None:
+        """The record's counts (notices, node losses, restarts by why) and the backfill
+        tasks finished (`tasks`, by state), as counters."""
+        restarts: dict[str, int] = {}
+        for a in self.rec.attempts[:-1]:
+            why = (a.ended_by or "unknown").replace(" ", "_")
+            restarts[why] = restarts.get(why, 0) + 1
+        self.counts(len(self.rec.notices), self.rec.node_losses, restarts, tasks)
 
     def _count(self, name: str, total: int, **tags: Any) -> None:
         key = (name, *sorted(tags.items()))

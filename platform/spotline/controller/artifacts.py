@@ -1,0 +1,64 @@
+"""What a job keeps beside its checkpoints for readers outside it.
+
+The summary and the goodput ledger (for `spotline status/report` on a finished job and
+for a restarted controller), the Chrome trace of the pipeline's latest steps, and the
+job's tokenizer files (so an export carries the tokenizer the model was trained with).
+Everything goes through the commit coordinator, the only owner of storage, and never
+into a URI this job does not own: another job's artifacts stay intact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from spotline.checkpoint import TRACE_ARTIFACT
+
+
+class Artifacts:
+    def __init__(self, spec, coordinator, event):
+        self.spec = spec
+        self.coordinator = coordinator
+        self._event = event
+        self.owned = False  # the URI holds no other job's checkpoints (see `own`)
+
+    def own(self) -> None:
+        """The job owns its checkpoint URI (checked, and not a finished job's report):
+        from now on its artifacts are written, starting with the tokenizer files."""
+        self.owned = True
+        self._store_tokenizer()
+
+    def _store_tokenizer(self) -> None:
+        from spotline.data.tokenizer import tokenizer_files
+        from spotline.export import TOKENIZER_ARTIFACTS
+
+        try:
+            files = tokenizer_files(self.spec)
+        except ValueError as e:  # DataError: reading the files
+            self._event(f"could not read the tokenizer files: {e}", logging.WARNING)
+            return
+        for name, data in files.items():
+            self.coordinator.write_artifact(f"{TOKENIZER_ARTIFACTS}/{name}", data)
+
+    def write(self, summary, ledger: dict[str, Any], trace=None) -> None:
+        """Keep the summary, the ledger and (`trace`, when given and not None) the trace
+        current. `summary` and `trace` are called only when something is written."""
+        if not self.owned:
+            return
+        self.coordinator.store_summary(summary(), ledger)
+        if trace is not None:
+            out = trace()
+            if out is not None:
+                self.coordinator.write_artifact(TRACE_ARTIFACT, json.dumps(out).encode())
+
+
+def trace(name: str, bubbles, backfill, partition: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Chrome-trace JSON of the latest recorded steps of every stage (None for pp=1),
+    with the stage partition in force and every re-partition in its metadata."""
+    if bubbles is None:
+        return None
+    slices = backfill.slices() if backfill is not None else {}
+    out = bubbles.trace(name, slices)
+    out["otherData"] = {"partition": partition}
+    return out

@@ -1,0 +1,43 @@
+"""Reading the cluster's capacity and losses patiently, as the controller needs them.
+
+A group just torn down gives its devices back a moment later, and a node whose
+worker died can be seen gone a moment after its processes: these helpers read the
+cluster view again for a bounded time rather than decide from the first reading.
+They decide nothing themselves.
+"""
+
+from __future__ import annotations
+
+from spotline import constants
+
+
+def settled_capacity(cluster, want: int, clock, sleep) -> int:
+    """Whole replicas the live, non-draining capacity holds, read again (for up to
+    SPOTLINE_CAPACITY_SETTLE_S) while it is short of `want`: sizing from the first
+    reading after a teardown would start too small."""
+    deadline = clock() + constants.SPOTLINE_CAPACITY_SETTLE_S
+    capacity = cluster.capacity()
+    while capacity < want and clock() < deadline:
+        sleep(0.2)
+        capacity = cluster.capacity()
+    return capacity
+
+
+def lost_nodes(cluster, nodes: set[str], patient: bool, clock, sleep) -> set[str]:
+    """Which of `nodes` are gone. A failure may surface first as a peer's collective
+    error; after a worker reported dead (`patient`) the checks go on for
+    SPOTLINE_NODE_LOSS_WAIT_S, as its node can be seen gone a moment after its
+    processes."""
+    deadline = clock() + (constants.SPOTLINE_NODE_LOSS_WAIT_S if patient else 0.0)
+    while True:
+        lost = cluster.gone(nodes)
+        if lost or clock() >= deadline:
+            return lost
+        sleep(0.25)
+
+
+def replicas_left(cluster, workers: list[dict], gone: set[str]) -> int:
+    """Replicas a group's devices off the `gone` nodes plus the free ones hold: what
+    the next group can expect once the devices of the old one show free again."""
+    held = sum(1 for w in workers if w["node_id"] not in gone)
+    return cluster.capacity(held_workers=held)

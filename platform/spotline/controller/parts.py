@@ -1,0 +1,237 @@
+"""What a controller is made of, and what other threads may ask of it.
+
+`ControllerParts` wires the controller's rooms together (the record, telemetry and its
+pace, the inbox and event log, the JIT and partition books, the artifacts, the
+backfill door, the commit coordinator) and answers the queries and requests that
+come from other threads: status, result, summary and trace (projections of one
+`Snapshot`), notices, stop, re-partition and hold requests. It also carries a poll
+of the live group to telemetry and the coordinator. It takes no decision and moves
+no state: the loop and its transitions are `controller.Controller`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from spotline import constants
+from spotline.bubbles.book import BubbleBook
+from spotline.checkpoint import CheckpointStore
+from spotline.checkpoint.coordinator import CommitCoordinator, Committed
+from spotline.config.redact import redact
+from spotline.config.schema import JobSpec
+from spotline.controller.artifacts import Artifacts, trace
+from spotline.controller.backfill_api import BackfillAPI
+from spotline.controller.capacity import replicas_left
+from spotline.controller.inbox import EventLog, Inbox
+from spotline.controller.jit import JitBook, JitPolicy
+from spotline.controller.policies import FailurePolicy, GrowPolicy, ScalingPolicy
+from spotline.controller.repartition import PartitionBook
+from spotline.controller.snapshot import (
+    PlanView,
+    Record,
+    Snapshot,
+    as_result,
+    as_status,
+    as_summary,
+    take_snapshot,
+)
+from spotline.controller.state import Pending, State
+from spotline.controller.telemetry import Telemetry
+from spotline.runtime.cluster import ClusterView
+from spotline.runtime.demand import Demand
+from spotline.runtime.group import Progress, WorkerGroup
+
+log = logging.getLogger("spotline.controller")
+
+
+class ControllerParts:
+    """The controller's rooms and its answers to other threads (see the module)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        store: CheckpointStore,
+        group_factory: Callable[[int], WorkerGroup],
+        cluster: ClusterView,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        backfill: Any = None,
+        demand: Demand | None = None,
+    ):
+        self.spec = spec
+        self.demand = demand  # what the job asks the autoscaler for, while it lives
+        self.group_factory = group_factory
+        self.cluster = cluster
+        self.sleep = sleep
+        self.clock = clock
+        e = spec.elastic
+        self.failure_policy = FailurePolicy(spec.failure.max_failures)
+        self.scaling_policy = ScalingPolicy(e.min_replicas, e.max_replicas, spec.replica_counts())
+        self.grow_policy = GrowPolicy(self.scaling_policy)
+        self.events = EventLog()
+        self.inbox = Inbox()
+        self.rec = Record()
+        self.coordinator = CommitCoordinator(spec, store, self._event)
+        self.telemetry = Telemetry(spec, self._event, checkpoint_uri=self.store.uri, rec=self.rec)
+        self.pace = self.telemetry.pace
+        self.jit = JitBook(
+            spec,
+            JitPolicy(constants.SPOTLINE_JIT_MARGIN_S),
+            self.pace,
+            self.rec,
+            self._event,
+            constants.SPOTLINE_POLL_INTERVAL_S,
+        )
+        self.partitions = PartitionBook(spec, self.rec, self._event)
+        self.artifacts = Artifacts(spec, self.coordinator, self._event)
+        pp = spec.parallel.pipeline_stages
+        self.bubbles = BubbleBook(pp) if pp > 1 else None
+        self.backfill = backfill
+        self.backfill_api = BackfillAPI(backfill, self.telemetry)
+        if backfill is not None:
+            backfill.bind(self._event, self.backfill_api.on_result)
+            self.coordinator.pinned = backfill.pinned_steps
+        self.state: State = Pending()
+        self.group: WorkerGroup | None = None
+        self.step_count = 0  # the latest step the live group reported
+        self.plan_view = PlanView(spec)
+
+    @property
+    def store(self) -> CheckpointStore:
+        return self.coordinator.store
+
+    # --- reporting ----------------------------------------------------------------
+
+    def _event(self, text: str, level: int = logging.INFO, track: str | None = None) -> None:
+        """Log an event and keep it for status; `track`: also an event of this kind in
+        the job's trackers."""
+        text = redact(text)
+        log.log(level, text)
+        self.events.append(text)
+        if track is not None:
+            self.telemetry.event(self.step_count, track, text)
+
+    def snapshot(self, wait_for_plan: bool = False) -> Snapshot:
+        """Everything the job knows about itself, once: status, result and summary are
+        projections of it. Safe to call from any thread."""
+        return take_snapshot(self, wait_for_plan)
+
+    def status(self, since_event: int = 0) -> dict[str, Any]:
+        snap = self.snapshot()
+        return as_status(snap, *self.events.since(since_event))
+
+    def result(self) -> dict[str, Any]:
+        return as_result(self.snapshot(wait_for_plan=True))
+
+    def summary(self) -> dict[str, Any]:
+        """What `spotline status` and `spotline report` show (stored with the checkpoints)."""
+        return as_summary(self.snapshot())
+
+    def trace(self) -> dict[str, Any] | None:
+        """Chrome-trace JSON of the latest steps of every stage (None for pp=1)."""
+        return trace(self.spec.name, self.bubbles, self.backfill, self.partitions.summary())
+
+    def _write_artifacts(self, with_trace: bool = True) -> None:
+        """Keep the trace, summary and ledger beside the checkpoints current."""
+        latest = with_trace and self.bubbles is not None and self.bubbles.latest
+        self.artifacts.write(
+            self.summary, self.telemetry.ledger.to_dict(), self.trace if latest else None
+        )
+
+    # --- the live group: a poll taken in, its nodes, its teardown -----------------------
+
+    def _poll(self) -> Progress:
+        """One collection of the ranks' progress: losses, saves, commits, figures."""
+        assert self.group is not None
+        t0 = self.clock()
+        progress = self.group.poll(constants.SPOTLINE_POLL_INTERVAL_S)
+        self._ingest(progress, self.clock() - t0)
+        return progress
+
+    def _ingest(self, p: Progress, elapsed: float) -> None:
+        """A poll of the live group: its figures to telemetry, its saves and finished
+        uploads to the commit coordinator, its notices to the inbox."""
+        group = self.group
+        assert group is not None
+        if p.steps:
+            self.step_count = p.steps[-1][0]
+        self.telemetry.take_steps(p, group.replicas, self.clock())
+        for step in sorted(p.saves):
+            self.coordinator.expect(step, group.attempt, group.world_size)
+        for done in self.coordinator.receive(p.uploads):
+            self._committed(done)
+        for notice in p.notices:
+            self.notify(notice)
+        self.telemetry.take_memory(p, group.replicas)
+        tel = self.telemetry
+        tel.account(p, elapsed, group, self.clock(), self.bubbles, self.backfill, self.partitions)
+        tel.export_counts(self.backfill_api.finished_counts())
+
+    def _committed(self, done: Committed) -> None:
+        self.rec.commit(done)
+        if done.upload_s is not None and self.group is not None:
+            self.jit.check_fit(self.group.replicas)  # once, from the first measured save
+        blocked = self.rec.blocked_s[-1] if self.rec.blocked_s else None
+        self.telemetry.commit(done.step, done.nbytes, blocked, done.upload_s)
+        if self.backfill is not None:
+            self.backfill.on_commit(done.manifest, final=done.step >= self.spec.train.steps)
+            self.backfill.poll()  # start what is due now
+        self._write_artifacts()
+
+    def _replicas_left(self, exclude: set[str] = frozenset()) -> int:
+        """Replicas the next group can expect (nodes doomed by a notice, or in `exclude`,
+        do not count)."""
+        if self.group is None:
+            return 0
+        gone = set(self._doomed_here()) | set(exclude)
+        return replicas_left(self.cluster, self.group.worker_info(), gone)
+
+    def _doomed_here(self) -> list[str]:
+        group = self.group
+        return sorted((group.node_ids() if group else set()) & set(self.inbox.doomed()))
+
+    def _teardown(self) -> None:
+        if self.backfill is not None:
+            self.backfill.detach()
+        if self.group is not None:
+            self.coordinator.abandon(self.group.attempt)
+            self.group.shutdown()
+            self.group = None
+
+    # --- what other threads ask -------------------------------------------------------
+
+    def notify(self, notice: dict[str, Any]) -> bool:
+        """A preemption notice (Notice fields); True once accepted. Thread-safe: node
+        watchers call it at any time, and re-send until it returns True."""
+        return self.inbox.notify(notice, self.clock())
+
+    def request_repartition(self, sizes: list[int]) -> None:
+        """Re-partition the pipeline to `sizes` layers per stage at the next checkpoint
+        boundary (through the checkpoint, as the imbalance watch does). Thread-safe."""
+        self.inbox.repartition(list(sizes))
+
+    def hold_latest(self, seconds: float = 900.0) -> dict[str, Any] | None:
+        """Keep the newest committed step from retention for `seconds`, for a reader
+        outside the job (a sweep trial that will continue from it); {"step", "uri"}, or
+        None when nothing is committed yet. Thread-safe."""
+        step = self.coordinator.hold_latest(seconds)
+        return None if step is None else {"step": step, "uri": self.store.uri}
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Stop at the next step boundary, commit a checkpoint there, and end STOPPED.
+
+        Thread-safe. The job resumes from that checkpoint when it is submitted again.
+        """
+        self.inbox.stop(reason)
+
+    def _drain(self, node: str, deadline: float, reason: str) -> None:
+        self.cluster.drain(node, deadline, reason)
+        if self.demand is not None:
+            self.demand.keep(force=True)  # a replacement, launched during the notice
+
+    def _answer_notices(self, step: int, committed: bool) -> None:
+        latest = max(self.coordinator.committed, default=None)
+        self.jit.answer(step, committed, latest, self.clock())

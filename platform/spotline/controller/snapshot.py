@@ -1,0 +1,401 @@
+"""What the job knows about itself, typed once; status, result and summary are projections.
+
+`Record` is what the controller writes as the job goes (attempts, losses, commits,
+notices, restarts); `Snapshot` is everything a reader sees at one moment, taken from
+the record and the controller's parts; `status`, `result` and `summary` cut from it
+the dicts users, the CLI and the stored summary read. `PlanView` sets the plan's
+predictions beside what the run measured. Nothing here steers the job or writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from spotline.controller.pace import RECENT_STEPS
+from spotline.controller.state import Finished, Waiting
+from spotline.planning.memory import memory_per_device
+from spotline.planning.step import predict_step
+
+log = logging.getLogger("spotline.controller")
+
+
+@dataclass
+class Attempt:
+    """One life of a worker group: where it started and the losses it produced."""
+
+    replicas: int
+    attempt: str = ""
+    start_step: int = 0
+    restored_from: int | None = None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    error: str | None = None
+    ended_by: str | None = None  # "failure", "node lost", "preemption notice", "grow",
+    # "re-partition", "stop"
+    device: str = ""  # "gpu" or "cpu": decided when the group started
+    partition: dict[str, Any] = field(default_factory=dict)
+    """The stage partition it ran: bounds, how they were chosen, and the stage compute
+    time it measured (seconds per step per stage, and their imbalance)."""
+
+
+@dataclass
+class Record:
+    """What the job did, as status, result and summary show it (one typed source)."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    failures: int = 0
+    node_losses: int = 0
+    notices: list[dict[str, Any]] = field(default_factory=list)
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+    repartitions: list[dict[str, Any]] = field(default_factory=list)
+    """Each re-partition: at which step, from and to which bounds, the imbalance measured
+    before it and predicted after (the next attempt's partition has the measured one)."""
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    waited_s: float = 0.0
+    blocked_s: list[float] = field(default_factory=list)
+    upload_s: list[float] = field(default_factory=list)
+    upload_bytes: list[int] = field(default_factory=list)
+    heldout_loss: float | None = None
+    error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    steps_trained: int = 0
+    tokens_trained: int = 0
+    batch: dict[str, Any] | None = None
+    """The batch in force as the ranks last reported it (see Progress.batch)."""
+    first_step_start: float | None = None  # wall clock, this controller's first step
+    last_step_end: float | None = None
+    peak_memory: dict[int, int] = field(default_factory=dict)
+    """Measured peak tensor bytes per pipeline stage (the largest rank's)."""
+    peak_memory_replicas: int | None = None
+    """The replica count that measurement was taken at."""
+    step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    """The live group's latest steps' own seconds (the ranks' step timers)."""
+
+    def commit(self, done) -> None:
+        """A commit (`coordinator.Committed`): the losses up to it as the committing group
+        trained them (a group that died before reporting its last steps would leave
+        them out of the record), its bytes and its upload time."""
+        group = {a.attempt: a for a in self.attempts}.get(done.manifest.extra.get("attempt"))
+        reported = {s for s, _ in group.losses} if group is not None else set()
+        for step, loss in done.losses:
+            self.losses[step] = loss
+            if group is not None and step not in reported:
+                group.losses.append((step, loss))
+        if group is not None:
+            group.losses.sort()
+        self.upload_bytes.append(done.nbytes)
+        if done.upload_s is not None:
+            self.upload_s.append(done.upload_s)
+
+
+@dataclass
+class Snapshot:
+    """Everything the job knows about itself at one moment (field order: the dicts')."""
+
+    name: str | None = None
+    state: str | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    replicas: int | None = None
+    device: str | None = None
+    max_replicas: int | None = None
+    waiting: str | None = None
+    doomed_nodes: list[str] | None = None
+    workers: list[dict[str, Any]] | None = None
+    failures: int | None = None
+    node_losses: int | None = None
+    committed_steps: list[int] | None = None
+    quarantined_steps: list[int] | None = None
+    last_checkpoint: dict[str, Any] | None = None
+    steps_per_s: float | None = None  # wall clock from the first step to the last
+    tokens_per_s: float | None = None
+    heldout_loss: float | None = None
+    error: str | None = None
+    restarts: int | None = None
+    train_loss: float | None = None
+    mfu: float | None = None
+    hfu: float | None = None
+    data_stall_fraction: float | None = None
+    peak_flops_per_device: float | None = None
+    eval: dict[str, Any] | None = None
+    evals: list[dict[str, Any]] | None = None
+    bubbles: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None
+    ledger: dict[str, Any] | None = None
+    cost: dict[str, Any] | None = None
+    alerts: list[str] | None = None
+    batch: dict[str, Any] | None = None
+    history: list[dict[str, Any]] | None = None
+    losses: dict[int, float] | None = None
+    attempts: list[dict[str, Any]] | None = None
+    notices: list[dict[str, Any]] | None = None
+    resizes: list[dict[str, Any]] | None = None
+    partition: dict[str, Any] | None = None
+    recoveries: list[dict[str, Any]] | None = None
+    tracking: Any = None
+    waited_s: float | None = None
+    checkpoint_blocked_s: list[float] | None = None
+    checkpoint_upload_s: list[float] | None = None
+    checkpoint_bytes: list[int] | None = None
+    backfill: dict[str, Any] | None = None
+    checkpoint_uri: str | None = None
+    wall_s: float | None = None
+    updated_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Keys of a stored summary this version does not know (a job reported from it)."""
+    absent: frozenset[str] = field(default=frozenset(), repr=False)
+    """Fields a stored summary did not have: its projections leave them out, as it did."""
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> Snapshot:
+        """A job that finished before, from its stored summary: the parts the summary
+        leaves out are what this controller did (nothing)."""
+        known = _FIELDS
+        base: dict[str, Any] = {
+            **dict.fromkeys((*STATUS_KEYS, *RESULT_KEYS)),
+            "workers": [],
+            "attempts": [],
+            "recoveries": [],
+            "checkpoint_blocked_s": [],
+            "checkpoint_upload_s": [],
+            "checkpoint_bytes": [],
+            "backfill": None,
+            "notices": [],
+            "resizes": [],
+            "alerts": [],
+            "tracking": [],
+            **summary,
+        }
+        base["losses"] = {int(k): v for k, v in (summary.get("losses") or {}).items()}
+        base["replicas"] = 0
+        return cls(
+            **{k: v for k, v in base.items() if k in known},
+            extra={k: v for k, v in base.items() if k not in known},
+            absent=frozenset(known - base.keys()),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in _ORDER if k not in self.absent}
+        out.update(self.extra)
+        return out
+
+    def __getitem__(self, key: str) -> Any:
+        """Read as the dict it projects to (`snap["step"]`)."""
+        if key in _FIELDS and key not in self.absent:
+            return getattr(self, key)
+        return self.extra[key]
+
+
+_ORDER = tuple(f.name for f in fields(Snapshot) if f.name not in ("extra", "absent"))
+_FIELDS = frozenset(_ORDER)
+
+STATUS_KEYS = (
+    "name", "state", "step", "total_steps", "replicas", "device", "max_replicas", "failures",
+    "node_losses", "waiting", "doomed_nodes", "committed_steps", "quarantined_steps",
+    "workers", "error",
+    "batch",
+    "partition", "train_loss", "tokens_per_s", "eval", "last_checkpoint", "ledger",
+    "heldout_loss",
+)  # fmt: skip
+RESULT_KEYS = (
+    "name", "state", "losses", "attempts", "heldout_loss", "steps_per_s", "tokens_per_s",
+    "checkpoint_uri", "committed_steps", "failures", "checkpoint_blocked_s",
+    "checkpoint_upload_s", "checkpoint_bytes", "wall_s", "error", "notices", "node_losses",
+    "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
+    "plan", "tracking",
+    "batch",
+    "partition",
+)  # fmt: skip
+
+
+def as_status(snap: Snapshot, events: list[str], next_event: int) -> dict[str, Any]:
+    """What `spotline status` and the SDK poll: the live figures and the new events."""
+    return {
+        **{k: snap[k] for k in STATUS_KEYS},
+        "preemption_notices": len(snap["notices"]),
+        "events": events,
+        "next_event": next_event,
+    }
+
+
+def as_result(snap: Snapshot) -> dict[str, Any]:
+    """What `run()` returns once the job ended."""
+    losses = snap["losses"]
+    last = max(losses) if losses else None
+    return {
+        **{k: snap[k] for k in RESULT_KEYS},
+        "steps": snap["step"],
+        "final_train_loss": losses[last] if last is not None else None,
+        "bubbles": snap["bubbles"],
+    }
+
+
+def as_summary(snap: Snapshot) -> dict[str, Any]:
+    """What `spotline status` and `spotline report` show (stored with the checkpoints)."""
+    out = snap.as_dict()
+    out["losses"] = {str(k): v for k, v in out["losses"].items()}
+    out["notices"] = [
+        {k: n.get(k) for k in ("source", "node_id", "committed_step", "notice_to_commit_s")}
+        for n in out["notices"]
+    ]
+    out["preemption_notices"] = len(out["notices"])
+    # checkpoint_blocked_s stays: a rerun of the finished job reports from this.
+    for k in ("workers", "attempts", "recoveries",
+              "checkpoint_upload_s", "checkpoint_bytes", "backfill"):  # fmt: skip
+        out.pop(k, None)
+    return out
+
+
+def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
+    """The controller's snapshot (`ctl`: a Controller; read only, from any thread)."""
+    state = ctl.state
+    if isinstance(state, Finished) and state.reported is not None:
+        return Snapshot.from_summary(state.reported)
+    group, r, tel = ctl.group, ctl.rec, ctl.telemetry
+    replicas = group.replicas if group else None
+    committed = ctl.coordinator.committed
+    last = committed[-1] if committed else None
+    span = (
+        (r.last_step_end - r.first_step_start)
+        if r.first_step_start is not None and r.last_step_end is not None
+        else 0.0
+    )
+    bubbles = ctl.bubbles.summary() if ctl.bubbles else None
+    return Snapshot(
+        name=ctl.spec.name,
+        state=state.name,
+        step=ctl.step_count,
+        total_steps=ctl.spec.train.steps,
+        replicas=replicas or 0,
+        device=_device(ctl, group),
+        max_replicas=ctl.spec.elastic.max_replicas,
+        waiting=state.reason if isinstance(state, Waiting) else None,
+        doomed_nodes=ctl.inbox.doomed(),
+        workers=group.worker_info() if group else [],
+        failures=r.failures,
+        node_losses=r.node_losses,
+        committed_steps=list(committed),
+        quarantined_steps=list(ctl.coordinator.quarantined),
+        last_checkpoint=(
+            {"step": last, "uri": ctl.store.step_uri(last)} if last is not None else None
+        ),
+        # Wall clock from the first step to the last: commits, restarts and gaps count.
+        steps_per_s=r.steps_trained / span if span > 0 else 0.0,
+        tokens_per_s=r.tokens_trained / span if span > 0 else 0.0,
+        heldout_loss=r.heldout_loss,
+        error=r.error,
+        restarts=max(0, len(r.attempts) - 1),
+        # A resumed controller that has not trained yet: the last loss it stored.
+        train_loss=tel.last.get(
+            "train_loss", tel.history[-1].get("train_loss") if tel.history else None
+        ),
+        mfu=tel.last.get("mfu"),
+        hfu=tel.last.get("hfu"),
+        data_stall_fraction=tel.last.get("data_stall_fraction"),
+        peak_flops_per_device=tel.peak_flops,
+        eval=tel.evals[-1] if tel.evals else None,
+        evals=list(tel.evals),
+        bubbles=bubbles,
+        plan=ctl.plan_view.compare(
+            r, tel.peak_flops, tel.last.get("mfu"), bubbles, replicas, wait_for_plan
+        ),
+        ledger=tel.ledger_summary(),
+        cost=tel.cost(),
+        alerts=[a.message() for a in tel.deviation.alerts],
+        batch=tel.batch_view(ctl.step_count, replicas),
+        history=list(tel.history),
+        losses=dict(sorted(r.losses.items())),
+        attempts=[asdict(a) for a in r.attempts],
+        notices=[dict(n) for n in r.notices],
+        resizes=list(r.resizes),
+        partition=ctl.partitions.summary(),
+        recoveries=list(r.recoveries),
+        tracking=tel.trackers.summary(),
+        waited_s=r.waited_s,
+        checkpoint_blocked_s=list(r.blocked_s),
+        checkpoint_upload_s=list(r.upload_s),
+        checkpoint_bytes=list(r.upload_bytes),
+        backfill=(
+            {"tasks": ctl.backfill.results(), **ctl.backfill.summary()} if ctl.backfill else None
+        ),
+        checkpoint_uri=ctl.store.uri,
+        wall_s=(r.finished_at or time.time()) - r.started_at,
+        updated_at=time.time(),
+    )
+
+
+def _device(ctl, group) -> str | None:
+    """The live group's device, else the last group's, else the one the spec fixes
+    (a `device: gpu` job waiting for GPU nodes); None while 'auto' has not decided."""
+    if group is not None:
+        return group.device
+    last = next((a.device for a in reversed(ctl.rec.attempts) if a.device), None)
+    asked = ctl.spec.resources.device
+    return last or (asked if asked != "auto" else None)
+
+
+class PlanView:
+    """The plan's predictions beside what the run measured.
+
+    What the predictions need (the 1F1B schedule comes from DeepSpeed, the model's
+    layers are built on the meta device) loads on a thread of its own: importing it on
+    the controller's loop would stall it for seconds at the job's start.
+    """
+
+    def __init__(self, spec):
+        self.spec = spec
+        self._predictions: dict[tuple, dict[str, Any]] = {}  # by shape
+        self._ready = threading.Event()
+        threading.Thread(target=self._warm, name="spotline-plan", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            predict_step(self.spec, self.spec.replica_counts()[0])
+        except Exception:  # noqa: BLE001 - the predictions are a report, never a reason to fail
+            log.warning("the plan's predictions are not available", exc_info=True)
+        finally:
+            self._ready.set()
+
+    def compare(
+        self,
+        rec: Record,
+        peak_flops: float | None,
+        mfu: float | None,
+        bubbles: dict[str, Any] | None,
+        replicas: int | None,
+        wait: bool = False,
+    ) -> dict[str, Any]:
+        """At the replica count of the measurement (memory: of the first group; step
+        time, MFU, bubble: of the live group). Predictions are None until the warm-up
+        is done, unless `wait`."""
+        if not self._ready.wait(60 if wait else 0):
+            return {"replicas": replicas, "predicted": None, "measured": None}
+        d = rec.peak_memory_replicas or replicas or self.spec.replica_counts()[0]
+        bounds = (rec.attempts[-1].partition.get("bounds") or None) if rec.attempts else None
+        key = (d, replicas or d, peak_flops, tuple(bounds or ()))
+        if key not in self._predictions:  # arithmetic on the spec: once per shape
+            mem = memory_per_device(self.spec, d, bounds)
+            step = predict_step(self.spec, key[1], peak_flops, peak_flops, bounds)
+            self._predictions[key] = {
+                "memory_bytes": {m.stage: m.total_bytes for m in mem},
+                "bubble_fraction": step.bubble_fraction,
+                "step_s": step.step_s,
+                "mfu": step.mfu,
+            }
+        seconds = sorted(rec.step_seconds)
+        return {
+            "replicas": d,
+            "predicted": self._predictions[key],
+            "measured": {
+                "memory_bytes": dict(sorted(rec.peak_memory.items())),
+                "bubble_fraction": bubbles["bubble_fraction"] if bubbles else 0.0,
+                "step_s": seconds[len(seconds) // 2] if seconds else None,
+                "mfu": mfu,
+            },
+        }
