@@ -84,7 +84,8 @@ def _rank(rank: int, cfg_json: str, results: Any) -> None:
     cfg = json.loads(cfg_json)
     redirect_output(Path(cfg["work"]) / f"rank_{rank}.log")
     from spotline.config.schema import JobSpec
-    from spotline.train.trainer import Topology, Trainer, init_distributed
+    from spotline.train.process import Topology, init_distributed
+    from spotline.train.trainer import Trainer
 
     spec = JobSpec.model_validate_json(cfg["spec"])
     topo = Topology(1, cfg["replicas"], rank)

@@ -363,7 +363,8 @@ def _rank(rank: int, cfg_json: str, results: Any) -> None:
     import torch.distributed as dist
 
     from spotline.config.schema import JobSpec
-    from spotline.train.trainer import Topology, Trainer, init_distributed
+    from spotline.train.process import Topology, init_distributed
+    from spotline.train.trainer import Trainer
 
     spec = JobSpec.model_validate_json(cfg["spec"])
     d = cfg["replicas"]

@@ -90,7 +90,8 @@ def _train(rank: int, world: int, port: int, args, arm: str) -> dict[str, Any]:
 
     from spotline.config import load_spec
     from spotline.metrics.flops import device_peak
-    from spotline.train.trainer import Topology, Trainer, init_distributed
+    from spotline.train.process import Topology, init_distributed
+    from spotline.train.trainer import Trainer
 
     gpu = args.device == "gpu"
     over = job_overrides(args)

@@ -139,7 +139,8 @@ def _direct_rank(
 
     from spotline.config.schema import JobSpec
     from spotline.preflight import open_store
-    from spotline.train.trainer import Topology, Trainer, init_distributed
+    from spotline.train.process import Topology, init_distributed
+    from spotline.train.trainer import Trainer
 
     spec = JobSpec.model_validate_json(spec_json)
     topo = Topology(spec.parallel.pipeline_stages, replicas, rank)

@@ -82,8 +82,9 @@ def _rank(
     from spotline.models import model_def
     from spotline.planning.choice import choose_partition
     from spotline.planning.partition import imbalance, stage_bounds
+    from spotline.train.process import Topology, init_distributed
     from spotline.train.profile import probe
-    from spotline.train.trainer import Topology, Trainer, init_distributed
+    from spotline.train.trainer import Trainer
 
     spec = JobSpec.model_validate_json(spec_json)
     topo = Topology(STAGES, 1, rank)

@@ -171,7 +171,8 @@ def test_spec_refuses_bad_adaptive_fields(over, field, fix):
 
 def _probe_rank(rank: int, port: int, out: dict) -> None:
     try:
-        from spotline.train.trainer import Topology, Trainer, init_distributed
+        from spotline.train.process import Topology, init_distributed
+        from spotline.train.trainer import Trainer
 
         spec = load_spec(
             None,

@@ -56,7 +56,7 @@ def _llama(**over):
 
 @pytest.mark.unit
 def test_auto_precision_is_bf16_on_a_gpu_and_fp32_on_cpu():
-    from spotline.train.trainer import float32_matmul_precision
+    from spotline.train.process import float32_matmul_precision
 
     spec = _gpt()
     assert spec.parallel.precision == "auto"
@@ -291,7 +291,8 @@ def _engine_spec(make, stages: int, **over):
 
 
 def _losses(spec, stages, rank, steps=3, **kw):
-    from spotline.train.trainer import Topology, Trainer
+    from spotline.train.process import Topology
+    from spotline.train.trainer import Trainer
 
     trainer = Trainer(spec, Topology(stages, 2 // stages, rank), threads=1, **kw)
     try:
@@ -305,7 +306,8 @@ def _resume(make, rank: int, root: Path, stages: int, **over) -> dict:
     loads the save and trains the same 2 steps."""
     from spotline.checkpoint import layout, reshard
     from spotline.train import state
-    from spotline.train.trainer import Fetched, Topology, Trainer
+    from spotline.train.process import Topology
+    from spotline.train.trainer import Fetched, Trainer
 
     spec = _engine_spec(make, stages, **over)
     topo = Topology(stages, 2 // stages, rank)
@@ -335,7 +337,7 @@ def _resume(make, rank: int, root: Path, stages: int, **over) -> dict:
 
 def _rank(rank: int, port: int, out: Path, q) -> None:
     try:
-        from spotline.train.trainer import Topology, init_distributed
+        from spotline.train.process import Topology, init_distributed
 
         torch.set_num_threads(1)
         init_distributed(Topology(1, 2, rank), "127.0.0.1", port)

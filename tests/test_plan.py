@@ -246,7 +246,8 @@ def _engine_peaks(spec_dicts: list[dict], out) -> None:
     two steps, and the peak tensor memory over the second, beside the plan's."""
     from spotline.config.loader import validate_dict
     from spotline.preflight import resolve_tokenizer
-    from spotline.train.trainer import Topology, Trainer, init_distributed
+    from spotline.train.process import Topology, init_distributed
+    from spotline.train.trainer import Trainer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -390,7 +391,8 @@ def _pipeline_rank(raw: dict, rank: int, port: int, out) -> None:
     beside the plan's figure for its stage."""
     from spotline.config.loader import validate_dict
     from spotline.preflight import resolve_tokenizer
-    from spotline.train.trainer import Topology, Trainer, init_distributed
+    from spotline.train.process import Topology, init_distributed
+    from spotline.train.trainer import Trainer
 
     spec = validate_dict(raw, "test")
     resolve_tokenizer(spec)

@@ -69,7 +69,7 @@ def test_a_group_that_mixes_cpu_and_gpu_workers_is_refused():
 def test_a_rank_given_a_gpu_whose_torch_has_no_cuda_fails_with_one_clear_line():
     import torch
 
-    from spotline.train.trainer import use_device
+    from spotline.train.process import use_device
 
     if torch.cuda.is_available():
         pytest.skip("this torch has CUDA")
@@ -161,7 +161,7 @@ def test_gloo_binds_to_the_interface_of_the_nodes_address_when_none_is_set():
 
 def test_the_worker_sets_that_environment_before_deepspeed_is_imported(monkeypatch):
     from spotline.runtime import actor as actor_mod
-    from spotline.train.trainer import Topology
+    from spotline.train.process import Topology
 
     monkeypatch.setattr(actor_mod.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     order = []
@@ -208,7 +208,7 @@ def test_the_init_url_brackets_ipv6_literals(host, url):
 
 def _worker(rank: int, world: int):
     from spotline.runtime.actor import TrainWorker
-    from spotline.train.trainer import Topology
+    from spotline.train.process import Topology
 
     w = TrainWorker.__new__(TrainWorker)
     w.topo = Topology(1, world, rank)

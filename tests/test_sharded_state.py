@@ -120,7 +120,8 @@ def _no_collectives(what: str):
 
 
 def _trainer(stages, replicas, rank, port, **over):
-    from spotline.train.trainer import Topology, Trainer, init_distributed
+    from spotline.train.process import Topology, init_distributed
+    from spotline.train.trainer import Trainer
 
     topo = Topology(stages, replicas, rank)
     if not torch.distributed.is_initialized():

@@ -24,7 +24,7 @@ def test_deepspeed_loads_without_mlflow_and_mlflow_still_imports() -> None:
     pytest.importorskip("mlflow")  # what makes DeepSpeed's import slow is its presence
     got = _fresh(
         "import sys\n"
-        "from spotline.train.trainer import import_deepspeed\n"
+        "from spotline.train.process import import_deepspeed\n"
         "ds = import_deepspeed()\n"
         "loaded = 'mlflow' in sys.modules\n"
         "import mlflow\n"
@@ -54,7 +54,7 @@ _ENGINE_CHECK = (
 def test_the_engine_check_of_muon_does_not_load_the_compiler() -> None:
     """`is_zero_supported_optimizer`, run by every engine build, imports Muon's module;
     after `import_deepspeed` its compiled functions wait for their first call."""
-    imp = "from spotline.train.trainer import import_deepspeed; import_deepspeed()"
+    imp = "from spotline.train.process import import_deepspeed; import_deepspeed()"
     assert _fresh(_ENGINE_CHECK.format(imp=imp)) == "False True"
 
 
@@ -63,7 +63,7 @@ def test_a_plain_import_of_muon_does_load_the_compiler() -> None:
 
 
 def test_a_deferred_compile_compiles_once_at_the_first_call_with_its_options() -> None:
-    from spotline.train.trainer import compile_on_first_call
+    from spotline.train.process import compile_on_first_call
 
     compiled: list[tuple[str, dict]] = []
 

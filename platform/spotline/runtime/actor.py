@@ -46,13 +46,8 @@ from spotline.registry import blames_user_code
 from spotline.runtime.cpu import pin_process
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
-from spotline.train.trainer import (
-    Topology,
-    Trainer,
-    import_deepspeed,
-    init_distributed,
-    use_device,
-)
+from spotline.train.process import Topology, import_deepspeed, init_distributed, use_device
+from spotline.train.trainer import Trainer
 
 log = logging.getLogger("spotline.worker")
 

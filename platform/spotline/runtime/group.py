@@ -34,7 +34,7 @@ from spotline.runtime.rendezvous import (
     share_node_devices,
 )
 from spotline.runtime.sealed import SealedJob
-from spotline.train.trainer import Topology
+from spotline.train.process import Topology
 
 log = logging.getLogger("spotline.group")
 

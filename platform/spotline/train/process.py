@@ -1,0 +1,194 @@
+"""A rank's process: where it sits in the job (`Topology`), DeepSpeed imported the
+way a worker should, its device (CUDA or the host, TF32 on a GPU) and its process
+group. No Ray here, and nothing of the training loop (`spotline.train.trainer`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spotline import constants
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits. Rank = stage * replicas + replica (DeepSpeed's pipe-major grid)."""
+
+    pipeline_stages: int
+    replicas: int
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_stages * self.replicas
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.replicas
+
+    @property
+    def replica(self) -> int:
+        return self.rank % self.replicas
+
+
+def training_device() -> str:
+    """'gpu' where DeepSpeed places this rank's engine on CUDA, else 'cpu'."""
+    from deepspeed.accelerator import get_accelerator
+
+    return "gpu" if get_accelerator().device_name() == "cuda" else "cpu"
+
+
+def import_deepspeed() -> ModuleType:
+    """DeepSpeed, imported without the MLflow import of its autotuner.
+
+    `import deepspeed` loads deepspeed.autotuning, which imports MLflow whenever it is
+    installed (`spotline[tracking]` installs it) to log autotuning experiments, which a
+    Spotline job never runs. That import is most of DeepSpeed's import time (about 1.0 s of
+    1.3 s on a quiet core), and every worker a restart starts pays it before its first step.
+    Called where a rank's process starts, where nothing else imports MLflow; MLflow stays
+    importable afterwards.
+    """
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError; DeepSpeed expects that
+    try:
+        import deepspeed
+    finally:
+        if hide:
+            sys.modules.pop("mlflow", None)
+    _import_muon_compiling_lazily()
+    return deepspeed
+
+
+_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _import_muon_compiling_lazily() -> None:
+    """DeepSpeed's Muon optimizer, imported with its `torch.compile` deferred to the
+    first call of each compiled function.
+
+    Building an engine imports it (`is_zero_supported_optimizer` checks the optimizer
+    against Muon's class), and its module decorates three functions with
+    `torch.compile`, which loads torch's inductor compiler right away: about 1.1 s of
+    each new rank's start on a quiet core, for an optimizer a Spotline job does not
+    use. Deferred, a job that did call them would compile them on first use, as before.
+    """
+    if _MUON in sys.modules:
+        return
+    real = torch.compile
+    torch.compile = compile_on_first_call(real)
+    try:
+        importlib.import_module(_MUON)
+    except ImportError:  # a DeepSpeed without Muon: nothing to defer
+        pass
+    finally:
+        torch.compile = real
+
+
+def compile_on_first_call(compile_fn: Any) -> Any:
+    """`compile_fn` (torch.compile's signature), deferred: the function it is given is
+    compiled when it is first called, with the same options."""
+
+    def deferred(fn: Any = None, **options: Any) -> Any:
+        if fn is None:  # used as @torch.compile(...)
+            return lambda f: deferred(f, **options)
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_fn(fn, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return deferred
+
+
+def float32_matmul_precision(device: str) -> str:
+    """torch's float32 matmul precision on `device`: 'high' (TF32 tensor cores) on a
+    GPU, for any fp32 matmul left under bf16 and for fp32 jobs; 'highest' on CPU."""
+    return "high" if device == "gpu" else "highest"
+
+
+def use_device(device: str, local_rank: int, rank: int) -> None:
+    """Make this process drive its one device: on 'gpu', cuda:`local_rank` of the GPUs it
+    sees (its node's, shared), with TF32 on for fp32 matmuls. A rank that Ray gave a GPU
+    but whose torch cannot use CUDA fails here, never falling back to CPU."""
+    if device != "gpu":
+        return
+    if not torch.cuda.is_available():
+        from spotline.config.loader import SpecError
+
+        raise SpecError(
+            f"rank {rank} was given a GPU by Ray "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}), but its "
+            f"torch {torch.__version__} cannot use CUDA: install a CUDA build of torch in "
+            "the GPU nodes' image, or set resources.device: cpu"
+        )
+    torch.cuda.set_device(local_rank)
+    torch.set_float32_matmul_precision(float32_matmul_precision(device))
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def init_distributed(
+    topo: Topology,
+    master_addr: str,
+    master_port: int,
+    device: str = "cpu",
+    local_rank: int = 0,
+    store: dist.TCPStore | None = None,
+) -> str:
+    """Join the job's process group; returns its backend.
+
+    `device` is the group's ('gpu': nccl on this rank's own GPU, cuda:`local_rank`;
+    'cpu': gloo), never guessed from what this process happens to see. `store`: rank 0's
+    TCPStore, already listening (it took its port from the kernel, so no other process
+    can have taken it in between); the other ranks connect to master_addr:master_port."""
+    deepspeed = import_deepspeed()
+    os.environ.update(
+        RANK=str(topo.rank),
+        WORLD_SIZE=str(topo.world_size),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    timeout = timedelta(seconds=constants.SPOTLINE_DIST_TIMEOUT_S)
+    kwargs: dict[str, Any] = {}
+    use_device(device, local_rank, topo.rank)
+    if device == "gpu" and topo.world_size > 1:  # binds the communicator to this rank's GPU
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    backend = "nccl" if device == "gpu" else "gloo"
+    if store is None:
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            topo.world_size,
+            is_master=topo.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=topo.rank,
+        world_size=topo.world_size,
+        timeout=timeout,
+        **kwargs,
+    )
+    # DeepSpeed adopts the process group that exists.
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+    return backend
