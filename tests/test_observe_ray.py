@@ -76,7 +76,7 @@ def observed(ray_session, tmp_path_factory):
             and every_rank
         ):
             seen = series
-            from spotline.cli import _summary_source
+            from spotline.locate import summary_source as _summary_source
 
             live_status = _summary_source("observed", "auto")()
             break

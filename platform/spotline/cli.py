@@ -12,7 +12,6 @@ import argparse
 import base64
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -29,8 +28,9 @@ from spotline.config.redact import (
 from spotline.config.redact import redact as _redact
 from spotline.data import CorpusError
 from spotline.job import JobFailed
+from spotline.locate import read_trace, summary_source
 from spotline.registry import user_code_error
-from spotline.runtime.cluster import cluster_candidates, connect_ray
+from spotline.runtime.cluster import connect_ray
 
 # Errors whose message is the whole story: bad input, found before anything ran.
 USER_ERRORS = (
@@ -40,7 +40,6 @@ USER_ERRORS = (
     CheckpointMismatchError,
     CorruptCheckpointError,
 )
-_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -433,7 +432,7 @@ def _dispatch(args) -> int:
         )
         return 0
     if args.cmd == "status":
-        fetch = _summary_source(args.job, args.address)
+        fetch = summary_source(args.job, args.address)
         if args.json:
             print(json.dumps(fetch(), indent=2, default=str))
             return 0
@@ -446,13 +445,13 @@ def _dispatch(args) -> int:
 
         from spotline.report import write_report
 
-        summary = _summary_source(args.job, args.address)()
-        trace = _read_trace(args.job, args.address, required=False)
+        summary = summary_source(args.job, args.address)()
+        trace = read_trace(args.job, args.address, required=False)
         for path in write_report(summary, trace, Path(args.out)):
             print(f"wrote {path}")
         return 0
     if args.cmd == "trace":
-        trace = _read_trace(args.job, args.address, required=True)
+        trace = read_trace(args.job, args.address, required=True)
         with open(args.out, "w") as f:
             json.dump(trace, f)
         print(f"wrote {args.out}: open it at https://ui.perfetto.dev or chrome://tracing")
@@ -508,137 +507,6 @@ def _dispatch(args) -> int:
         )
         return 0
     return 2
-
-
-def _is_uri(target: str) -> bool:
-    """A URI or path (read from storage) rather than a running job's name. Job names
-    hold no '/' or ':' (see `name` in the spec), so anything with one is a location."""
-    from pathlib import Path
-
-    return (
-        bool(_URI_RE.match(target))
-        or "/" in target
-        or target.startswith(("~", "."))
-        or Path(target).exists()
-    )
-
-
-def _on_clusters(address: str, look):
-    """Connect to each cluster `address` may mean (see `cluster_candidates`), the one
-    already connected first, until `look()` finds something; (what it found, where)."""
-    import ray
-
-    candidates = cluster_candidates(address)
-    here = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
-    if here in candidates:
-        candidates.remove(here)
-        candidates.insert(0, here)
-    found, looked = None, False
-    for i, where in enumerate(candidates):
-        if ray.is_initialized() and where not in (here, None, "auto"):
-            ray.shutdown()
-        try:
-            connect_ray(where)
-        except ConnectionError:
-            if i == len(candidates) - 1 and not looked:
-                raise
-            continue  # one of several local clusters going away: look at the others
-        here, looked = ray.get_runtime_context().gcs_address, True
-        found = look()
-        if found:
-            break
-    return found, ", ".join(str(c) for c in candidates)
-
-
-def _live_controller(name: str, address: str):
-    from spotline.controller.actor import find_controller
-
-    controller, where = _on_clusters(address, lambda: find_controller(name))
-    if controller is None:
-        raise SpecError(
-            f"no running Spotline job named {name!r} on the Ray cluster at {where}; give "
-            "the job's checkpoint URI instead to read a finished job"
-        )
-    return controller
-
-
-def _running_job(address: str) -> str:
-    from spotline.controller.actor import running_jobs
-
-    names: list[str] = []
-
-    def look() -> None:  # every cluster: the job must be the only one on all of them
-        names.extend(running_jobs())
-
-    _, where = _on_clusters(address, look)
-    if len(names) != 1:
-        found = ", ".join(sorted(names)) if names else "none"
-        raise SpecError(
-            f"name the job: running Spotline jobs on the Ray cluster at {where}: {found}. "
-            "A finished job is read from its checkpoint URI"
-        )
-    return names[0]
-
-
-def _job_store(target: str):
-    """The store of a finished job at `target`; SpecError when nothing of a job is there."""
-    from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore, StoreFields
-
-    store = CheckpointStore(target, fields=StoreFields.argument("JOB"))
-    if store.root_missing():
-        raise SpecError(
-            f"{target} does not exist; give the job's checkpoint.uri with {{job}} filled in "
-            "(e.g. ./spotline-runs/NAME/checkpoints), or the name of a running job"
-        )
-    if store.read_artifact(SUMMARY_ARTIFACT) is None and not store.committed_steps():
-        raise SpecError(
-            f"{store.uri} holds no Spotline job (no checkpoints, no artifacts/"
-            f"{SUMMARY_ARTIFACT}); give the job's checkpoint.uri with {{job}} filled in, "
-            "or the name of a running job"
-        )
-    return store
-
-
-def _summary_source(target: str | None, address: str):
-    """A function returning the job's summary, from its controller or its checkpoints."""
-    from spotline.checkpoint import SUMMARY_ARTIFACT
-    from spotline.report import load_json
-
-    if target is not None and _is_uri(target):
-        store = _job_store(target)
-
-        def from_store() -> dict:
-            summary = load_json(store.read_artifact(SUMMARY_ARTIFACT))
-            if summary is None:
-                raise SpecError(
-                    f"{store.uri} holds checkpoints but no job summary (artifacts/"
-                    f"{SUMMARY_ARTIFACT}); it is written at every commit by this version"
-                )
-            return summary
-
-        return from_store
-    import ray
-
-    controller = _live_controller(target or _running_job(address), address)
-    return lambda: ray.get(controller.summary.remote())
-
-
-def _read_trace(target: str, address: str, required: bool) -> dict | None:
-    from spotline.checkpoint import TRACE_ARTIFACT
-    from spotline.report import load_json
-
-    if _is_uri(target):
-        trace = load_json(_job_store(target).read_artifact(TRACE_ARTIFACT))
-    else:
-        import ray
-
-        trace = ray.get(_live_controller(target, address).trace.remote())
-    if trace is None and required:
-        raise SpecError(
-            f"{target} has no pipeline trace: traces exist for jobs with "
-            "parallel.pipeline_stages >= 2, written beside the checkpoints at every commit"
-        )
-    return trace
 
 
 if __name__ == "__main__":
