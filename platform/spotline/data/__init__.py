@@ -8,7 +8,9 @@
 
 Names are imported on first use, so importing the package (e.g. in a `prepare`
 worker process) pulls in neither torch nor the tokenizers library. Preparing a
-dataset: `spotline.data.prepare.prepare(input, tokenizer, out)`.
+dataset: `spotline.data.prepare.prepare(input, tokenizer, out)`, which orchestrates
+prepare_inputs (listing, formats, parts), prepare_workers (tokenizing the parts) and
+prepare_output (the output, its records, the shard writer).
 
 Reads go through `spotline.storage` (paths from an index never leave their root). It
 must never import models, train/, the runtime or checkpoint/, nor write anywhere but
