@@ -11,8 +11,9 @@ Layout under the root URI (``file://`` or ``s3://``)::
 
 `StepStorage` is what the modules above it share (uploads, reads, the catalog of
 steps, probes, retention, and the `CheckpointStore` facade): it never decides which
-step is committed, good or due for deletion. Retries go through one library
-(tenacity, `retry_transient`), and only for errors the backend calls transient.
+step is committed, good or due for deletion. Retries go through the one retry loop
+data/ shares (`retry_transient`, over `storage.fs.retrying`), and only for errors the
+backend calls transient.
 
 Optional S3 packages are imported only when an ``s3://`` URI is used; the settings
 pickle without the filesystem client, which each process rebuilds on first use.
@@ -38,6 +39,7 @@ from spotline.checkpoint.errors import (
 from spotline.checkpoint.manifest import MIN_SIGNING_KEY_BYTES, check_relpath
 from spotline.checkpoint.s3 import S3_MIN_PART_BYTES, S3Backend
 from spotline.storage import UnsafePathError, join_under
+from spotline.storage.fs import retrying
 
 MANIFEST_NAME = "manifest.json"
 ARTIFACTS_DIR = "artifacts"
@@ -71,16 +73,10 @@ def make_backend(uri: str, endpoint_url: str | None, options: dict, fields: Stor
 
 
 def retry_transient(fn: Callable[[], Any], transient: tuple[type[BaseException], ...]) -> Any:
-    """Run a storage call, retrying what may be transient (a dropped connection, a
-    throttle, a 5xx) with exponential backoff and jitter; the last error goes up."""
-    import tenacity
-
-    return tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(constants.SPOTLINE_STORAGE_RETRIES),
-        wait=tenacity.wait_random_exponential(multiplier=0.2, max=5.0),
-        retry=tenacity.retry_if_exception(lambda e: isinstance(e, transient)),
-        reraise=True,
-    )(fn)
+    """Run a storage call, retrying what the backend calls transient (a dropped
+    connection, a throttle, a 5xx) through `spotline.storage.fs.retrying`, the one retry
+    loop data/ and checkpoints share; the last error goes up."""
+    return retrying(fn, constants.SPOTLINE_STORAGE_RETRIES, lambda e: isinstance(e, transient))
 
 
 class StepStorage:
