@@ -241,15 +241,6 @@ def layer_param_counts(model: ModelDef) -> list[int]:
     return counts
 
 
-def init_normal(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
-    """The usual init of a decoder's matrices: N(0, std) weights, zero biases."""
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=std, generator=generator)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-
-
 def seeded(seed: int) -> torch.Generator:
     """A host generator at `seed`: a layer's `init_weights` draws from its own, so its
     weights depend on its seed alone (not on what was drawn before, nor on the cut)."""
