@@ -16,7 +16,6 @@ import contextlib
 import os
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 from spotline.checkpoint.errors import StorageError, StoreFields
@@ -45,16 +44,6 @@ def fsync_path(path: str) -> None:
 def bad_uri(uri: object, why: str, fields: StoreFields) -> StorageError:
     forms = "; ".join(SUPPORTED_URI_FORMS)
     return StorageError(f"{fields.uri} {uri!r} is not usable: {why}. Supported forms: {forms}")
-
-
-def exception_chain(exc: BaseException) -> Iterator[BaseException]:
-    """`exc`, then its causes and contexts (each once)."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
 
 
 class Backend:

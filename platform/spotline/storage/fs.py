@@ -12,7 +12,7 @@ import difflib
 import hashlib
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -148,14 +148,22 @@ _RETRY_LATER_CODES = frozenset(
 )
 
 
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then its causes and contexts (each once)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def network_cause(e: BaseException) -> BaseException | None:
     """The dropped or refused connection behind `e` (itself, or what it was raised
     from: fsspec's HTTP filesystem reports one as a missing file), or None."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if {c.__name__ for c in type(seen).__mro__} & NETWORK_ERRORS:
-            return seen
-        seen = seen.__cause__
+    for link in exception_chain(e):
+        if {c.__name__ for c in type(link).__mro__} & NETWORK_ERRORS:
+            return link
     return None
 
 
