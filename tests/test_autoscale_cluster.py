@@ -92,6 +92,22 @@ def _spec(tmp_path: Path, name: str, **over: Any):
     return tiny_spec(tmp_path, name, **{**base, **over})
 
 
+def _running_without(node: str, replicas: int | None = None, past_step: int = -1):
+    """A status predicate: training on workers none of which is on `node`, at
+    `replicas` replicas (any, when None), past step `past_step`."""
+
+    def pred(s: dict[str, Any]) -> bool:
+        return (
+            s["state"] == "running"
+            and bool(s["workers"])
+            and node not in {w["node_id"] for w in s["workers"]}
+            and (replicas is None or s["replicas"] == replicas)
+            and s["step"] > past_step
+        )
+
+    return pred
+
+
 def _wait(run: spotline.JobRun, pred, what: str, timeout: float = 240) -> dict[str, Any]:
     st: dict[str, Any] = {}
 
@@ -188,11 +204,7 @@ def test_a_noticed_node_is_drained_never_counted_and_replaced(
         drain_node(victim, seconds=600)
         st = _wait(
             run,
-            lambda s: (
-                s["state"] == "running"
-                and s["workers"]
-                and victim not in {w["node_id"] for w in s["workers"]}
-            ),
+            _running_without(victim),
             "training without the noticed node",
         )
         # The demand stands whole, plus a replacement for the noticed node, which Ray's
@@ -203,11 +215,7 @@ def test_a_noticed_node_is_drained_never_counted_and_replaced(
         # The demand brings a replacement, and the job grows back onto it.
         st = _wait(
             run,
-            lambda s: (
-                s["replicas"] == MAX_REPLICAS
-                and s["state"] == "running"
-                and victim not in {w["node_id"] for w in s["workers"]}
-            ),
+            _running_without(victim, replicas=MAX_REPLICAS),
             "growing back to max_replicas on a replacement",
         )
         # The noticed node is free (its spot_gpu unused) but never counted.
@@ -304,12 +312,7 @@ def test_a_lost_node_is_left_behind_and_the_job_grows_back_on_its_replacement(
         autoscaling_cluster.kill_node(victim)
         st = _wait(
             run,
-            lambda s: (
-                s["state"] == "running"
-                and s["step"] > committed
-                and s["workers"]
-                and victim not in {w["node_id"] for w in s["workers"]}
-            ),
+            _running_without(victim, past_step=committed),
             "training again without the lost node",
         )
         assert len(_pending_requests()) == MAX_REPLICAS  # the whole demand, still stated
@@ -329,11 +332,7 @@ def test_a_lost_node_is_left_behind_and_the_job_grows_back_on_its_replacement(
             autoscaling_cluster.add_spot_node()
         st = _wait(
             run,
-            lambda s: (
-                s["replicas"] == MAX_REPLICAS
-                and s["state"] == "running"
-                and victim not in {w["node_id"] for w in s["workers"]}
-            ),
+            _running_without(victim, replicas=MAX_REPLICAS),
             "growing back to max_replicas on the replacement",
         )
         assert RayClusterView(spec, "cpu").capacity() == 0  # every spot node is the job's
