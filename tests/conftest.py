@@ -25,7 +25,12 @@ from typing import Any
 
 import pytest
 
-from spotline.runtime.cluster import bind_to_loopback
+# `ray start` (the autoscaling tier's clusters) turns token authentication on, and a
+# local `ray.init` runs in the same mode; Ray's core reads the mode once per process,
+# at import, so it is set before anything imports Ray: any tier runs alone or together.
+os.environ["RAY_AUTH_MODE"] = "token"
+
+from spotline.runtime.cluster import bind_to_loopback  # noqa: E402
 
 # Every Ray node a test starts (the shared local cluster, each node of a multi-node
 # `Cluster`, a `ray start --head` subprocess) listens on 127.0.0.1 only.
