@@ -8,11 +8,13 @@ instance-metadata service: every request goes to 127.0.0.1.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -37,6 +39,22 @@ from spotline.runtime.cluster import bind_to_loopback  # noqa: E402
 bind_to_loopback()
 
 _MOTO_START_TIMEOUT_S = 60.0
+
+# Faults a test injects into its own job's ranks (spotline.runtime.faults): one JSON
+# list per job name in this directory, which every worker learns through Ray's job
+# runtime_env. A hang is declared after 10 s without a step (production: 20 s), so a
+# test that freezes a rank waits for that, not for the collective timeout.
+FAULTS_DIR = Path(tempfile.mkdtemp(prefix="spotline-faults-"))
+WORKER_ENV = {
+    "SPOTLINE_TEST_FAULTS": str(FAULTS_DIR),
+    "SPOTLINE_HANG_FLOOR_S": "10",
+}
+
+
+def inject_faults(job: str, faults: list[dict[str, Any]]) -> None:
+    """Give the ranks of job `job` these faults (see spotline.runtime.faults)."""
+    (FAULTS_DIR / f"{job}.json").write_text(json.dumps(faults))
+
 
 # Every AWS variable that could make botocore find real credentials or a real endpoint.
 _AWS_ENV_TO_CLEAR = (
@@ -164,7 +182,7 @@ def init_local_ray() -> None:
         logging_level="WARNING",
         runtime_env={
             "env_vars": {
-                "SPOTLINE_DIST_TIMEOUT_S": "120",
+                **WORKER_ENV,
                 # A tracker server a test points at that does not answer fails the call
                 # at once, not after MLflow's minutes of retries.
                 "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
@@ -209,6 +227,9 @@ def tiny_spec(tmp_path: Path, name: str, **overrides: Any):
             "staging_dir": str(tmp_path / "staging"),
         },
         "resources": {"cpus_per_worker": 0.5},
+        # A rank blocked on a dead peer raises within 2 minutes even if nothing else
+        # noticed (hang detection normally ends it within seconds).
+        "failure": {"collective_timeout_s": 120},
     }
     return load_spec(raw, overrides)
 

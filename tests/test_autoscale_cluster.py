@@ -17,7 +17,7 @@ import pytest
 
 import spotline
 from cluster_fixture import AutoscalingTestCluster, drain_node, wait_for
-from conftest import tiny_spec
+from conftest import WORKER_ENV, tiny_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -36,7 +36,7 @@ def autoscaling_cluster():
             address=c.address,
             log_to_driver=False,
             logging_level="WARNING",
-            runtime_env={"env_vars": {"SPOTLINE_DIST_TIMEOUT_S": "120"}},
+            runtime_env={"env_vars": WORKER_ENV},
         )
         yield c
     finally:

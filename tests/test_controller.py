@@ -33,7 +33,7 @@ from spotline.controller.state import (
     Waiting,
 )
 from spotline.report import status_rows
-from spotline.runtime.group import PROCESS_DIED, Progress, WorkerFailure
+from spotline.runtime.group import PROCESS_DIED, Progress, RankBeat, WorkerFailure
 
 pytestmark = pytest.mark.unit
 
@@ -68,8 +68,9 @@ class FakeGroup:
         self.restored: list[int] = []
         self.requests: list[tuple[int, int, str]] = []
         self.shut = False
+        self.frozen_since = None  # the script's freeze: no step since then
         # Replica r runs on the r-th node that is not drained (nodes are replica-sized).
-        free = sorted(cluster.nodes - set(cluster.drained))
+        free = sorted(cluster.nodes - set(cluster.drained) - cluster.cordoned)
         self.nodes = [free[r % len(free)] for r in range(replicas)] if free else ["none"]
         FakeGroup.instances.append(self)
 
@@ -132,6 +133,15 @@ class FakeGroup:
         due = [u for p, u in self.uploads if p <= self.polls]
         self.uploads = [(p, u) for p, u in self.uploads if p > self.polls]
         out.uploads = due
+        freeze = self.script.get("freeze")  # {"at": step, "rank": r, "times": n}
+        due = freeze and self.running and self.step == freeze["at"] and freeze["times"] > 0
+        if due and self.frozen_since is None:
+            freeze["times"] -= 1
+            self.frozen_since = self.clock.now
+        if self.frozen_since is not None:
+            self.clock.now += 1.0  # the poll waited for answers that did not come
+            out.ranks = self._beats(frozen=freeze["rank"])
+            return out
         for _ in range(self.script.get("steps_per_poll", 5)):
             if not self.running:
                 break
@@ -177,8 +187,35 @@ class FakeGroup:
                 self.running = False
                 self.finished = {"stopped_at": s, "reason": self.reason if stop else "target"}
         out.bubbles = self._stage_reports(len(out.steps))
+        out.ranks = self._beats()
         if not self.running and self.finished is not None:
             out.finished = self.finished
+        return out
+
+    def _beats(self, frozen=None):
+        """Every rank's heartbeat: a frozen rank stopped answering when it froze, its
+        peers wait for it in a collective."""
+        now = self.clock.now
+        out = []
+        for rank in range(self.world_size):
+            silent = now - self.frozen_since if rank == frozen else 0.0
+            slow = self.script.get("slow_nodes", {}).get(self.node_of(rank), 1.0)
+            phase = "forward micro-batch 1" if rank == frozen else "step agreement (collective)"
+            out.append(
+                RankBeat(
+                    rank,
+                    rank // self.replicas,
+                    rank % self.replicas,
+                    self.node_of(rank),
+                    self.step + 1,
+                    phase if frozen is not None else "forward micro-batch 1",
+                    silent,
+                    silent,
+                    self.running,
+                    5,
+                    0.01 * 5 * slow,
+                )
+            )
         return out
 
     def _save(self, step, out):
@@ -256,6 +293,7 @@ class FakeCluster:
         self._capacity = capacity
         self.nodes = {"node-0", "node-1", "node-2", "node-3"}
         self.drained: list[str] = []
+        self.cordoned: set[str] = set()
         self.closed = False
 
     def capacity(self, held_workers=0):
@@ -271,6 +309,9 @@ class FakeCluster:
 
     def watch(self):
         pass
+
+    def cordon(self, node_id):
+        self.cordoned.add(node_id)
 
     def close(self):
         self.closed = True
@@ -1187,3 +1228,91 @@ def test_a_lost_node_states_the_demand_again_at_once(tmp_path):
     res = ctl.run()
     assert res["node_losses"] == 1
     assert ctl.fake_demand.calls.count("force") == 1
+
+
+# --- hangs and cordons ---------------------------------------------------------------
+
+
+def test_a_frozen_rank_is_declared_hung_named_and_its_node_cordoned_after_two(tmp_path):
+    # Rank 1 (stage 0, replica 1, on node-1) freezes at step 15 in two groups running.
+    ctl, store = make(tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 2}})
+    run_until(ctl, lambda: ctl.state.terminal)
+    assert isinstance(ctl.state, Finished)
+    first, second, third = ctl.rec.attempts
+    assert first.ended_by == second.ended_by == "hang"
+    assert "rank 1 (stage 0, replica 1, node node-1" in first.error
+    assert "has not answered for" in first.error and "'forward micro-batch 1'" in first.error
+    assert "rank 0 (" not in first.error  # waiting in a collective: held up, not the cause
+    # Declared after the bound (20 s floor: 10 x a 50 ms step is less), not after the
+    # 600 s collective timeout.
+    assert "(bound 20.0s)" in first.error
+    assert second.restored_from == third.restored_from == 10
+    assert ctl.rec.failures == 2  # hangs count against failure.max_failures
+    # Twice on node-1: cordoned, kept beside the checkpoints, and out of the capacity.
+    assert set(ctl.health.cordoned) == {"node-1"} and ctl.fake_cluster.cordoned == {"node-1"}
+    assert "hung 2 times" in ctl.health.cordoned["node-1"]
+    saved = json.loads(store.read_artifact("cordon.json"))
+    assert saved["cordoned"] == ctl.health.cordoned and saved["hangs_on"] == {"node-1": 2}
+    rows = dict(status_rows(ctl.status()))
+    assert rows["cordoned"].startswith("node node-1") and rows["hangs"] == "2"
+
+    # A new controller of the same job keeps node-1 out before it places anything.
+    again, _ = make(tmp_path, **{"train.steps": 30})
+    again.step()  # pending
+    assert again.fake_cluster.cordoned == {"node-1"}
+    assert again.health.cordoned == ctl.health.cordoned
+
+
+def test_a_third_hang_fails_the_job_when_max_failures_is_two(tmp_path):
+    ctl, _ = make(
+        tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 3}}, **{"failure.cordon": False}
+    )
+    run_until(ctl, lambda: ctl.state.terminal)
+    assert isinstance(ctl.state, Failed)
+    assert "3 transient worker failures" in ctl.rec.error and "hang" in ctl.rec.error
+    assert ctl.health.cordoned == {}  # failure.cordon: false
+
+
+def test_a_node_is_not_cordoned_when_the_job_could_not_run_without_it(tmp_path):
+    # One replica fits on the cluster, and the live group holds it: without node-0
+    # nothing is left for min_replicas 1.
+    def capacity(held, cluster):
+        live = FakeGroup.instances and FakeGroup.instances[-1].running
+        return held // 2 + (0 if live else 1)
+
+    ctl, _ = make(
+        tmp_path,
+        {"freeze": {"at": 15, "rank": 0, "times": 2}},
+        capacity=capacity,
+        **{"elastic.max_replicas": 1, "failure.cordon_after_hangs": 1},
+    )
+    run_until(ctl, lambda: ctl.state.terminal)
+    assert isinstance(ctl.state, Finished)
+    assert ctl.health.cordoned == {} and ctl.fake_cluster.cordoned == set()
+    assert any(
+        "not cordoned, as without it the cluster holds 0 replica(s)" in e
+        for e in ctl.events.since(0)[0]
+    )
+
+
+def test_a_straggler_is_reported_and_its_node_left_at_the_next_boundary(tmp_path):
+    # node-1's ranks compute 3x slower than their peers; node-2 is spare.
+    ctl, _ = make(
+        tmp_path,
+        {"slow_nodes": {"node-1": 3.0}},
+        **{"train.steps": 400, "failure.straggler_window_steps": 10},
+    )
+    run_until(ctl, lambda: len(ctl.rec.attempts) == 2 and isinstance(ctl.state, Running))
+    first = ctl.rec.attempts[0]
+    assert first.ended_by == "cordon"
+    events = ctl.events.since(0)[0]
+    straggled = [e for e in events if e.startswith("straggler: rank 1 (stage 0, replica 1)")]
+    assert straggled and "node node-1 computes 200% slower than its peers" in straggled[0]
+    assert set(ctl.health.cordoned) == {"node-1"}
+    assert "computed 200% slower" in ctl.health.cordoned["node-1"]
+    # Left at a checkpoint boundary, and the next group runs on node-0 and node-2.
+    second = FakeGroup.instances[-1]
+    assert second.restored[-1] % 10 == 0 and second.restored[-1] == first.losses[-1][0]
+    assert "node-1" not in second.node_ids() and second.replicas == 2
+    ctl.request_stop()
+    run_until(ctl, lambda: ctl.state.terminal)

@@ -207,11 +207,13 @@ def test_the_init_url_brackets_ipv6_literals(host, url):
 
 
 def _worker(rank: int, world: int):
+    from spotline.config.schema import JobSpec
     from spotline.runtime.actor import TrainWorker
     from spotline.train.process import Topology
 
     w = TrainWorker.__new__(TrainWorker)
     w.topo = Topology(1, world, rank)
+    w.spec = JobSpec()  # its failure.collective_timeout_s bounds the store's waits
     return w
 
 

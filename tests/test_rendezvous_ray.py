@@ -62,7 +62,7 @@ def _scenario(tmp_path, gpus: int, device: str, **env: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "SPOTLINE_DIST_TIMEOUT_S": "60", **env},
+        env={**os.environ, **env},
     )
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):

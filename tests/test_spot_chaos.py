@@ -21,7 +21,7 @@ import pytest
 
 import spotline
 from cluster_fixture import drain_node
-from conftest import init_local_ray, tiny_spec
+from conftest import WORKER_ENV, init_local_ray, tiny_spec
 from spotline.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.chaos
@@ -78,7 +78,7 @@ def spot_cluster():
         address=c.cluster.address,
         log_to_driver=False,
         logging_level="WARNING",
-        runtime_env={"env_vars": {"SPOTLINE_DIST_TIMEOUT_S": "120"}},
+        runtime_env={"env_vars": WORKER_ENV},
     )
     try:
         yield c

@@ -22,9 +22,9 @@ def _env_float(name: str, default: float) -> float:
 # How long a worker group may take to be placed and to rendezvous before the
 # start counts as a failure.
 SPOTLINE_WORKER_START_TIMEOUT_S = _env_float("SPOTLINE_WORKER_START_TIMEOUT_S", 300.0)
-# torch.distributed collective timeout. A dead peer is normally detected by Ray
-# long before this; it only bounds a hang nobody noticed.
-SPOTLINE_DIST_TIMEOUT_S = _env_float("SPOTLINE_DIST_TIMEOUT_S", 600.0)
+# The least time without a step, in a running group, before the controller declares a
+# hang (it is otherwise failure.hang_factor x the median step plus the longest save).
+SPOTLINE_HANG_FLOOR_S = _env_float("SPOTLINE_HANG_FLOOR_S", 20.0)
 # How often the controller collects the ranks' progress (losses, finished uploads,
 # failures). Training never waits for it; a step commits at most this long after its
 # last upload finished.

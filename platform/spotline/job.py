@@ -82,6 +82,9 @@ class JobResult:
     measured stage compute times and their imbalance) and every re-partition."""
     tracking: list[dict[str, Any]] = field(default_factory=list)
     """Per experiment tracker of `tracking:`: kind, run key, errors and dropped updates."""
+    health: dict[str, Any] | None = None
+    """The last group's ranks (heartbeat, phase, compute per step), its stragglers, the
+    hangs declared and the nodes cordoned."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:

@@ -72,8 +72,46 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
                 "quarantine.json in each step's folder says why",
             )
         )
+    rows += health_rows(s.get("health") or {})
     if s.get("error"):
         rows.append(("error", str(s["error"])))
+    return rows
+
+
+def health_rows(h: dict[str, Any]) -> list[tuple[str, str]]:
+    """The hang watch, and while a hang builds up (no step for half the bound, or a rank
+    silent for 5 s) every rank's heartbeat; the stragglers; the cordoned nodes."""
+    rows: list[tuple[str, str]] = []
+    quiet, bound = h.get("quiet_s"), h.get("hang_bound_s")
+    if quiet is not None and bound:
+        rows.append(("hang watch", f"no step for {quiet:.1f}s ({bound:.1f}s allowed)"))
+    ranks = h.get("ranks") or []
+    building = (quiet is not None and bound and quiet >= bound / 2) or any(
+        r["running"] and r["heartbeat_age_s"] >= 5.0 for r in ranks
+    )
+    if building:
+        for r in ranks:
+            rows.append(
+                (
+                    f"rank {r['rank']}",
+                    f"stage {r['stage']} replica {r['replica']} node {str(r['node'])[:12]}: "
+                    f"step {r['step']}, '{r['phase']}' for {r['phase_s']:.1f}s, heartbeat "
+                    f"{r['heartbeat_age_s']:.1f}s ago",
+                )
+            )
+    for st in h.get("stragglers") or []:
+        rows.append(
+            (
+                "straggler",
+                f"rank {st['rank']} (stage {st['stage']}, replica {st['replica']}, node "
+                f"{str(st['node'])[:12]}): {st['slowdown']:+.0%} compute per step "
+                f"({st['compute_s'] * 1e3:.1f} ms vs {st['peers_s'] * 1e3:.1f} ms)",
+            )
+        )
+    for node, why in (h.get("cordoned") or {}).items():
+        rows.append(("cordoned", f"node {node[:12]}: {why}"))
+    if h.get("hangs"):
+        rows.append(("hangs", str(len(h["hangs"]))))
     return rows
 
 

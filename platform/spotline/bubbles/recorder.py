@@ -48,7 +48,7 @@ from typing import Any
 
 from spotline.bubbles.channel import WindowChannel
 from spotline.bubbles.detector import Forecast, windows
-from spotline.bubbles.schedule import COMPUTE, WAITS, Instr, program, simulate_passes
+from spotline.bubbles.schedule import COMPUTE, PASSES, WAITS, Instr, program, simulate_passes
 
 
 class HostClock:
@@ -158,6 +158,7 @@ class StepRecorder:
         micro_s: list[float] | None = None,
         clock: HostClock | DeviceClock | None = None,
         max_pending: int = 8,
+        on_instruction: Callable[[str], None] | None = None,
     ):
         self.stage = stage
         self.stages = stages
@@ -168,6 +169,8 @@ class StepRecorder:
         self._clock_given = clock is not None
         self._use(clock or HostClock())
         self.max_pending = max_pending
+        self.on_instruction = on_instruction
+        """Told each instruction's name as it begins (the rank's heartbeat)."""
         self.recent: deque[tuple[int, float, list[Instr]]] = deque(maxlen=history)
         """(step, start on CLOCK_MONOTONIC, timeline) of the last steps read."""
         self._totals = {
@@ -175,6 +178,7 @@ class StepRecorder:
             "step_s": 0.0,
             "wait_s": 0.0,
             "compute_s": 0.0,
+            "passes_s": 0.0,
             "window_s": 0.0,
             "windows": 0,
             "dropped": 0,
@@ -194,7 +198,7 @@ class StepRecorder:
     def attach(self, engine: Any) -> None:
         if not self._clock_given:
             self._use(clock_for(getattr(engine, "device", None)))
-        table = dict(type(engine)._INSTRUCTION_MAP)
+        table = dict(engine._INSTRUCTION_MAP)  # the class's, unless the instance has its own
         engine._INSTRUCTION_MAP = {cls: self._timed(cls.__name__, fn) for cls, fn in table.items()}
         aggregate = engine._aggregate_total_loss
         engine._aggregate_total_loss = lambda: self._run("LossSync", aggregate)
@@ -214,6 +218,8 @@ class StepRecorder:
     def _run(self, name: str, fn, *args, **kwargs):
         if self._step is None:  # outside train_batch (eval_batch): not a training step
             return fn(*args, **kwargs)
+        if self.on_instruction is not None:
+            self.on_instruction(name)
         instrs = self._instrs
         predicted = self.forecast.remaining(len(instrs)) if name in WAITS else 0.0
         signal = self.channel is not None and predicted > self.min_window_s
@@ -346,6 +352,9 @@ class StepRecorder:
             t["wait_s"] += sum(i.seconds for i in timeline if i.name in WAITS)
             # What the stage's own layers cost: the stage partition balances this.
             t["compute_s"] += sum(i.seconds for i in timeline if i.name in COMPUTE)
+            # Its forward and backward passes alone: no collective, no transfer, no
+            # data (the straggler watch compares ranks by it).
+            t["passes_s"] += sum(i.seconds for i in timeline if i.name in PASSES)
             t["windows"] += len(usable)
             t["window_s"] += sum(w.seconds for w in usable)
             self.recent.append((st.step, st.host_start, timeline))
@@ -357,7 +366,7 @@ class StepRecorder:
 
     def take_totals(self) -> dict[str, float]:
         """Sums over the steps read since the last call: steps, step_s, wait_s,
-        compute_s, windows, window_s, and steps dropped unread (dropped)."""
+        compute_s, passes_s, windows, window_s, and steps dropped unread (dropped)."""
         with self._lock:
             out, self._totals = self._totals, dict.fromkeys(self._totals, 0)
         out["bubble_fraction"] = out["wait_s"] / out["step_s"] if out["step_s"] else 0.0

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 COMPUTE = frozenset({"ForwardPass", "BackwardPass", "LoadMicroBatch", "OptimizerStep"})
 """Instructions that keep the device busy."""
+PASSES = frozenset({"ForwardPass", "BackwardPass"})
+"""The stage's own layers, forward and backward: no collective, no transfer, no data."""
 COMM = frozenset({"ReduceGrads", "ReduceTiedGrads"})
 """Data-parallel gradient collectives: real communication work, not a bubble."""
 WAITS = frozenset(

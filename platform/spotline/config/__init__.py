@@ -22,6 +22,7 @@ from spotline.config.backfill import (
     SpeculativeTaskSpec,
     TaskSpec,
 )
+from spotline.config.failure import FailureSpec
 from spotline.config.loader import (
     SpecError,
     apply_overrides,
@@ -44,7 +45,6 @@ from spotline.config.schema import (
     DataSourceSpec,
     DataSpec,
     ElasticSpec,
-    FailureSpec,
     JobSpec,
     MetricsSpec,
     ParallelSpec,

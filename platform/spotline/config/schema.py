@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from spotline.config.backfill import BackfillSpec
 from spotline.config.batch import BatchPolicy
 from spotline.config.deepspeed_keys import check_deepspeed_keys, zero_bucket_elements
+from spotline.config.failure import FailureSpec
 from spotline.config.identity import SpecIdentity
 from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
@@ -320,13 +321,6 @@ class CheckpointSpec(_Section):
                 "checkpoint.uri is empty; use e.g. file:///data/ckpt or s3://bucket/prefix"
             )
         return v
-
-
-class FailureSpec(_Section):
-    """What the controller does when workers die."""
-
-    max_failures: int = Field(3, ge=-1)
-    """Restarts allowed before the job fails; -1 means unlimited."""
 
 
 class StageResourcesSpec(_Section):

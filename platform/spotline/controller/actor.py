@@ -74,6 +74,7 @@ class ControllerActor:
 
             pool = BackfillPool(spec)
             sidecar = sidecar_factory(spec, store)
+        cluster = RayClusterView(spec, device, ray.get_runtime_context().current_actor)
         self.controller = Controller(
             spec,
             store,
@@ -84,8 +85,9 @@ class ControllerActor:
                 device,
                 sidecar=sidecar,
                 sidecar_gpu_fraction=spec.backfill.gpu_fraction,
+                avoid=cluster.cordoned,
             ),
-            cluster=RayClusterView(spec, device, ray.get_runtime_context().current_actor),
+            cluster=cluster,
             backfill=pool,
             demand=RayDemand(spec, device),
         )

@@ -38,8 +38,9 @@ from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError,
 from spotline.config.loader import SpecError
 from spotline.config.redact import redact
 from spotline.controller.capacity import lost_nodes, settled_capacity
+from spotline.controller.health import CORDON_ARTIFACT, HangError
 from spotline.controller.parts import ControllerParts
-from spotline.controller.policies import Fail, Resize, Wait, classify
+from spotline.controller.policies import Fail, Resize, Wait, classify, restart_pays
 from spotline.controller.repartition import Leave
 from spotline.controller.snapshot import Attempt
 from spotline.controller.state import (
@@ -59,8 +60,11 @@ from spotline.runtime.group import WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
 
-# How often a running job reads the cluster's capacity to see whether growing pays.
+# How often a running job reads the cluster's capacity to see whether growing (or leaving
+# a cordoned node) pays.
 _GROW_CHECK_S = 2.0
+# Restarts that first train on to the next checkpoint boundary.
+_AT_BOUNDARY = ("rebalance", "cordon")
 
 
 class Controller(ControllerParts):
@@ -160,6 +164,7 @@ class Controller(ControllerParts):
             return Finished(reported=done)
         self.artifacts.own()
         self.telemetry.resume(self.coordinator)
+        self._keep_cordons()
         self.jit.check_fit()
         return Scheduling(reason="start", since=self.clock())
 
@@ -255,6 +260,7 @@ class Controller(ControllerParts):
             return Finishing()
         group.run(self.spec.train.steps)
         self.pace.group_started = self.clock()
+        self.health.group_started(self.pace.group_started, restored)
         return Running(target=self.spec.train.steps)
 
     # --- training -------------------------------------------------------------------
@@ -268,7 +274,12 @@ class Controller(ControllerParts):
         grow = self._grow_decision()
         if grow is not None:
             return self._leave("grow", self.step_count + 1, f"capacity for {grow} replica(s)", grow)
-        return self._asked_partition() or self._rebalance_decision() or state
+        return (
+            self._asked_partition()
+            or self._rebalance_decision()
+            or self._cordon_decision()
+            or state
+        )
 
     # --- leaving a group: preemption, grow, re-partition, stop -------------------------
 
@@ -300,7 +311,7 @@ class Controller(ControllerParts):
         if progress.finished is None:
             if state.deadline is not None:
                 return self._keep_jit_in_time(state)
-            if state.why == "rebalance" and self.step_count < state.step:
+            if state.why in _AT_BOUNDARY and self.step_count < state.step:
                 # Training on toward the checkpoint boundary; a stop request goes first.
                 if self.inbox.stop_reason is not None:
                     return self._leave("stop", self.step_count + 1, self.inbox.stop_reason)
@@ -336,7 +347,12 @@ class Controller(ControllerParts):
                 track="end",
             )
             return Stopped(reason=self.inbox.stop_reason or "stop requested")
-        ended = {"grow": "grow", "preemption": "preemption notice", "rebalance": "re-partition"}
+        ended = {
+            "grow": "grow",
+            "preemption": "preemption notice",
+            "rebalance": "re-partition",
+            "cordon": "cordon",
+        }
         want = state.grow_to or self._replicas_left()
         if state.why == "grow":
             cost = self.pace.restart_cost_s() or 0
@@ -344,6 +360,11 @@ class Controller(ControllerParts):
         elif state.why == "rebalance":
             want = self.group.replicas if self.group else want
             detail = self.partitions.restarting(state.partition, stopped)
+        elif state.why == "cordon":
+            nodes = sorted(
+                set(self.health.cordoned) & (self.group.node_ids() if self.group else set())
+            )
+            detail = f"leaving cordoned node(s) {', '.join(n[:12] for n in nodes)}"
         else:
             detail = f"leaving node(s) {', '.join(n[:12] for n in self._doomed_here())}"
         self.rec.attempts[-1].ended_by = ended[state.why]
@@ -424,11 +445,15 @@ class Controller(ControllerParts):
             if self.group is not None
             else set()
         )
+        kind = classify(causes or [], error)
+        hang = kind.name == "hang" and not lost
+        if hang:
+            self._hung(causes or [])  # may cordon a node: before the next size is counted
         want = self._replicas_left(exclude=lost)
         r = self.rec
         if r.attempts:
             r.attempts[-1].error = error
-            r.attempts[-1].ended_by = "node lost" if lost else "failure"
+            r.attempts[-1].ended_by = "node lost" if lost else ("hang" if hang else "failure")
         self._teardown()
         self.pace.restart_from = (self.clock(), "node loss" if lost else "failure")
         latest = max(self.coordinator.committed, default=None)
@@ -447,17 +472,70 @@ class Controller(ControllerParts):
                 track="node_loss",
             )
             return Scheduling(reason="node loss", since=self.clock(), want=want)
-        kind = classify(causes or [], error)
-        if kind.retryable:  # only transient faults use up failure.max_failures
+        if kind.retryable:  # only transient faults (hangs included) use up max_failures
             r.failures += 1
         self._event(
-            f"worker failure at step {self.step_count}: {error}", logging.WARNING, track="failure"
+            f"worker {'hang' if hang else 'failure'} at step {self.step_count}: {error}",
+            logging.WARNING,
+            track="hang" if hang else "failure",
         )
         decision = self.failure_policy.decide(r.failures, error, kind)
         if isinstance(decision, Fail):
             return self._fail(decision.reason)
         self._event(decision.reason)
         return Scheduling(reason="failure", since=self.clock(), want=want)
+
+    # --- hangs, stragglers and cordons -------------------------------------------------
+
+    def _hung(self, causes: list[BaseException]) -> None:
+        """Count a hang against the nodes of the ranks that held the group up (named by
+        the hang watch, or by the heartbeats when a rank's collective timeout fired
+        first), and cordon a node that reached failure.cordon_after_hangs."""
+        declared = [c for c in causes if isinstance(c, HangError)]
+        nodes = declared[0].nodes if declared else self.health.behind_nodes()
+        for node in self.health.hung(nodes, self.step_count):
+            n = self.health.hangs_on[node]
+            self._cordon(node, f"a rank there hung {n} times")
+
+    def _keep_cordons(self) -> None:
+        """A job started again keeps the nodes its earlier controllers cordoned out."""
+        self.health.load(self.coordinator.read_artifact(CORDON_ARTIFACT))
+        for node, why in self.health.cordoned.items():
+            self.cluster.cordon(node)
+            self._event(f"node {node[:12]} stays cordoned ({why})")
+
+    def _cordon_decision(self) -> State | None:
+        """Cordon the node of a rank straggling past failure.cordon_straggler_threshold,
+        and leave it at the next checkpoint boundary when the restart pays (the grow
+        rule's cost test: the remaining steps at the pace without the straggler save
+        more than twice the measured restart)."""
+        group = self.group
+        assert group is not None
+        for s in self.health.cordon_due():
+            self._cordon(
+                s.node, f"rank {s.rank} there computed {s.slowdown:.0%} slower than its peers"
+            )
+        bad = set(self.health.cordoned) & group.node_ids()
+        pace, now = self.pace, self.clock()
+        if not bad or now - pace.cordon_checked < _GROW_CHECK_S:
+            return None
+        pace.cordon_checked = now
+        restart_s = pace.restart_cost_s()
+        replicas = self._replicas_left()
+        if restart_s is None or replicas < self.spec.elastic.min_replicas:
+            return None
+        slowest = max(
+            (s.slowdown for s in self.health.stragglers.values() if s.node in bad), default=0.0
+        )
+        sps = pace.sps.get(group.replicas, 0.0)
+        faster = sps * (1.0 + slowest) * replicas / group.replicas
+        steps_left = self.spec.train.steps - self.step_count
+        if not restart_pays(steps_left, sps, faster, restart_s, now - pace.group_started):
+            return None
+        interval = self.spec.checkpoint.interval_steps
+        boundary = (self.step_count // interval + 1) * interval
+        detail = f"restart without cordoned node(s) {', '.join(n[:12] for n in sorted(bad))}"
+        return self._leave("cordon", boundary, detail)
 
     def _take_inbox(self) -> None:
         """Notices, in any state: the doomed node is drained at once (nothing new is

@@ -25,6 +25,7 @@ from spotline.config.schema import JobSpec
 from spotline.controller.artifacts import Artifacts, trace
 from spotline.controller.backfill_api import BackfillAPI
 from spotline.controller.capacity import replicas_left
+from spotline.controller.health import CORDON_ARTIFACT, HangError, HealthBook
 from spotline.controller.inbox import EventLog, Inbox
 from spotline.controller.jit import JitBook, JitPolicy
 from spotline.controller.policies import FailurePolicy, GrowPolicy, ScalingPolicy
@@ -42,7 +43,7 @@ from spotline.controller.state import Pending, State
 from spotline.controller.telemetry import Telemetry
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.demand import Demand
-from spotline.runtime.group import Progress, WorkerGroup
+from spotline.runtime.group import Progress, WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
 
@@ -77,6 +78,7 @@ class ControllerParts:
         self.coordinator = CommitCoordinator(spec, store, self._event)
         self.telemetry = Telemetry(spec, self._event, checkpoint_uri=self.store.uri, rec=self.rec)
         self.pace = self.telemetry.pace
+        self.health = HealthBook(spec, self._event, self.telemetry.metrics)
         self.jit = JitBook(
             spec,
             JitPolicy(constants.SPOTLINE_JIT_MARGIN_S),
@@ -149,6 +151,14 @@ class ControllerParts:
         t0 = self.clock()
         progress = self.group.poll(constants.SPOTLINE_POLL_INTERVAL_S)
         self._ingest(progress, self.clock() - t0)
+        hang = self.health.hang(self.clock(), list(self.rec.step_seconds), self.rec.blocked_s)
+        if hang is not None:
+            # Torn down now, not after failure.collective_timeout_s: the ranks holding
+            # the others up are named, with the phase each was last seen in.
+            what = hang.message()
+            ranks = [b.rank for b in hang.behind]
+            nodes = {b.rank: b.node for b in hang.behind}
+            raise WorkerFailure("training", {what: ranks}, nodes, [HangError(what, hang.nodes)])
         return progress
 
     def _ingest(self, p: Progress, elapsed: float) -> None:
@@ -159,6 +169,7 @@ class ControllerParts:
         if p.steps:
             self.step_count = p.steps[-1][0]
         self.telemetry.take_steps(p, group.replicas, self.clock())
+        self.health.take(p.ranks, self.step_count, self.clock())
         for step in sorted(p.saves):
             self.coordinator.expect(step, group.attempt, group.world_size)
         for done in self.coordinator.receive(p.uploads):
@@ -186,8 +197,33 @@ class ControllerParts:
         do not count)."""
         if self.group is None:
             return 0
-        gone = set(self._doomed_here()) | set(exclude)
+        gone = set(self._doomed_here()) | set(exclude) | set(self.health.cordoned)
         return replicas_left(self.cluster, self.group.worker_info(), gone)
+
+    def _cordon(self, node: str, why: str) -> bool:
+        """Keep `node` out of every new group of this job (failure.cordon), when the job
+        can still run at elastic.min_replicas without it; True once cordoned."""
+        least = self.spec.elastic.min_replicas
+        left = self._replicas_left(exclude={node})
+        if left < least:
+            self.health.refused.add(node)
+            self._event(
+                f"node {node[:12]}: {why}; not cordoned, as without it the cluster holds "
+                f"{left} replica(s), below elastic.min_replicas ({least})",
+                logging.WARNING,
+            )
+            return False
+        self.health.cordon(node, why)
+        self.cluster.cordon(node)
+        if self.artifacts.owned:
+            self.coordinator.write_artifact(CORDON_ARTIFACT, self.health.to_json())
+        self._event(
+            f"cordoned node {node[:12]} for the rest of the job: {why}. No new group is "
+            "placed there (the list is kept beside the checkpoints)",
+            logging.WARNING,
+            track="cordon",
+        )
+        return True
 
     def _doomed_here(self) -> list[str]:
         group = self.group

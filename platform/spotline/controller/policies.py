@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spotline.controller.health import is_collective_timeout
+
 
 @dataclass(frozen=True)
 class Restart:
@@ -85,6 +87,13 @@ def classify(causes: list[BaseException], text: str = "") -> FailureKind:
         return FailureKind("out of memory", False, _OOM_FIX)
     if "UserCodeError" in names:
         return FailureKind("error in your code", False, "fix your module named above")
+    if "HangError" in names or is_collective_timeout(blob):
+        return FailureKind(
+            "hang",
+            True,
+            "if a node hangs again it is cordoned (failure.cordon_after_hangs); raise "
+            "failure.hang_factor if steps this long are expected",
+        )
     if names & {"CorruptCheckpointError", "CheckpointFormatError"}:
         return FailureKind(
             "corrupt checkpoint",

@@ -144,6 +144,8 @@ class Snapshot:
     checkpoint_upload_s: list[float] | None = None
     checkpoint_bytes: list[int] | None = None
     backfill: dict[str, Any] | None = None
+    health: dict[str, Any] | None = None
+    """Every rank's heartbeat and compute, the stragglers, hangs and cordoned nodes."""
     checkpoint_uri: str | None = None
     wall_s: float | None = None
     updated_at: float | None = None
@@ -199,7 +201,7 @@ STATUS_KEYS = (
     "name", "state", "step", "total_steps", "replicas", "device", "max_replicas", "failures",
     "node_losses", "waiting", "doomed_nodes", "committed_steps", "quarantined_steps",
     "workers", "error",
-    "batch",
+    "batch", "health",
     "partition", "train_loss", "tokens_per_s", "eval", "last_checkpoint", "ledger",
     "heldout_loss",
 )  # fmt: skip
@@ -210,7 +212,7 @@ RESULT_KEYS = (
     "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
     "plan", "tracking",
     "batch",
-    "partition",
+    "partition", "health",
 )  # fmt: skip
 
 
@@ -324,6 +326,7 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
         backfill=(
             {"tasks": ctl.backfill.results(), **ctl.backfill.summary()} if ctl.backfill else None
         ),
+        health=ctl.health.view(ctl.clock()),
         checkpoint_uri=ctl.store.uri,
         wall_s=(r.finished_at or time.time()) - r.started_at,
         updated_at=time.time(),

@@ -51,11 +51,11 @@ class Running(State):
 @dataclass(frozen=True)
 class Leaving(State):
     """The group was asked to save and stop at `step` (a just-in-time checkpoint before a
-    preemption, a grow, a re-partition at the next checkpoint boundary, or a stop
-    request); it leaves once that step is committed."""
+    preemption, a grow, a re-partition or the leaving of a cordoned node at the next
+    checkpoint boundary, or a stop request); it leaves once that step is committed."""
 
     name: ClassVar[str] = "checkpointing"
-    why: str = "preemption"  # "preemption" | "grow" | "stop" | "rebalance"
+    why: str = "preemption"  # "preemption" | "grow" | "stop" | "rebalance" | "cordon"
     step: int = 0
     since: float = 0.0
     grow_to: int = 0

@@ -121,6 +121,28 @@ METRICS: tuple[MetricDef, ...] = (
         "Sustained deviations of step time or tokens/s from the baseline.",
         (*JOB, "cause"),
     ),
+    # Hangs, stragglers and cordoned nodes.
+    MetricDef(
+        "spotline_heartbeat_age_seconds",
+        "gauge",
+        "Seconds since a rank last answered the controller's poll (its heartbeat's age).",
+        RANK,
+    ),
+    MetricDef(
+        "spotline_rank_compute_seconds",
+        "gauge",
+        "A rank's own compute per step (no collective, no pipeline transfer), over a window.",
+        RANK,
+    ),
+    MetricDef(
+        "spotline_rank_slowdown",
+        "gauge",
+        "How much slower a straggling rank computes than its peers (0 when it is not one).",
+        RANK,
+    ),
+    MetricDef("spotline_hangs_total", "counter", "Hangs declared (no step within the bound)."),
+    MetricDef("spotline_stragglers_total", "counter", "Ranks reported as stragglers."),
+    MetricDef("spotline_cordoned_nodes", "gauge", "Nodes kept out of new groups."),
     # Experiment trackers (TensorBoard, MLflow, wandb): never a reason to stop training.
     MetricDef(
         "spotline_tracker_errors_total",

@@ -44,6 +44,7 @@ from spotline.metrics.memory import measure_peak
 from spotline.preemption import make_source
 from spotline.registry import blames_user_code
 from spotline.runtime.cpu import pin_process
+from spotline.runtime.faults import Faults
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
 from spotline.train.process import Topology, import_deepspeed, init_distributed, use_device
@@ -96,6 +97,7 @@ class TrainWorker:
             None if cap is None else cap * 1e6,
         )
         self.channel: WindowChannel | None = None
+        self.faults: Faults | None = None
         self._lock = threading.Lock()  # the control thread and the training thread
         self._req = _Requests()
         self._buf = _empty_report()
@@ -157,7 +159,7 @@ class TrainWorker:
             0,
             self.topo.world_size,
             is_master=True,
-            timeout=timedelta(seconds=constants.SPOTLINE_DIST_TIMEOUT_S),
+            timeout=timedelta(seconds=self.spec.failure.collective_timeout_s),
             wait_for_workers=False,
         )
         return self._store.port
@@ -207,7 +209,13 @@ class TrainWorker:
         self._clean_staging()
         store, self._store = self._store, None  # the process group owns it from here
         backend = init_distributed(
-            self.topo, master_addr, master_port, self.device, self.local_rank, store
+            self.topo,
+            master_addr,
+            master_port,
+            self.device,
+            self.local_rank,
+            store,
+            self.spec.failure.collective_timeout_s,
         )
         threads = self._threads()
         if self.spec.backfill.enabled:
@@ -215,6 +223,8 @@ class TrainWorker:
                 channel_path(self.spec, self.attempt, self.topo.rank), create=True
             )
         name, peak = device_peak(self.spec.parallel.precision_on(self.device), threads)
+        node = ray.get_runtime_context().get_node_id()
+        self.faults = Faults.for_rank(self.spec.name, self.topo.rank, node)  # tests only
         self.trainer = Trainer(
             self.spec,
             self.topo,
@@ -223,6 +233,7 @@ class TrainWorker:
             bounds=bounds,
             flops_per_s=peak,
             init=init,
+            engine_hook=self.faults.wrap_engine if self.faults is not None else None,
         )
         self.metrics = Metrics(self.spec.name)
         return {"backend": backend, "device": name, "peak_flops": peak}
@@ -287,12 +298,21 @@ class TrainWorker:
             buf, self._buf = self._buf, _empty_report()
         trainer = self.trainer
         stall = trainer.data_stall_s if trainer else 0.0
+        bubbles = self._bubbles()
+        if bubbles is not None:  # a pipeline stage: its forward and backward instructions
+            compute = (bubbles["steps"], bubbles["passes_s"])
+        elif trainer is not None and trainer.compute is not None:
+            compute = trainer.compute.take()
+        else:
+            compute = (0, 0.0)
         out = {
             "rank": self.topo.rank,
             **buf,
             "uploads": self.uploader.take_done(),
             "uploading": self.uploader.busy,
-            "bubbles": self._bubbles(),
+            "bubbles": bubbles,
+            "beat": trainer.heartbeat.read() if trainer else None,
+            "compute": {"steps": compute[0], "compute_s": compute[1]},
             "lr": trainer.lr() if trainer else None,
             "batch": trainer.batch_info() if trainer else None,
             "data_stall_s": stall - self._stall_seen,
@@ -337,7 +357,9 @@ class TrainWorker:
                 self._save(s)
                 saved_through = s
             if stop:
+                tr.heartbeat.phase(f"stopped at step {s}")
                 return {"rank": self.topo.rank, "stopped_at": s, "reason": req.reason or "stop"}
+        tr.heartbeat.phase(f"reached step {tr.step}")
         return {"rank": self.topo.rank, "stopped_at": tr.step, "reason": "target"}
 
     def _watch_sigterm(self) -> None:
@@ -354,9 +376,12 @@ class TrainWorker:
     def _save(self, step: int) -> None:
         """Host copy (the only part that blocks training), then a background upload."""
         assert self.trainer is not None
+        self.trainer.heartbeat.phase(f"checkpoint save of step {step} (host copy)")
         t0 = time.perf_counter()
         snap = self.trainer.snapshot()
         blocked = time.perf_counter() - t0
+        if self.faults is not None:
+            self.faults.maybe_freeze(step, "save")
         local = self.staging / f"step_{step:08d}"
         losses, self._unsaved_losses = self._unsaved_losses, []
         self.uploader.submit(

@@ -125,6 +125,10 @@ class ClusterView(Protocol):
         """Make sure every live node has a notice watcher (nodes come and go)."""
         ...
 
+    def cordon(self, node_id: str) -> None:
+        """Count `node_id` out of the capacity from now on: no new group goes there."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -163,6 +167,9 @@ class RayClusterView:
         self._watchers: dict[str, Any] = {}
         self._sealed: Any = None  # the spec the watchers are given (SealedJob)
         self._noticed: set[str] = set()  # nodes with a preemption notice: never counted
+        self.cordoned: set[str] = set()
+        """Nodes the job keeps out of new groups: never counted; the worker groups'
+        placement excludes them (the same set object)."""
 
     def capacity(self, held_workers: int = 0) -> int:
         import ray
@@ -186,6 +193,7 @@ class RayClusterView:
             for node, res in available_resources_per_node().items()
             if node not in draining
             and node not in self._noticed
+            and node not in self.cordoned
             and (alive is None or node in alive)
         ]
         pp = self.spec.parallel.pipeline_stages
@@ -227,6 +235,9 @@ class RayClusterView:
             except OSError:
                 out.add(node_id)
         return out
+
+    def cordon(self, node_id: str) -> None:
+        self.cordoned.add(node_id)
 
     def drain(self, node_id: str, deadline: float, reason: str) -> bool:
         import ray

@@ -103,6 +103,31 @@ class Progress:
     """Peak tensor memory of ranks that measured it since the last poll: stage, bytes."""
     finished: dict[str, Any] | None = None
     """Set once every rank's run returned: {"stopped_at": step, "reason": ...}."""
+    ranks: list[RankBeat] = field(default_factory=list)
+    """Every rank's latest heartbeat and its compute since the last poll (rank order)."""
+
+
+@dataclass
+class RankBeat:
+    """What the controller knows of one rank's health after a poll."""
+
+    rank: int
+    stage: int
+    replica: int
+    node: str
+    step: int
+    """The step its heartbeat says it works on."""
+    phase: str
+    """What it was doing at its latest heartbeat, and for how long it had been (`phase_s`)."""
+    phase_s: float
+    silent_s: float
+    """Seconds since the rank last answered a poll (0: it answered this one)."""
+    running: bool
+    """Its run has not returned (a finished rank is idle, not hung)."""
+    compute_steps: int = 0
+    compute_s: float = 0.0
+    """Steps whose own compute time (no collective, no pipeline transfer) it measured
+    since the last poll, and their summed seconds."""
 
 
 class WorkerGroup(Protocol):
@@ -186,8 +211,11 @@ class RayWorkerGroup:
         device: str,
         sidecar: Sidecar | None = None,
         sidecar_gpu_fraction: float = 0.0,
+        avoid: set[str] | None = None,
     ):
         self.spec = spec
+        self.avoid = avoid if avoid is not None else set()
+        """Node IDs no rank may be placed on (cordoned), read at `start`."""
         self.replicas = replicas
         self.store = store
         self.requested_device = device
@@ -212,6 +240,8 @@ class RayWorkerGroup:
         self._drained: set[int] = set()
         self._final_polls: set[int] = set()
         self._saves: dict[int, dict[int, tuple[float, int]]] = {}  # step -> rank -> report
+        # rank -> (monotonic time of its latest answered poll, the heartbeat it carried)
+        self._heard: dict[int, tuple[float, dict[str, Any] | None]] = {}
 
     # --- helpers ------------------------------------------------------------------
 
@@ -292,10 +322,15 @@ class RayWorkerGroup:
         bundles = [
             worker_bundle(self.spec, self.device, i % self.pp) for i in range(self.world_size)
         ]
+        # Cordoned nodes are excluded by Ray's own node-id label on every bundle.
+        avoid = sorted(self.avoid)
         self.pg = placement_group(
             bundles,
             strategy="PACK",
             name=f"spotline:{self.spec.name}:{self.attempt}",
+            bundle_label_selector=(
+                [{"ray.io/node-id": f"!in({','.join(avoid)})"} for _ in bundles] if avoid else None
+            ),
         )
         timeout = constants.SPOTLINE_WORKER_START_TIMEOUT_S
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
@@ -434,6 +469,8 @@ class RayWorkerGroup:
     def run(self, target: int) -> None:
         """Every rank trains to `target` on its own from here; nothing waits for it."""
         self._runs = [a.run.remote(target) for a in self.actors]
+        now = time.monotonic()
+        self._heard = {rank: (now, None) for rank in range(len(self.actors))}
         self._finished = {}
         self._drained = set()
         self._final_polls = set()
@@ -474,6 +511,7 @@ class RayWorkerGroup:
                 except Exception as e:  # noqa: BLE001 - grouped and re-raised below
                     failed = failed or (rank, e)
         progress = self._fold(reports)
+        progress.ranks = self._beats(reports)
         try:
             if failed is not None:
                 self._raise_failure("training", *failed, list(self._runs), self._rank_of())
@@ -482,6 +520,37 @@ class RayWorkerGroup:
             e.progress = progress  # the living ranks' losses and uploads still count
             raise
         return progress
+
+    def _beats(self, reports: list[dict[str, Any]]) -> list[RankBeat]:
+        """Every rank's latest heartbeat (a silent rank keeps its last one) and the
+        compute its report of this poll carried."""
+        now = time.monotonic()
+        compute: dict[int, dict[str, Any]] = {}
+        for r in reports:
+            self._heard[r["rank"]] = (now, r.get("beat"))
+            compute[r["rank"]] = r.get("compute") or {}
+        out = []
+        for rank in range(len(self.actors)):
+            topo = Topology(self.pp, self.replicas, rank)
+            heard_at, beat = self._heard.get(rank, (now, None))
+            beat = beat or {"step": 0, "phase": "starting", "phase_s": 0.0}
+            c = compute.get(rank, {})
+            out.append(
+                RankBeat(
+                    rank=rank,
+                    stage=topo.stage,
+                    replica=topo.replica,
+                    node=self._info[rank]["node_id"] if rank < len(self._info) else "",
+                    step=beat["step"],
+                    phase=beat["phase"],
+                    phase_s=beat["phase_s"],
+                    silent_s=now - heard_at,
+                    running=rank not in self._finished,
+                    compute_steps=c.get("steps", 0),
+                    compute_s=c.get("compute_s", 0.0),
+                )
+            )
+        return out
 
     def _rank_of(self) -> dict[Any, int]:
         return {ref: r for r, ref in enumerate(self._runs)}

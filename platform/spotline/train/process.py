@@ -17,8 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spotline import constants
-
 
 @dataclass(frozen=True)
 class Topology:
@@ -151,13 +149,16 @@ def init_distributed(
     device: str = "cpu",
     local_rank: int = 0,
     store: dist.TCPStore | None = None,
+    timeout_s: float = 600.0,
 ) -> str:
     """Join the job's process group; returns its backend.
 
     `device` is the group's ('gpu': nccl on this rank's own GPU, cuda:`local_rank`;
     'cpu': gloo), never guessed from what this process happens to see. `store`: rank 0's
     TCPStore, already listening (it took its port from the kernel, so no other process
-    can have taken it in between); the other ranks connect to master_addr:master_port."""
+    can have taken it in between); the other ranks connect to master_addr:master_port.
+    `timeout_s`: how long one collective or rendezvous wait may take before the rank
+    raises (failure.collective_timeout_s, the backstop behind hang detection)."""
     deepspeed = import_deepspeed()
     os.environ.update(
         RANK=str(topo.rank),
@@ -166,7 +167,7 @@ def init_distributed(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
-    timeout = timedelta(seconds=constants.SPOTLINE_DIST_TIMEOUT_S)
+    timeout = timedelta(seconds=timeout_s)
     kwargs: dict[str, Any] = {}
     use_device(device, local_rank, topo.rank)
     if device == "gpu" and topo.world_size > 1:  # binds the communicator to this rank's GPU

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
@@ -44,6 +45,7 @@ from spotline.planning.step import stage_micro_s
 from spotline.train import state
 from spotline.train.adaptive import BatchSchedule, GradProbe, grow_to
 from spotline.train.ds_config import deepspeed_config
+from spotline.train.health import ComputeMeter, Heartbeat
 from spotline.train.process import Topology, training_device
 
 
@@ -112,12 +114,15 @@ class Trainer:
         bounds: list[int] | None = None,
         flops_per_s: float | None = None,
         init: bool = True,
+        engine_hook: Callable[[Any, Callable[[], int]], None] | None = None,
     ):
         """`flops_per_s`: this device's FLOP/s (`metrics.flops.device_peak`, looked up
         here when not given), from which a pipeline stage predicts its bubbles before
         it has measured a step. `init=False`: the caller loads a checkpoint (`fetch`,
         `load`) before the first step, so the stage is materialised empty, never
-        randomly initialised; a step before that load refuses to run."""
+        randomly initialised; a step before that load refuses to run. `engine_hook`:
+        called with the engine and a function returning the step being trained, before
+        anything times the engine's passes (the injected faults of tests)."""
         import deepspeed
 
         device = training_device()
@@ -181,6 +186,8 @@ class Trainer:
             dist_init_required=False,
         )
         self.device = self.engine.device
+        if engine_hook is not None:
+            engine_hook(self.engine, lambda: self.step + 1)
         self.micro_batches = spec.grad_accum(topo.replicas)
         # Control messages (stop at this step boundary?) go over gloo on the host, so
         # they never queue behind, or synchronise with, the device's compute stream.
@@ -188,6 +195,10 @@ class Trainer:
         # Every pipeline stage times its instructions: that is where its bubbles are
         # measured, and the backfill executor (if any) learns when a window opens.
         self.recorder: StepRecorder | None = None
+        # What this rank is doing, and its own compute per step (hang and straggler
+        # watch); a pipeline's compute is its recorder's forward and backward.
+        self.heartbeat = Heartbeat()
+        self.compute = None if self.pipelined else ComputeMeter(self.device)
         if self.pipelined:
             rate = flops_per_s or device_peak(spec.parallel.precision, threads)[1]
             self.recorder = StepRecorder(
@@ -198,6 +209,7 @@ class Trainer:
                 min_window_s=constants.SPOTLINE_BACKFILL_MIN_WINDOW_S,
                 # Until a step is measured, the windows come from the simulated schedule.
                 micro_s=stage_micro_s(spec, rate, self.bounds, self.model_def) if rate else None,
+                on_instruction=self.heartbeat.instruction,
             )
             self.recorder.attach(self.engine)
         # The adaptive schedule's reading of each step's first micro-batch gradient.
@@ -249,6 +261,8 @@ class Trainer:
                 "empty) and none was loaded before its first step; this is a Spotline "
                 "bug, and the restart that follows initialises the weights"
             )
+        beat = self.heartbeat
+        beat.begin_step(self.step + 1)
         host, stall = self.prefetch.get(self.step)
         if len(host) != self.micro_batches:  # built ahead before the batch changed
             host = self._batches(self.sampler, self.step)
@@ -263,14 +277,29 @@ class Trainer:
         else:
             total = torch.zeros((), device=self.device)
             last = len(batches) - 1
+            meter = self.compute
+            assert meter is not None
+            meter.begin_step()
             for i, (x, y) in enumerate(batches):
                 # The boundary is explicit: the engine's own count of micro-steps would
                 # misplace it after the number of micro-batches per step changes.
                 self.engine.set_gradient_accumulation_boundary(i == last)
-                micro_loss = self.model_def.loss(self.engine(x), y)
+                beat.phase(f"forward micro-batch {i + 1}")
+                mark = meter.start()
+                out = self.engine(x)
+                meter.stop(mark)
+                micro_loss = self.model_def.loss(out, y)
+                beat.phase(
+                    f"backward micro-batch {i + 1}"
+                    + (" and gradient reduction (collective)" if i == last else "")
+                )
                 self.engine.backward(micro_loss)
+                if i == last:
+                    beat.phase("optimizer step")
                 self.engine.step()
                 total += micro_loss.detach()
+            meter.end_step()
+            beat.phase("loss all-reduce (collective)")
             loss = self._dp_mean(total / len(batches))
         self.step += 1
         if self.probe is not None:
@@ -354,6 +383,7 @@ class Trainer:
             # Stages that finished the step early wait here: part of their bubble.
             self.recorder.record_sync(agree)
         else:
+            self.heartbeat.phase("step agreement (collective)")
             agree()
         self._proposal = 0
         if int(t[2]) > 0:

@@ -1,0 +1,54 @@
+"""The `failure` section of a job spec: how many restarts a job may use, and how the
+controller finds ranks that hang or straggle and keeps bad nodes out.
+
+A hang (no rank's step advances) is found from the ranks' heartbeats, within
+`hang_factor` x the median step time (at least SPOTLINE_HANG_FLOOR_S); the
+torch.distributed timeout (`collective_timeout_s`) is only the backstop behind it.
+A straggler is a rank whose own compute per step is slower than its peers' by more
+than `straggler_threshold` over `straggler_window_steps` steps.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class FailureSpec(BaseModel):
+    """What the controller does when workers die, hang or straggle."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    max_failures: int = Field(3, ge=-1)
+    """Restarts allowed before the job fails; -1 means unlimited. Hangs count; nodes lost
+    to spot preemption do not."""
+    hang_factor: float = Field(10.0, gt=1.0)
+    """A hang is declared when no rank's step advanced for this many median steps (plus
+    the longest measured save), and at least SPOTLINE_HANG_FLOOR_S seconds."""
+    collective_timeout_s: float = Field(600.0, gt=0.0)
+    """torch.distributed's timeout of one collective or rendezvous wait: the backstop
+    behind hang detection. When it fires, the rank's error reaches the controller as a
+    hang."""
+    straggler_threshold: float = Field(0.2, gt=0.0)
+    """A rank whose own compute per step is this much slower than its peers' (0.2: 20%)
+    over a window is reported as a straggler."""
+    straggler_window_steps: int = Field(20, ge=2)
+    """Steps a rank's compute time is compared over."""
+    cordon: bool = True
+    """Keep bad nodes out of new groups for the rest of the job: a node whose rank hung
+    `cordon_after_hangs` times, or straggled past `cordon_straggler_threshold`. Only
+    when the job can still run at elastic.min_replicas without it."""
+    cordon_after_hangs: int = Field(2, ge=1)
+    """Hangs of a rank on the same node before that node is cordoned."""
+    cordon_straggler_threshold: float = Field(0.5, gt=0.0)
+    """A straggler this much slower than its peers (0.5: 50%) gets its node cordoned;
+    the job restarts without it at the next checkpoint boundary when that pays."""
+
+    @model_validator(mode="after")
+    def _thresholds(self) -> FailureSpec:
+        if self.cordon_straggler_threshold < self.straggler_threshold:
+            raise ValueError(
+                f"failure.cordon_straggler_threshold ({self.cordon_straggler_threshold}) is "
+                f"below failure.straggler_threshold ({self.straggler_threshold}); a node is "
+                "cordoned only for a worse slowdown than the one that is reported: raise it"
+            )
+        return self

@@ -1,0 +1,114 @@
+"""Faults a test or benchmark injects into its own job's ranks. Never set in production.
+
+SPOTLINE_TEST_FAULTS names a directory (it reaches the workers through Ray's job
+runtime_env); the faults of job NAME are the JSON list in `<dir>/NAME.json`, read once
+when a rank sets up:
+
+  {"kind": "freeze", "rank": 1, "step": 6, "phase": "forward"}
+      rank 1 stops its own process with SIGSTOP in the first forward of step 6
+      ("save": while it writes its checkpoint of that step): alive, silent, and its
+      peers blocked in their next collective, as a wedged device or a hung host leaves
+      them. It fires once per job (a marker file beside the list), not again after the
+      restart.
+  {"kind": "slow", "rank": 1, "factor": 2.0}   (or "node": "<node id>")
+      that rank's compute (or that of every rank on that node) takes `factor` times as
+      long: its forward passes at pp = 1, its forward and backward instructions in a
+      pipeline. A straggler, for as long as the job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from spotline.bubbles.schedule import PASSES
+
+ENV = "SPOTLINE_TEST_FAULTS"
+
+
+def _slowed(fn, factor: float):
+    """`fn`, then (factor - 1) x what it took of busy waiting: the rank keeps its core as
+    a slower device would (a sleeping process comes back to cold caches, and would be
+    slower still than asked)."""
+    if factor <= 1.0:
+        return fn
+
+    def slow(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        t1 = time.perf_counter()
+        until = t1 + (factor - 1.0) * (t1 - t0)
+        while time.perf_counter() < until:
+            pass
+        return out
+
+    return slow
+
+
+class Faults:
+    def __init__(self, faults: list[dict[str, Any]], marker_root: Path | None = None):
+        self.faults = faults
+        self.marker_root = marker_root
+
+    @classmethod
+    def for_rank(cls, job: str, rank: int, node_id: str) -> Faults | None:
+        """This rank's faults (None: none injected, the production case)."""
+        root = os.environ.get(ENV)
+        if not root:
+            return None
+        path = Path(root) / f"{job}.json"
+        if not path.is_file():
+            return None
+        mine = [
+            dict(f, index=i)
+            for i, f in enumerate(json.loads(path.read_text()))
+            if f.get("rank") == rank or (f.get("node") and f.get("node") == node_id)
+        ]
+        return cls(mine, path.with_suffix("")) if mine else None
+
+    def slow_factor(self) -> float:
+        return max([f.get("factor", 1.0) for f in self.faults if f["kind"] == "slow"] or [1.0])
+
+    def wrap_engine(self, engine: Any, step_of) -> None:
+        """Make this rank's passes slow ("slow": its forward at pp = 1, its forward and
+        backward instructions in a pipeline, what each measures as its compute) and its
+        forward freezable ("freeze" at "forward"). `step_of()`: the step being trained.
+        Runs before anything times the engine."""
+        factor = self.slow_factor()
+        freezes = any(f["kind"] == "freeze" and f.get("phase") != "save" for f in self.faults)
+        table = getattr(engine, "_INSTRUCTION_MAP", None)
+        if table is not None and factor > 1.0:  # a pipeline stage
+            engine._INSTRUCTION_MAP = {
+                cls: _slowed(fn, factor) if cls.__name__ in PASSES else fn
+                for cls, fn in dict(table).items()
+            }
+            factor = 1.0
+        if factor == 1.0 and not freezes:
+            return
+        module = engine.module
+        forward = module.forward
+
+        def faulty(*args, **kwargs):
+            self.maybe_freeze(step_of(), "forward")
+            return _slowed(forward, factor)(*args, **kwargs)
+
+        module.forward = faulty
+
+    def maybe_freeze(self, step: int, phase: str) -> None:
+        for f in self.faults:
+            due = f["kind"] == "freeze" and f.get("step") == step
+            if due and f.get("phase", "forward") == phase and self._first_time(f):
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _first_time(self, fault: dict[str, Any]) -> bool:
+        assert self.marker_root is not None
+        marker = Path(f"{self.marker_root}.{fault['index']}.fired")
+        try:
+            marker.touch(exist_ok=False)
+        except FileExistsError:
+            return False
+        return True

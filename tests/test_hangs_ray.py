@@ -1,0 +1,124 @@
+"""Hangs and stragglers on a real local cluster: ranks frozen with SIGSTOP (alive and
+silent, their peers blocked in the next collective) and a rank slowed by an injected
+factor (spotline.runtime.faults). The hang floor is 10 s here (conftest.WORKER_ENV).
+
+The tiny job is 2 stages x 2 replicas: rank r is stage r // 2, replica r % 2.
+Cordoning (a node left for another) needs several nodes: tests/test_spot_chaos.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import spotline
+from conftest import inject_faults, tiny_spec
+from spotline.report import status_rows
+
+pytestmark = pytest.mark.ray
+
+
+def _watch_for_a_hang(run, seen: dict) -> None:
+    """Keep the first status in which a rank has been silent for 5 s (a hang building
+    up), as `spotline status` would show it."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and "status" not in seen:
+        try:
+            st = run.status()
+        except Exception:  # noqa: BLE001 - the job ended
+            return
+        ranks = (st.get("health") or {}).get("ranks") or []
+        if any(r["running"] and r["heartbeat_age_s"] >= 5 for r in ranks):
+            seen["status"] = st
+            return
+        if st["state"] in ("finished", "failed"):
+            return
+        time.sleep(0.2)
+
+
+def _run_with_a_watch(spec):
+    run = spotline.Job(spec).start()
+    seen: dict = {}
+    watcher = threading.Thread(target=_watch_for_a_hang, args=(run, seen))
+    watcher.start()
+    try:
+        return run.wait(verbose=False), seen
+    finally:
+        watcher.join()
+
+
+def test_a_rank_frozen_mid_step_is_named_and_the_group_restarts_without_losing_a_step(
+    reference_run, tmp_path
+):
+    _, ref, _ = reference_run
+    spec = tiny_spec(tmp_path, "hang-mid-step")
+    inject_faults(spec.name, [{"kind": "freeze", "rank": 1, "step": 14, "phase": "forward"}])
+    result, seen = _run_with_a_watch(spec)
+    assert result.state == "finished", result.error
+    first, second = result.attempts
+    assert first["ended_by"] == "hang"
+    # The frozen rank is named, with where it sits and what it was last seen doing;
+    # its peers (blocked in a collective or a pipeline transfer) are not.
+    err = first["error"]
+    assert "hang: no step for" in err and "rank 1 (stage 0, replica 1, node" in err, err
+    assert "has not answered" in err and "rank 0 (" not in err and "rank 3 (" not in err, err
+    assert result.failures == 1  # a hang counts against failure.max_failures
+    # Nothing committed was lost: the restart resumed from step 10, the last commit
+    # before the freeze at 14, and trained on exactly as the uninterrupted run did.
+    assert second["restored_from"] == 10
+    for step, loss in second["losses"]:
+        assert loss == ref.losses[step], step
+    # While the hang built up, status showed every rank's heartbeat and phase.
+    st = seen["status"]
+    ranks = {r["rank"]: r for r in st["health"]["ranks"]}
+    # Its last answer came from a poll before the freeze (polls are 4 a second).
+    assert ranks[1]["heartbeat_age_s"] >= 5 and ranks[1]["step"] <= 14
+    assert ranks[0]["heartbeat_age_s"] < ranks[1]["heartbeat_age_s"]
+    rows = dict(status_rows(st))
+    assert "hang watch" in rows and "heartbeat" in rows["rank 1"] and "stage 0" in rows["rank 1"]
+
+
+def test_a_rank_frozen_inside_a_save_commits_no_partial_checkpoint(reference_run, tmp_path):
+    _, ref, _ = reference_run
+    spec = tiny_spec(tmp_path, "hang-in-save")
+    # Rank 2 stops right after its host copy of step 20: the other ranks upload their
+    # parts of step 20, which must never commit.
+    inject_faults(spec.name, [{"kind": "freeze", "rank": 2, "step": 20, "phase": "save"}])
+    result = spotline.Job(spec).run(verbose=False)
+    assert result.state == "finished", result.error
+    first, second = result.attempts
+    assert first["ended_by"] == "hang"
+    assert "rank 2 (stage 1, replica 0, node" in first["error"]
+    assert second["restored_from"] == 10  # step 20 never committed in the frozen group
+    for step, loss in second["losses"]:
+        assert loss == ref.losses[step], step
+    assert result.committed_steps[-1] == 30
+
+
+def test_a_slowed_rank_is_reported_as_a_straggler_with_its_slowdown(ray_session, tmp_path):
+    # Two data-parallel ranks, one thread each on this 2-core host: no rank waits for a
+    # core, so the measured forward times hold the injected factor.
+    spec = tiny_spec(
+        tmp_path,
+        "straggler",
+        **{
+            "model.d_model": 128,
+            "model.n_layers": 4,
+            "model.seq_len": 64,
+            "parallel.pipeline_stages": 1,
+            "train.steps": 40,
+            "failure.straggler_window_steps": 10,
+            "failure.cordon": False,  # one node here: nothing to move to
+        },
+    )
+    inject_faults(spec.name, [{"kind": "slow", "rank": 1, "factor": 2.0}])
+    result = spotline.Job(spec).run(verbose=False)
+    assert result.state == "finished", result.error
+    assert len(result.attempts) == 1  # a straggler is reported, not restarted
+    (s,) = result.health["stragglers"]
+    assert (s["rank"], s["stage"], s["replica"]) == (1, 0, 1)
+    # Injected: 2x its compute. Measured on a shared 2-core host: within 0.35.
+    assert s["slowdown"] == pytest.approx(1.0, abs=0.35)
+    assert result.health["cordoned"] == {}
