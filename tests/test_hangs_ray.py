@@ -49,28 +49,40 @@ def _run_with_a_watch(spec):
         watcher.join()
 
 
-def test_a_rank_frozen_mid_step_is_named_and_the_group_restarts_without_losing_a_step(
+def test_ranks_frozen_mid_step_and_inside_a_save_are_named_and_nothing_committed_is_lost(
     reference_run, tmp_path
 ):
+    """One job, two freezes: rank 1 in the first forward of step 14 (first group), then
+    rank 2 right after its host copy of step 20 (second group), while the other ranks
+    upload their parts of step 20, which must never commit."""
     _, ref, _ = reference_run
-    spec = tiny_spec(tmp_path, "hang-mid-step")
-    inject_faults(spec.name, [{"kind": "freeze", "rank": 1, "step": 14, "phase": "forward"}])
+    spec = tiny_spec(tmp_path, "hangs", **{"failure.cordon": False})
+    inject_faults(
+        spec.name,
+        [
+            {"kind": "freeze", "rank": 1, "step": 14, "phase": "forward"},
+            {"kind": "freeze", "rank": 2, "step": 20, "phase": "save"},
+        ],
+    )
     result, seen = _run_with_a_watch(spec)
     assert result.state == "finished", result.error
-    first, second = result.attempts
-    assert first["ended_by"] == "hang"
+    first, second, third = result.attempts
+    assert first["ended_by"] == second["ended_by"] == "hang"
+    assert result.failures == 2  # hangs count against failure.max_failures
     # The frozen rank is named, with where it sits and what it was last seen doing;
     # its peers (blocked in a collective or a pipeline transfer) are not.
     err = first["error"]
     assert "hang: no step for" in err and "rank 1 (stage 0, replica 1, node" in err, err
     assert "has not answered" in err and "rank 0 (" not in err and "rank 3 (" not in err, err
-    assert result.failures == 1  # a hang counts against failure.max_failures
-    # Nothing committed was lost: the restart resumed from step 10, the last commit
-    # before the freeze at 14, and trained on exactly as the uninterrupted run did.
-    assert second["restored_from"] == 10
-    for step, loss in second["losses"]:
-        assert loss == ref.losses[step], step
-    # While the hang built up, status showed every rank's heartbeat and phase.
+    assert "rank 2 (stage 1, replica 0, node" in second["error"]
+    # Nothing committed was lost, and the step frozen inside its save never committed:
+    # both restarts resumed from step 10, and trained exactly as the uninterrupted run.
+    assert second["restored_from"] == third["restored_from"] == 10
+    for attempt in (second, third):
+        for step, loss in attempt["losses"]:
+            assert loss == ref.losses[step], step
+    assert result.committed_steps[-1] == 30
+    # While the first hang built up, status showed every rank's heartbeat and phase.
     st = seen["status"]
     ranks = {r["rank"]: r for r in st["health"]["ranks"]}
     # Its last answer came from a poll before the freeze (polls are 4 a second).
@@ -78,23 +90,6 @@ def test_a_rank_frozen_mid_step_is_named_and_the_group_restarts_without_losing_a
     assert ranks[0]["heartbeat_age_s"] < ranks[1]["heartbeat_age_s"]
     rows = dict(status_rows(st))
     assert "hang watch" in rows and "heartbeat" in rows["rank 1"] and "stage 0" in rows["rank 1"]
-
-
-def test_a_rank_frozen_inside_a_save_commits_no_partial_checkpoint(reference_run, tmp_path):
-    _, ref, _ = reference_run
-    spec = tiny_spec(tmp_path, "hang-in-save")
-    # Rank 2 stops right after its host copy of step 20: the other ranks upload their
-    # parts of step 20, which must never commit.
-    inject_faults(spec.name, [{"kind": "freeze", "rank": 2, "step": 20, "phase": "save"}])
-    result = spotline.Job(spec).run(verbose=False)
-    assert result.state == "finished", result.error
-    first, second = result.attempts
-    assert first["ended_by"] == "hang"
-    assert "rank 2 (stage 1, replica 0, node" in first["error"]
-    assert second["restored_from"] == 10  # step 20 never committed in the frozen group
-    for step, loss in second["losses"]:
-        assert loss == ref.losses[step], step
-    assert result.committed_steps[-1] == 30
 
 
 def test_a_slowed_rank_is_reported_as_a_straggler_with_its_slowdown(ray_session, tmp_path):
@@ -122,3 +117,29 @@ def test_a_slowed_rank_is_reported_as_a_straggler_with_its_slowdown(ray_session,
     # Injected: 2x its compute. Measured on a shared 2-core host: within 0.35.
     assert s["slowdown"] == pytest.approx(1.0, abs=0.35)
     assert result.health["cordoned"] == {}
+
+
+def test_a_collective_timeout_that_fires_first_reaches_the_controller_as_a_hang(
+    ray_session, tmp_path
+):
+    # The collective timeout (8 s) is shorter than the hang bound (10 s here): the
+    # frozen rank's peer raises first, and that error is a hang on the frozen rank.
+    spec = tiny_spec(
+        tmp_path,
+        "collective-timeout",
+        **{
+            "parallel.pipeline_stages": 1,
+            "train.steps": 12,
+            "checkpoint.interval_steps": 4,
+            "failure.collective_timeout_s": 8,
+        },
+    )
+    inject_faults(spec.name, [{"kind": "freeze", "rank": 1, "step": 6, "phase": "forward"}])
+    result = spotline.Job(spec).run(verbose=False)
+    assert result.state == "finished", result.error
+    first, second = result.attempts
+    assert first["ended_by"] == "hang" and result.failures == 1
+    assert "[ranks 0@" in first["error"] and "hang: no step" not in first["error"]
+    assert second["restored_from"] == 4
+    (hang,) = result.health["hangs"]
+    assert hang["step"] >= 5 and len(hang["nodes"]) == 1  # the frozen rank's node

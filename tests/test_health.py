@@ -155,7 +155,7 @@ def test_the_book_reports_a_straggler_once_its_window_is_full_and_exports_per_ra
     )
     assert book.metrics.seen[("spotline_stragglers_total",)] == 1
     # Past the cordon threshold (0.5)? Not quite: 50% is not more than 50%.
-    assert book.cordon_due() == []
+    assert book.cordon_due(float(step)) == []
     view = book.view(float(step))
     assert view["stragglers"][0]["rank"] == 1 and view["ranks"][1]["compute_s"] == 0.15
 

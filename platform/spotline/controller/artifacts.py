@@ -53,12 +53,19 @@ class Artifacts:
                 self.coordinator.write_artifact(TRACE_ARTIFACT, json.dumps(out).encode())
 
 
-def trace(name: str, bubbles, backfill, partition: dict[str, Any] | None) -> dict[str, Any] | None:
+def trace(
+    name: str,
+    bubbles,
+    backfill,
+    partition: dict[str, Any] | None,
+    stragglers: list[dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
     """Chrome-trace JSON of the latest recorded steps of every stage (None for pp=1),
-    with the stage partition in force and every re-partition in its metadata."""
+    with the stage partition in force, every re-partition and the ranks straggling now
+    in its metadata."""
     if bubbles is None:
         return None
     slices = backfill.slices() if backfill is not None else {}
     out = bubbles.trace(name, slices)
-    out["otherData"] = {"partition": partition}
+    out["otherData"] = {"partition": partition, "stragglers": stragglers or []}
     return out

@@ -455,7 +455,10 @@ class Controller(ControllerParts):
             r.attempts[-1].error = error
             r.attempts[-1].ended_by = "node lost" if lost else ("hang" if hang else "failure")
         self._teardown()
-        self.pace.restart_from = (self.clock(), "node loss" if lost else "failure")
+        self.pace.restart_from = (
+            self.clock(),
+            "node loss" if lost else ("hang" if hang else "failure"),
+        )
         latest = max(self.coordinator.committed, default=None)
         if lost:
             # Losing spot nodes is the normal weather, not a fault of the job: it does not
@@ -511,7 +514,7 @@ class Controller(ControllerParts):
         more than twice the measured restart)."""
         group = self.group
         assert group is not None
-        for s in self.health.cordon_due():
+        for s in self.health.cordon_due(self.clock()):
             self._cordon(
                 s.node, f"rank {s.rank} there computed {s.slowdown:.0%} slower than its peers"
             )

@@ -31,6 +31,9 @@ CORDON_ARTIFACT = "cordon.json"
 """The cordon list and the hang count per node, beside the checkpoints: a controller
 that starts again for the same job keeps the same nodes out."""
 
+# A straggler's node that could not be cordoned (the job needed it) is asked about
+# again this much later: capacity may have joined.
+_RETRY_CORDON_S = 30.0
 # Pipeline and collective waits: a rank in one of these is held up by another.
 _WAITING = ("(collective)", "(p2p)")
 
@@ -221,7 +224,7 @@ class HealthBook:
         self.hangs: list[dict[str, Any]] = []
         self.hangs_on: dict[str, int] = {}  # node -> hangs of a rank there
         self.cordoned: dict[str, str] = {}  # node -> why
-        self.refused: set[str] = set()  # nodes this group could not do without
+        self.refused: dict[str, float] = {}  # node -> when the job could not do without it
         self.bound_s: float | None = None
 
     # --- a group's life ------------------------------------------------------------
@@ -233,7 +236,7 @@ class HealthBook:
         self._first_step = start_step + 1
         self._windows = {}
         self.stragglers = {}
-        self.refused = set()
+        self.refused = {}
 
     def take(self, ranks: list[RankBeat], step: int, now: float) -> None:
         """A poll's heartbeats and compute; `step` is the group's latest step."""
@@ -293,8 +296,9 @@ class HealthBook:
         """The nodes of the ranks holding the group up, from the latest heartbeats."""
         return sorted({b.node for b in behind_ranks(self.beats, 1.0) if b.node})
 
-    def cordon_due(self) -> list[Straggler]:
-        """Stragglers past failure.cordon_straggler_threshold whose node is not cordoned."""
+    def cordon_due(self, now: float) -> list[Straggler]:
+        """Stragglers past failure.cordon_straggler_threshold whose node is not cordoned
+        (nor refused in the last _RETRY_CORDON_S: capacity may have joined since)."""
         if not self.f.cordon:
             return []
         return [
@@ -302,7 +306,7 @@ class HealthBook:
             for s in self.stragglers.values()
             if s.slowdown > self.f.cordon_straggler_threshold
             and s.node not in self.cordoned
-            and s.node not in self.refused
+            and now - self.refused.get(s.node, -_RETRY_CORDON_S) >= _RETRY_CORDON_S
         ]
 
     def cordon(self, node: str, why: str) -> None:

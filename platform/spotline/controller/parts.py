@@ -134,7 +134,10 @@ class ControllerParts:
 
     def trace(self) -> dict[str, Any] | None:
         """Chrome-trace JSON of the latest steps of every stage (None for pp=1)."""
-        return trace(self.spec.name, self.bubbles, self.backfill, self.partitions.summary())
+        stragglers = self.health.view(self.clock())["stragglers"]
+        return trace(
+            self.spec.name, self.bubbles, self.backfill, self.partitions.summary(), stragglers
+        )
 
     def _write_artifacts(self, with_trace: bool = True) -> None:
         """Keep the trace, summary and ledger beside the checkpoints current."""
@@ -206,7 +209,7 @@ class ControllerParts:
         least = self.spec.elastic.min_replicas
         left = self._replicas_left(exclude={node})
         if left < least:
-            self.health.refused.add(node)
+            self.health.refused[node] = self.clock()
             self._event(
                 f"node {node[:12]}: {why}; not cordoned, as without it the cluster holds "
                 f"{left} replica(s), below elastic.min_replicas ({least})",

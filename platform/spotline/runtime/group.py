@@ -6,8 +6,9 @@ placement group: the stages of a replica are consecutive bundles, packed onto a
 node where they fit. Rank = stage * replicas + replica, as DeepSpeed's grid expects.
 
 Once started (`run`), the ranks train on their own; `poll` collects what they
-published without ever waiting on a rank's training thread, and `request` sends
-them messages (save at step k, stop at step k). A sidecar factory, given by the
+published without ever waiting on a rank's training thread (every rank's heartbeat
+included: a rank that stops answering keeps its last one, with how long it has been
+silent), and `request` sends them messages (save at step k, stop at step k). A sidecar factory, given by the
 caller, starts one extra actor per rank in the rank's bundle (the backfill
 executors): the runtime does not know what it is.
 """
@@ -641,6 +642,7 @@ class RayWorkerGroup:
         self._polls = {}
         self._drained = set()
         self._final_polls = set()
+        self._heard = {}
         if self.pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)

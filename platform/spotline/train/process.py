@@ -168,6 +168,13 @@ def init_distributed(
         MASTER_PORT=str(master_port),
     )
     timeout = timedelta(seconds=timeout_s)
+    # Every group created from here on (DeepSpeed's data-parallel and pipeline groups,
+    # the trainer's control group) waits as long as the default one: torch gives a
+    # group made without a timeout its own default (30 minutes for gloo), not this one.
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
     kwargs: dict[str, Any] = {}
     use_device(device, local_rank, topo.rank)
     if device == "gpu" and topo.world_size > 1:  # binds the communicator to this rank's GPU
