@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+    # Ray's core reads its auth mode once, at import; `ray start` clusters on this host
+    # run with tokens, and a local one started here does the same.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     from spotline.runtime.cluster import bind_to_loopback
@@ -136,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     faults_dir = workdir / "faults"
     faults_dir.mkdir()
     bind_to_loopback()
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     ray.init(
         num_cpus=RANKS,
         include_dashboard=False,
