@@ -24,6 +24,11 @@ restarts on the capacity that is really left once the freed devices show. A node
 lost without notice resumes from the latest commit. Below elastic.min_replicas the
 controller waits up to elastic.wait_for_capacity_s. When capacity comes back it
 grows toward max_replicas when `GrowPolicy`'s cost rule says it pays.
+
+Hangs and stragglers (`health.py`): every poll carries each rank's heartbeat; no step
+for longer than the hang bound tears the group down as a failure naming the ranks that
+held it up. A node that hung too often, or straggled too far, is cordoned; a running
+group leaves a cordoned node at the next checkpoint boundary when that pays.
 """
 
 from __future__ import annotations

@@ -310,7 +310,7 @@ class HealthBook:
         ]
 
     def cordon(self, node: str, why: str) -> None:
-        self.cordoned[node] = why
+        self.cordoned = {**self.cordoned, node: why}  # replaced whole: status reads it
         self.metrics.set("spotline_cordoned_nodes", len(self.cordoned))
 
     def to_json(self) -> bytes:
