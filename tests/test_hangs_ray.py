@@ -143,3 +143,28 @@ def test_a_collective_timeout_that_fires_first_reaches_the_controller_as_a_hang(
     assert second["restored_from"] == 4
     (hang,) = result.health["hangs"]
     assert hang["step"] >= 5 and len(hang["nodes"]) == 1  # the frozen rank's node
+
+
+def test_the_autoscaler_is_asked_to_replace_a_cordoned_node(ray_session, tmp_path):
+    import ray
+
+    from spotline.runtime.cluster import replicas_fit
+    from spotline.runtime.demand import RayDemand
+    from spotline.runtime.group import worker_bundle
+
+    spec = tiny_spec(tmp_path, "cordon-demand", **{"resources.device": "cpu"})
+    demand = RayDemand(spec, "cpu")
+    try:
+        demand.keep()
+        asked = len(demand.bundles)  # max_replicas replicas of 2 stages
+        assert asked == 2 * spec.elastic.max_replicas
+        # The autoscaler still counts a cordoned node: the request grows by what it holds,
+        # so a replacement is launched and the cordoned node can go idle.
+        node = ray.get_runtime_context().get_node_id()
+        demand.cordoned.add(node)
+        demand.keep(force=True)
+        (res,) = [n["Resources"] for n in ray.nodes() if n["NodeID"] == node]
+        held = replicas_fit([worker_bundle(spec, "cpu", s) for s in range(2)], [res])
+        assert held > 0 and len(demand.bundles) == asked + 2 * held
+    finally:
+        demand.withdraw()

@@ -89,7 +89,7 @@ class ControllerActor:
             ),
             cluster=cluster,
             backfill=pool,
-            demand=RayDemand(spec, device),
+            demand=RayDemand(spec, device, cordoned=cluster.cordoned),
         )
 
     def run(self) -> dict[str, Any]:

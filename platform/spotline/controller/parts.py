@@ -218,6 +218,8 @@ class ControllerParts:
             return False
         self.health.cordon(node, why)
         self.cluster.cordon(node)
+        if self.demand is not None:
+            self.demand.keep(force=True)  # a replacement for it, now
         if self.artifacts.owned:
             self.coordinator.write_artifact(CORDON_ARTIFACT, self.health.to_json())
         self._event(

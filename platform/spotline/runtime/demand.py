@@ -10,7 +10,9 @@ policies how much of it to use.
 
 A node with a preemption notice (draining) still counts toward the request for Ray's
 autoscaler until its instance is gone, so the request grows by the replicas such nodes
-could hold: the replacement is launched during the notice, not after the node dies.
+could hold: the replacement is launched during the notice, not after the node dies. A
+node the job cordoned (a hang, a straggler) counts the same way: the autoscaler gets a
+replacement for it, and once the job's request no longer needs it, lets it go idle.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def demand_bundles(
 ) -> list[dict[str, float]]:
     """The worker bundles of max_replicas replicas, as the worker group places them, plus
     one replica for each replica the `doomed_nodes` (total resources of live nodes with a
-    preemption notice) could hold: the autoscaler still counts those nodes, so without
-    these bundles it would not replace them until they are gone."""
+    preemption notice, or cordoned) could hold: the autoscaler still counts those nodes,
+    so without these bundles it would not replace them until they are gone."""
     from spotline.runtime.cluster import replicas_fit
     from spotline.runtime.group import worker_bundle
 
@@ -55,9 +57,15 @@ def demand_bundles(
 
 class RayDemand:
     def __init__(
-        self, spec: JobSpec, device: str, clock: Callable[[], float] = time.monotonic
+        self,
+        spec: JobSpec,
+        device: str,
+        clock: Callable[[], float] = time.monotonic,
+        cordoned: set[str] | None = None,
     ) -> None:
         self.requester = f"spotline:{spec.name}"
+        self.cordoned = cordoned if cordoned is not None else set()
+        """Nodes the job keeps out (the cluster view's set, shared)."""
         self.spec, self.device = spec, device
         self.bundles = demand_bundles(spec, device)
         self.clock = clock
@@ -86,7 +94,7 @@ class RayDemand:
             ResourceRequestPriority,
         )
 
-        from spotline.runtime.group import draining_nodes, usable_nodes
+        from spotline.runtime.group import held_out_nodes, usable_nodes
 
         device = self.device
         if device == "auto":
@@ -95,7 +103,7 @@ class RayDemand:
             from spotline.runtime.rendezvous import decide_device
 
             device = decide_device("auto", usable_nodes())
-        self.bundles = demand_bundles(self.spec, device, draining_nodes())
+        self.bundles = demand_bundles(self.spec, device, held_out_nodes(self.cordoned))
 
         try:
             ray.get(

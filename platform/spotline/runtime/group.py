@@ -181,13 +181,13 @@ def usable_nodes() -> list[dict[str, float]]:
     return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"] and n["NodeID"] not in draining]
 
 
-def draining_nodes() -> list[dict[str, float]]:
-    """The total resources of each live node that is draining (a preemption notice): still
-    up, but about to go."""
+def held_out_nodes(cordoned: set[str] = frozenset()) -> list[dict[str, float]]:
+    """The total resources of each live node the job will not place on: draining (a
+    preemption notice: still up, but about to go) or `cordoned`."""
     import ray
 
-    draining = _draining()
-    return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"] and n["NodeID"] in draining]
+    out = _draining() | set(cordoned)
+    return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"] and n["NodeID"] in out]
 
 
 def worker_bundle(spec: JobSpec, device: str, stage: int = 0) -> dict[str, float]:
