@@ -11,8 +11,9 @@ policies how much of it to use.
 A node with a preemption notice (draining) still counts toward the request for Ray's
 autoscaler until its instance is gone, so the request grows by the replicas such nodes
 could hold: the replacement is launched during the notice, not after the node dies. A
-node the job cordoned (a hang, a straggler) counts the same way: the autoscaler gets a
-replacement for it, and once the job's request no longer needs it, lets it go idle.
+node the job cordoned (a hang, a straggler) counts the same way, so the autoscaler
+launches a replacement for it. The cordoned node itself stays up (the request still
+covers it): retiring a bad node is the operator's call (`ray drain-node`, the cloud).
 """
 
 from __future__ import annotations
