@@ -110,6 +110,9 @@ class AutoscalingTestCluster:
             # A node that stops answering is terminated (and so replaced) after 5 s, as
             # a cloud reports a preempted instance gone.
             "AUTOSCALER_HEARTBEAT_TIMEOUT_S": "5",
+            # Ray's GCS declares a killed node dead after 5 failed health checks: one a
+            # second (not every 3 s), so a removed node is gone in seconds, not 15+.
+            "RAY_health_check_period_ms": "1000",
             # Every node of this cluster, the fake ones too, binds to 127.0.0.1.
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "RAY_USAGE_STATS_ENABLED": "0",

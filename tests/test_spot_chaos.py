@@ -388,7 +388,7 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
     from spotline.checkpoint.transfer import attempt_dir
 
     rng = random.Random(13)
-    kills_wanted, deadline = 12, time.monotonic() + 480
+    kills_wanted, deadline = 8, time.monotonic() + 480
     over = {
         "train.steps": 160,
         "checkpoint.interval_steps": 2,
