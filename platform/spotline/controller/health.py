@@ -107,10 +107,10 @@ class Hang:
 
 def _describe_rank(b: RankBeat) -> str:
     where = f"rank {b.rank} (stage {b.stage}, replica {b.replica}, node {b.node[:12]})"
-    last = f"'{b.phase}' of step {b.step} for {b.phase_s:.1f}s"
+    last = f"'{b.phase}' of step {b.step}"
     if b.silent_s >= 1.0:
         return f"{where} has not answered for {b.silent_s:.1f}s; last seen in {last}"
-    return f"{where} in {last}"
+    return f"{where} in {last} for {b.phase_s:.1f}s"
 
 
 def behind_ranks(beats: list[RankBeat], silent_after_s: float) -> list[RankBeat]:

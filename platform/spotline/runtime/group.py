@@ -8,9 +8,9 @@ node where they fit. Rank = stage * replicas + replica, as DeepSpeed's grid expe
 Once started (`run`), the ranks train on their own; `poll` collects what they
 published without ever waiting on a rank's training thread (every rank's heartbeat
 included: a rank that stops answering keeps its last one, with how long it has been
-silent), and `request` sends them messages (save at step k, stop at step k). A sidecar factory, given by the
-caller, starts one extra actor per rank in the rank's bundle (the backfill
-executors): the runtime does not know what it is.
+silent), and `request` sends them messages (save at step k, stop at step k). A
+sidecar factory, given by the caller, starts one extra actor per rank in the rank's
+bundle (the backfill executors): the runtime does not know what it is.
 """
 
 from __future__ import annotations
