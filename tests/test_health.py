@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -201,17 +200,22 @@ def test_a_heartbeat_names_the_step_and_phase_and_counts_micro_batches():
 
 
 def test_the_compute_meter_sums_the_bracketed_passes_per_step():
-    meter = ComputeMeter()  # host clock
+    from spotline.bubbles.recorder import HostClock
+
+    now = [0.0]
+    clock = HostClock()
+    clock.mark = lambda: now[0]  # a scripted host clock: no wall time is read
+    meter = ComputeMeter(clock=clock)
     for _ in range(3):
         meter.begin_step()
         for _ in range(2):
             mark = meter.start()
-            time.sleep(0.01)
+            now[0] += 0.010  # a forward pass
             meter.stop(mark)
-        time.sleep(0.02)  # a collective: not counted
+        now[0] += 0.020  # a collective: not counted
         meter.end_step()
     steps, seconds = meter.take()
-    assert steps == 3 and 0.06 <= seconds < 0.12
+    assert steps == 3 and seconds == pytest.approx(0.06)
     assert meter.take() == (0, 0.0)
 
 

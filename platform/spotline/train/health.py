@@ -73,8 +73,8 @@ class ComputeMeter:
     returns the steps read since the last call and their summed compute seconds. On a
     GPU a step is read once its events completed (one step later), never waiting."""
 
-    def __init__(self, device: Any = None, max_pending: int = 8):
-        self.clock = clock_for(device)
+    def __init__(self, device: Any = None, max_pending: int = 8, clock: Any = None):
+        self.clock = clock or clock_for(device)
         self._open: list[tuple[str, Any, Any]] = []
         self._step_start: Any = None
         self._pending: deque[tuple[Any, list[tuple[str, Any, Any]]]] = deque()
