@@ -135,6 +135,7 @@ def run_job(spec, submit_at: int | None = None, task: dict[str, Any] | None = No
     preflight(spec)  # reads the prompts file into the spec
     bind_to_loopback()
     ray.init(
+        address="local",
         num_cpus=spec.parallel.pipeline_stages,
         include_dashboard=False,
         log_to_driver=False,

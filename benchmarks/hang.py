@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     faults_dir.mkdir()
     bind_to_loopback()
     ray.init(
+        address="local",
         num_cpus=RANKS,
         include_dashboard=False,
         log_to_driver=False,

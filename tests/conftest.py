@@ -176,6 +176,9 @@ def init_local_ray() -> None:
     import ray
 
     ray.init(
+        # Always a cluster of this session's own: without an address Ray would attach to
+        # any cluster its address file names (another run's, or a dead one).
+        address="local",
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,

@@ -7,8 +7,12 @@ and this test process already hosts the shared test cluster.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -45,13 +49,29 @@ ray.shutdown()
 
 
 def test_the_embedded_cluster_binds_to_loopback_only():
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=180
-    )
+    """And it is a cluster of its own: Ray's address file names a cluster that is gone
+    (another run's, killed), which a bare `ray.init()` would retry for minutes."""
+    with tempfile.TemporaryDirectory(
+        prefix="sl-", dir="/tmp", ignore_cleanup_errors=True
+    ) as tmp:  # short socket paths
+        stale = Path(tmp, "ray")
+        stale.mkdir()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it closes
+        (stale / "ray_current_cluster").write_text(dead)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        out = subprocess.run(
+            [sys.executable, "-c", _SCRIPT],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**env, "RAY_TMPDIR": tmp},
+        )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["node_ip"] == "127.0.0.1" and report["actor_ip"] == "127.0.0.1"
-    assert report["gcs"].startswith("127.0.0.1:")
+    assert report["gcs"].startswith("127.0.0.1:") and report["gcs"] != dead
     assert len(report["listening"]) >= 5  # GCS, raylet, agents, metrics, workers
     loopback = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
     wide = [entry for entry in report["listening"] if entry[1] not in loopback]

@@ -29,8 +29,8 @@ _SCENARIO = textwrap.dedent(
     from spotline.runtime.group import RayWorkerGroup, WorkerFailure
 
     gpus, device, tmp = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
-             logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False,
+             log_to_driver=False, logging_level="WARNING")
     spec = load_spec({
         "name": "rdzv",
         "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32},

@@ -45,6 +45,11 @@ def connect_ray(address: str | None) -> None:
     starts it that way, so an embedded cluster is reachable from this machine alone.
     The same setting lets this process find such a cluster with address="auto", and
     does not change how it attaches to a real cluster.
+
+    Without an address, Ray itself would attach to whatever cluster its address file
+    (/tmp/ray/ray_current_cluster) names: the latest `ray start` or test cluster on the
+    machine, possibly long dead, where `ray.init` then retries for minutes. A new local
+    cluster is what `spotline run` promises there, so it asks Ray for exactly that.
     """
     import ray
 
@@ -59,6 +64,8 @@ def connect_ray(address: str | None) -> None:
     sigterm = signal.getsignal(signal.SIGTERM) if main else None
     # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
     # the driver prints the controller's events, and failures arrive grouped by rank.
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        address = "local"
     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     if callable(sigterm):
         signal.signal(signal.SIGTERM, sigterm)
