@@ -116,10 +116,10 @@ class FakeGroup:
         self.step = self.saved_through = manifest.step
         return self.step
 
-    def run(self, target):
+    def run(self, target, peer_every=0):
         self.target, self.running = target, True
 
-    def request(self, save_at=0, stop_at=0, reason=""):
+    def request(self, save_at=0, stop_at=0, reason="", peer_every=0):
         # As the actor: the latest save asked for, the earliest stop.
         self.requests.append((save_at, stop_at, reason))
         self.save_at = max(self.save_at, save_at)
@@ -296,7 +296,7 @@ class FakeCluster:
         self.cordoned: set[str] = set()
         self.closed = False
 
-    def capacity(self, held_workers=0):
+    def capacity(self, held_workers=0, exclude=frozenset()):
         cap = self._capacity
         return cap(held_workers, self) if callable(cap) else cap
 

@@ -174,3 +174,21 @@ def test_the_autoscaler_is_asked_to_replace_a_cordoned_node(ray_session, tmp_pat
         assert held > 0 and len(demand.bundles) == asked + 2 * held
     finally:
         demand.withdraw()
+
+
+def test_the_only_node_is_never_counted_as_capacity_without_it(ray_session, tmp_path) -> None:
+    """A straggler on a one-node cluster must not get its node cordoned: without that
+    node there is no capacity at all (its free CPUs do not count), so the cordon is
+    refused rather than leaving the job waiting for a node that never comes."""
+    import ray
+
+    from spotline.controller.capacity import replicas_left
+    from spotline.runtime.cluster import RayClusterView
+
+    view = RayClusterView(tiny_spec(tmp_path, "only-node"), "cpu")
+    (node,) = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    workers = [{"node_id": node}] * 4
+    assert view.capacity() >= 1
+    assert replicas_left(view, workers, gone=set()) >= 2
+    assert view.capacity(exclude={node}) == 0
+    assert replicas_left(view, workers, gone={node}) == 0

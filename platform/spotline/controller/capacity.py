@@ -40,4 +40,4 @@ def replicas_left(cluster, workers: list[dict], gone: set[str]) -> int:
     """Replicas a group's devices off the `gone` nodes plus the free ones hold: what
     the next group can expect once the devices of the old one show free again."""
     held = sum(1 for w in workers if w["node_id"] not in gone)
-    return cluster.capacity(held_workers=held)
+    return cluster.capacity(held_workers=held, exclude=gone)

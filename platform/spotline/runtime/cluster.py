@@ -115,9 +115,10 @@ def check_reachable(address: str | None) -> None:
 
 
 class ClusterView(Protocol):
-    def capacity(self, held_workers: int = 0) -> int:
+    def capacity(self, held_workers: int = 0, exclude: set[str] = frozenset()) -> int:
         """Whole replicas the schedulable devices can hold: free ones plus `held_workers`
-        (devices the job's own live group holds and would give back on a restart)."""
+        (devices the job's own live group holds and would give back on a restart). The
+        free devices of the nodes in `exclude` do not count."""
         ...
 
     def gone(self, node_ids: set[str]) -> set[str]:
@@ -178,7 +179,7 @@ class RayClusterView:
         """Nodes the job keeps out of new groups: never counted; the worker groups'
         placement excludes them (the same set object)."""
 
-    def capacity(self, held_workers: int = 0) -> int:
+    def capacity(self, held_workers: int = 0, exclude: set[str] = frozenset()) -> int:
         import ray
         from ray._private.state import available_resources_per_node
 
@@ -201,6 +202,7 @@ class RayClusterView:
             if node not in draining
             and node not in self._noticed
             and node not in self.cordoned
+            and node not in exclude
             and (alive is None or node in alive)
         ]
         pp = self.spec.parallel.pipeline_stages
