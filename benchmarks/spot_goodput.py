@@ -8,7 +8,12 @@ node goes; losses = the node vanishes; returns = a fresh node joins):
 
   nopreempt   Spotline, no trace: the reference rate.
   spotline    Spotline: ray-drain notices -> just-in-time checkpoint, shrink to what
-              is left, grow back when a node returns and growing pays (elastic 1..3).
+              is left, grow back when a node returns and growing pays (elastic 1..3);
+              every recovery restarts from the newest commit in object storage
+              (recovery.peer_snapshots: false).
+  peer        the same, with peer-memory snapshots (recovery.peer_snapshots, k
+              measured): a recovery restores the newest step every rank left in live
+              nodes' memory, reading nothing from object storage when a copy exists.
   periodic    the same Spotline job with periodic checkpoints only: no notices and no
               elastic shrink (min = max = 3), so it waits for the node to come back.
   raytrain    Ray Train v2 `TorchTrainer`, ScalingConfig(num_workers=(1, 3)), DDP over
@@ -19,7 +24,9 @@ node goes; losses = the node vanishes; returns = a fresh node joins):
 
 Goodput = committed steps per minute of wall time (the job's start to its result).
 Also printed: notice -> commit latency (trace's drain to the committed JIT checkpoint),
-node loss -> first step after resume, and nopreempt_vs_raytrain: Spotline's
+node loss -> first step after resume, steps lost per loss without notice (the last step
+the lost group trained minus the step the next one restored), bytes read from object
+storage per restore, and nopreempt_vs_raytrain: Spotline's
 no-preemption steps per minute over Ray Train's (nopreempt / raytrain-nopreempt), the
 same workload in the same invocation, so the two systems' own rates compare directly.
 
@@ -205,11 +212,13 @@ def run_spotline(
     raw = _workload(mode, steps)
     raw["checkpoint"]["uri"] = f"file://{tmp}/{mode}/ckpt"
     raw["checkpoint"]["staging_dir"] = str(tmp / mode / "staging")
-    if mode == "spotline":
+    if mode in ("spotline", "peer"):
         raw["elastic"] = {"min_replicas": 1, "max_replicas": n}
         raw["preemption"] = {"sources": [{"kind": "ray-drain", "poll_interval_s": 0.5}]}
     else:  # nopreempt and periodic: a fixed-size job that waits for its nodes
         raw["elastic"] = {"min_replicas": n, "max_replicas": n, "wait_for_capacity_s": 3600}
+    # Peer memory only in its own arm: the others restart from object storage.
+    raw["recovery"] = {"peer_snapshots": mode == "peer"}
     spec = load_spec(raw)
     cluster = SpotCluster(trace)
     try:
@@ -223,6 +232,7 @@ def run_spotline(
     jit = [x["committed_at"] for x in result.notices if x.get("committed_at") is not None]
     resumed = [r["resumed_at"] for r in result.recoveries]
     losses = replay.times("loss") + (replay.times("gone") if mode == "periodic" else [])
+    pairs = list(zip(result.attempts, result.attempts[1:], strict=False))
     return {
         "system": mode,
         "steps": result.steps,
@@ -232,6 +242,20 @@ def run_spotline(
         "recovery_s": _latencies(resumed, losses),
         "restarts": len(result.recoveries),
         "replica_history": [a["replicas"] for a in result.attempts],
+        # Per loss without notice: steps the lost group trained past what came back.
+        "steps_lost": [
+            a["losses"][-1][0] - (b["restored_from"] or 0)
+            for a, b in pairs
+            if a["ended_by"] == "node lost" and a["losses"]
+        ],
+        # Per restore: bytes its ranks read from object storage (none from peer memory).
+        "storage_bytes": [
+            b["restored_bytes"] if b["restored_via"] == "storage" else 0
+            for _, b in pairs
+            if b["restored_from"] is not None
+        ],
+        "restored_via": [b["restored_via"] for _, b in pairs],
+        "peer_memory": result.peer_memory,
     }
 
 
@@ -414,6 +438,11 @@ def summarize(rows: dict[str, dict[str, Any]], trace: str, steps: int) -> dict[s
     """The figures --json writes: the ratios, the latencies per arm, and every run."""
     return {
         "spotline_vs_nopreempt": ratio(rows, "spotline", "nopreempt"),
+        "peer_vs_nopreempt": ratio(rows, "peer", "nopreempt"),
+        "steps_lost_per_loss": {k: _mean(r.get("steps_lost", [])) for k, r in rows.items()},
+        "storage_bytes_per_restore": {
+            k: _mean(r.get("storage_bytes", [])) for k, r in rows.items()
+        },
         "periodic_vs_nopreempt": ratio(rows, "periodic", "nopreempt"),
         "raytrain_vs_nopreempt": ratio(rows, "raytrain", "raytrain-nopreempt"),
         # Without preemption, Spotline against Ray Train: the same workload, same run.
@@ -435,15 +464,26 @@ def render(figures: dict[str, Any], trace_name: str) -> str:
     lines = [
         f"trace {trace_name}, {figures['steps']} steps per arm",
         f"{'system':<20}{'steps/min':>10}{'vs no-preempt':>15}"
-        f"{'notice->commit':>16}{'loss->resume':>14}",
+        f"{'notice->commit':>16}{'loss->resume':>14}{'steps lost':>12}{'storage MB':>12}",
     ]
     for name, r in rows.items():
         base = "raytrain-nopreempt" if name.startswith("raytrain") else "nopreempt"
         rat = ratio(rows, name, base)
+        lost = _mean(r.get("steps_lost", []))
+        read = _mean(r.get("storage_bytes", []))
         lines.append(
             f"{name:<20}{r['steps_per_min']:>10.0f}{r3(rat):>15}"
             f"{_fmt(_mean(r['notice_to_commit_s'])):>16}{_fmt(_mean(r['recovery_s'])):>14}"
+            f"{_fmt(lost, ''):>12}{_fmt(None if read is None else read / 1e6, ''):>12}"
         )
+        peer = r.get("peer_memory")
+        if peer:
+            lines.append(
+                f"{'':<20}peer copies every {peer['every_steps']} step(s) ({peer['chosen']}), "
+                f"{_fmt(peer['cost_s'] and peer['cost_s'] * 1e3, ' ms')} each, "
+                f"{r3(peer['share_of_training'])} of training; restores "
+                f"{', '.join(r['restored_via'])}"
+            )
     nvr = figures["nopreempt_vs_raytrain"]
     lines.append(
         "no-preemption, spotline / ray train (steps/min): "
@@ -466,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = [
         ("nopreempt", run_spotline, False),
         ("spotline", run_spotline, True),
+        ("peer", run_spotline, True),
         ("periodic", run_spotline, True),
         ("raytrain-nopreempt", run_raytrain, False),
         ("raytrain", run_raytrain, True),

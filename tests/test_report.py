@@ -47,6 +47,14 @@ def _summary() -> dict:
         "losses": {str(s): 5.0 - s / 40 for s in range(1, 101)},
         "notices": [{"source": "aws", "committed_step": 60}],
         "resizes": [{"step": 60, "from_replicas": 2, "why": "preemption"}],
+        "peer_memory": {
+            "every_steps": 25,
+            "chosen": "measured",
+            "cost_s": 0.04,
+            "share_of_training": 0.016,
+            "newest_step": 100,
+            "restores": [{"step": 75, "bytes": 10, "from": "ab12"}],
+        },
         "error": None,
     }
 
@@ -61,6 +69,11 @@ def test_status_rows_name_every_field():
     assert rows["backfill fill"] == "50.0%"
     assert rows["preemptions"] == "1 notice(s), 1 node(s) lost, 2 restart(s)"
     assert rows["goodput"].startswith("72.7%") and "on spot" in rows["goodput"]
+    assert rows["peer memory"] == (
+        "every 25 step(s) (measured), 40 ms each, 1.6% of training; newest step 100; "
+        "1 restore(s) from it"
+    )
+    assert dict(status_rows({**_summary(), "peer_memory": None}))["peer memory"] == "off"
 
 
 def _trace() -> dict:

@@ -214,6 +214,9 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     assert second["restored_from"] == grow
     assert second["losses"][-1][0] == jit  # training stopped at the JIT step
     assert third["restored_from"] == jit and third["start_step"] == jit
+    # The grown group's new ranks and the group after the notice read their state from
+    # live peers' memory (the final saves were copied there too), not from storage.
+    assert second["restored_via"] == third["restored_via"] == "peer memory"
     assert [r["why"] for r in res["resizes"][:2]] == ["grow", "preemption"]
     store = CheckpointStore(res["checkpoint_uri"])
     assert store.load_manifest(grow).topology["replicas"] == 1
@@ -250,7 +253,12 @@ def test_node_lost_mid_upload_resumes_from_the_latest_commit(
     spec = _spot_spec(
         tmp_path,
         "lost",
-        **{"train.steps": 40, "checkpoint.upload_max_mb_per_s": 0.1},
+        # The restore from storage itself (peer memory would hold a newer step).
+        **{
+            "train.steps": 40,
+            "checkpoint.upload_max_mb_per_s": 0.1,
+            "recovery.peer_snapshots": False,
+        },
     )
     store = CheckpointStore(spec.resolved_checkpoint_uri())
     run = spotline.Job(spec).start()
@@ -458,10 +466,14 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
 
     for a in result.attempts[1:]:
         # 0 partial or mixed loads: what each group loaded was a complete checkpoint of
-        # one earlier group, every byte as its manifest says.
+        # one earlier group, every byte as its manifest says (or, from peer memory, every
+        # rank's copy of one step of one earlier group, verified the same way).
         step = a["restored_from"]
         if step is None:  # the group before it was killed before its first commit
             assert a["start_step"] == 0, a
+            continue
+        if a["restored_via"] == "peer memory":
+            assert a["restored_attempt"] in by_attempt and a["restored_attempt"] != a["attempt"]
             continue
         assert step in final
         m = store.load_manifest(step)
@@ -651,3 +663,111 @@ def test_a_straggling_node_is_cordoned_and_the_job_moves_to_a_spare(
     assert _result(run)["attempts"][1]["restored_from"] == first["losses"][-1][0]
     assert first["losses"][-1][0] % spec.checkpoint.interval_steps == 0
     _stop(run)
+
+
+# --- recovery from peer memory --------------------------------------------------------
+
+_PEER = {"train.steps": 30, "recovery.peer_interval_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def peer_reference(spot_cluster: SpotCluster, tmp_path_factory) -> Any:
+    """The same job uninterrupted at 2 replicas: the losses a recovered job must keep."""
+    spot_cluster.reset(2)
+    tmp = tmp_path_factory.mktemp("peer-ref")
+    spec = _spot_spec(tmp, "peer-ref", **_PEER, **{"recovery.peer_snapshots": False})
+    return spotline.Job(spec).run(verbose=False)
+
+
+def _lose_node(cluster: SpotCluster, st: dict[str, Any], rank: int) -> str:
+    """The node of `rank` vanishes without notice: its processes (the ranks and the
+    job's state keeper there; a removed simulated node's processes would linger and
+    answer a moment) and its raylet."""
+    import ray
+
+    from spotline.runtime.keeper import keeper_name
+
+    victim = next(w["node_id"] for w in st["workers"] if w["rank"] == rank)
+    for w in st["workers"]:
+        if w["node_id"] == victim:
+            os.kill(w["pid"], signal.SIGKILL)
+    ray.kill(ray.get_actor(keeper_name(st["name"], victim)))
+    cluster.remove(cluster.node(victim))
+    return victim
+
+
+def test_a_node_lost_without_notice_resumes_from_peer_memory_not_storage(
+    cluster: SpotCluster, peer_reference: Any, tmp_path: Path
+) -> None:
+    """No commit exists yet when the node goes (checkpoint.interval_steps is past the
+    kill), so a restore from storage would start over at step 0: the next group starts
+    from the newest step both replicas left in the keepers' memory (the lost node's
+    ranks' copies from their buddy on the surviving node), loses at most k steps plus
+    those trained while that copy was in flight, and trains on as the uninterrupted run."""
+    k = _PEER["recovery.peer_interval_steps"]
+    spec = _spot_spec(tmp_path, "peer-lost", **_PEER, **{"checkpoint.interval_steps": 25})
+    store = CheckpointStore(spec.resolved_checkpoint_uri())
+    run = spotline.Job(spec).start()
+    st = _wait(
+        run,
+        lambda s: ((s.get("peer_memory") or {}).get("newest_step") or 0) >= 2 * k,
+        "peer copies of two steps",
+    )
+    st = run.status()
+    assert store.committed_steps() == []
+    _lose_node(cluster, st, rank=2)  # its ranks' copies live on in the other node's keeper
+    trained = st["step"]
+
+    result = run.wait(verbose=False)
+    assert result.state == "finished", result.error
+    assert result.failures == 0 and result.node_losses == 1
+    first, second = result.attempts[:2]
+    assert second["replicas"] == 1 and second["restored_via"] == "peer memory"
+    assert second["restored_attempt"] == first["attempt"] and second["restored_bytes"] > 0
+    lost = first["losses"][-1][0] - second["restored_from"]
+    assert second["restored_from"] >= 2 * k and second["restored_from"] % k == 0
+    assert 0 <= lost <= k + (first["losses"][-1][0] - trained) + 2, (lost, trained, first)
+    assert result.peer_memory["restores"][0]["step"] == second["restored_from"]
+    # At the new shape (1 replica, the same global batch), as the uninterrupted run.
+    steps = sorted(result.losses)
+    assert steps == list(range(1, 31))
+    assert [result.losses[s] for s in steps] == pytest.approx(
+        [peer_reference.losses[s] for s in steps], rel=1e-4
+    )
+    print(f"peer recovery: step {second['restored_from']}, lost {lost}, {result.peer_memory}")
+
+
+def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_newest_commit(
+    cluster: SpotCluster, peer_reference: Any, tmp_path: Path
+) -> None:
+    """Replica 1's node goes, and with it the copies its buddy (the other node's keeper)
+    held: no step is complete in live memory, so the job restores the newest commit from
+    storage, says why, and trains on exactly."""
+    import ray
+
+    from spotline.runtime.keeper import keeper_name
+
+    spec = _spot_spec(tmp_path, "peer-both", **_PEER, **{"checkpoint.interval_steps": 5})
+    store = CheckpointStore(spec.resolved_checkpoint_uri())
+    run = spotline.Job(spec).start()
+    st = _wait(
+        run,
+        lambda s: any(c >= 5 for c in s["committed_steps"]) and s["step"] >= 7,
+        "a commit, and steps past it",
+    )
+    victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 2)
+    survivor = next(w["node_id"] for w in st["workers"] if w["node_id"] != victim)
+    ray.kill(ray.get_actor(keeper_name(spec.name, survivor)))  # the buddy's copies go
+    _lose_node(cluster, run.status(), rank=2)
+    committed = max(store.committed_steps())
+
+    result = run.wait(verbose=False)
+    assert result.state == "finished", result.error
+    second = result.attempts[1]
+    assert second["restored_via"] == "storage" and second["restored_from"] >= committed
+    assert second["restored_from"] in CheckpointStore(result.checkpoint_uri).committed_steps()
+    steps = sorted(result.losses)
+    assert steps == list(range(1, 31))
+    assert [result.losses[s] for s in steps] == pytest.approx(
+        [peer_reference.losses[s] for s in steps], rel=1e-4
+    )

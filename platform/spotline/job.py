@@ -85,6 +85,9 @@ class JobResult:
     health: dict[str, Any] | None = None
     """The last group's ranks (heartbeat, phase, compute per step), its stragglers, the
     hangs declared and the nodes cordoned."""
+    peer_memory: dict[str, Any] | None = None
+    """Peer copies (`recovery`): every how many steps and why, their cost and share of
+    training, the newest step copied, and each restore from them."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:

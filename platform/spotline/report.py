@@ -59,6 +59,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("backfill fill", _pct(b.get("fill_fraction")) if b else "-"),
         ("last checkpoint", "-" if last is None else f"step {last['step']}  {last['uri']}"),
+        ("peer memory", _peer(s.get("peer_memory"))),
         ("preemptions", preempt),
         ("goodput", goodput),
     ]
@@ -76,6 +77,22 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if s.get("error"):
         rows.append(("error", str(s["error"])))
     return rows
+
+
+def _peer(p: dict[str, Any] | None) -> str:
+    """Peer copies: how often, what each costs, the newest, and the restores from them."""
+    if not p:
+        return "off"
+    if not p.get("every_steps"):
+        return "measuring the cost of a copy"
+    out = f"every {p['every_steps']} step(s) ({p['chosen']})"
+    if p.get("cost_s") is not None:
+        out += f", {p['cost_s'] * 1e3:.0f} ms each, {_pct(p.get('share_of_training'))} of training"
+    if p.get("newest_step") is not None:
+        out += f"; newest step {p['newest_step']}"
+    if p.get("restores"):
+        out += f"; {len(p['restores'])} restore(s) from it"
+    return out
 
 
 def health_rows(h: dict[str, Any]) -> list[tuple[str, str]]:

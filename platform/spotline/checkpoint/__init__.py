@@ -15,7 +15,10 @@ The room is layered; arrows point down:
 - `layout`: what a step's files are (safetensors entries, chunk hashes, meta files),
   written by a rank and hashed once as written.
 - `manifest`, `errors`, `staging`: pure data, messages and paths; `transfer`: a rank's
-  background uploader.
+  background uploader (which also hands each save's files to peer memory).
+- `peer`: a rank's peer copy (its checkpoint files, kept in live nodes' memory by the
+  runtime's state keepers) and the newest step one group left complete there, as a
+  manifest the same restore path loads.
 
 Never: hand back a checkpoint that has not been verified, unpickle anything read from
 storage, delete an upload that may still be running, let a path from a manifest leave

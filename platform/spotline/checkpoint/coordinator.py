@@ -346,15 +346,30 @@ class CommitCoordinator:
         return self.spec.checkpoint.resume_from is not None or bool(self.store.committed_steps())
 
     def restore(
-        self, group: Restorable, sleep: Callable[[float], None]
+        self, group: Restorable, sleep: Callable[[float], None], peer: Any = None
     ) -> tuple[int, Manifest | None]:
         """Load the newest committed step that verifies into `group`: (step, manifest), or
-        (0, None) when nothing is committed. CorruptCheckpointError when every step fails."""
+        (0, None) when nothing is committed. CorruptCheckpointError when every step fails.
+
+        `peer` (a `spotline.checkpoint.peer.PeerOffer`): a step the failed group left
+        complete in live peers' memory. When it is at least as new as the newest commit
+        it loads from there (nothing read from storage); when any rank cannot read or
+        verify it, the restore falls back to the commits and says so."""
         self._recovered += self.commit_from_storage()
         self._load_holds()
         steps = sorted(self.store.committed_steps(), reverse=True)
         self.committed = sorted(steps)
         self._list_quarantined()
+        if peer is not None and peer.step >= (steps[0] if steps else 0):
+            try:
+                return self._load(group, peer.manifest, sleep, "peer"), peer.manifest
+            except CorruptCheckpointError as e:
+                newest = f"the newest commit (step {steps[0]})" if steps else "the start"
+                self._event(
+                    f"peer copy of step {peer.step} could not be restored ({e.path}: "
+                    f"{e.reason}); restoring from {newest} instead",
+                    logging.WARNING,
+                )
         if not steps and self.spec.checkpoint.resume_from is not None:
             return self._restore_resume_from(group, sleep)
         failed: list[tuple[int, str, str]] = []

@@ -67,6 +67,8 @@ class _Job:
     local: Path
     batch: dict[str, Any] | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
+    upload: bool = True
+    """False: a peer copy only (serialized and handed to `Uploader.peer`, never uploaded)."""
 
 
 class Uploader:
@@ -91,6 +93,10 @@ class Uploader:
         self._idle = threading.Event()
         self._idle.set()
         self._pending = 0
+        self.peer: Callable[..., dict] | None = None
+        """Called with each save's written files before they upload (peer memory keeps
+        a copy: `spotline.runtime.keeper.PeerSender`); what it returns is reported."""
+        self._peer_done: list[dict[str, Any]] = []
         self._thread = threading.Thread(
             target=self._loop, name=f"spotline-upload-{rank}", daemon=True
         )
@@ -116,10 +122,63 @@ class Uploader:
             self._idle.clear()
         self._todo.put(_Job(step, write, local, batch, list(losses or [])))
 
+    def submit_peer(
+        self,
+        step: int,
+        local: Path,
+        write: Callable[[Path], RankFiles],
+        batch: dict | None,
+        losses: list[tuple[int, float]] | None = None,
+    ) -> bool:
+        """Serialize step `step`'s share for peer memory only, unless the thread is still
+        busy with an earlier save (then this copy is skipped: False). Never uploaded.
+        `losses`: (step, loss) the copy carries (rank 0's)."""
+        with self._lock:
+            if self._pending or self.peer is None:
+                return False
+            self._pending += 1
+            self._idle.clear()
+        self._todo.put(_Job(step, write, local, batch, list(losses or []), upload=False))
+        return True
+
     def take_done(self) -> list[UploadResult]:
         with self._lock:
             out, self._done = self._done, []
         return out
+
+    def take_peer_done(self) -> list[dict[str, Any]]:
+        """What each peer copy since the last call did (`peer`'s reports)."""
+        with self._lock:
+            out, self._peer_done = self._peer_done, []
+        return out
+
+    def _send_peer(self, job: _Job, written: RankFiles, t0: float) -> None:
+        if self.peer is None:
+            return
+        try:
+            report = self.peer(job.step, job.local, written, job.batch, job.losses)
+        except Exception as e:  # noqa: BLE001 - a lost peer copy never fails the save
+            report = {"step": job.step, "error": f"{type(e).__name__}: {e}"}
+        report["total_s"] = time.perf_counter() - t0  # serialization included
+        report["with_save"] = job.upload  # a checkpoint's files, not a copy of its own
+        with self._lock:
+            self._peer_done.append(report)
+
+    def _peer_only(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            shutil.rmtree(job.local, ignore_errors=True)
+            job.local.mkdir(parents=True, exist_ok=True)
+            self._send_peer(job, job.write(job.local), t0)
+        except Exception as e:  # noqa: BLE001 - reported; the next peer copy may land
+            with self._lock:
+                self._peer_done.append({"step": job.step, "error": f"{type(e).__name__}: {e}"})
+        finally:
+            shutil.rmtree(job.local, ignore_errors=True)
+            with self._lock:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.set()
 
     def wait(self, timeout_s: float) -> bool:
         """True once every submitted upload finished (or failed)."""
@@ -130,12 +189,16 @@ class Uploader:
             job = self._todo.get()
             if job is None:
                 return
+            if not job.upload:
+                self._peer_only(job)
+                continue
             t0 = time.perf_counter()
             prefix = f"{attempt_dir(self.attempt)}/rank_{self.rank:05d}"
             try:
                 shutil.rmtree(job.local, ignore_errors=True)
                 job.local.mkdir(parents=True, exist_ok=True)
                 written = job.write(job.local)
+                self._send_peer(job, written, t0)
                 index = written.entries
                 files = self.store.upload_dir(
                     job.local,

@@ -39,6 +39,7 @@ from spotline.config.model import (
     TokenizerSpec,
 )
 from spotline.config.preemption import NoticeSourceSpec, PreemptionSpec
+from spotline.config.recovery import RecoverySpec
 from spotline.config.redact import redact
 from spotline.config.schema import (
     CheckpointSpec,
@@ -70,6 +71,7 @@ __all__ = [
     "ElasticSpec",
     "EvalTaskSpec",
     "FailureSpec",
+    "RecoverySpec",
     "GptModelSpec",
     "JobSpec",
     "LlamaModelSpec",

@@ -21,6 +21,7 @@ from spotline.config.failure import FailureSpec
 from spotline.config.identity import SpecIdentity
 from spotline.config.model import GptModelSpec, ModelSpec, TokenizerSpec
 from spotline.config.preemption import PreemptionSpec
+from spotline.config.recovery import RecoverySpec
 from spotline.config.tracking import TrackerSpec, check_kinds
 from spotline.config.urls import CHECKPOINT_SCHEMES, READ_SCHEMES, check_http_url, check_scheme
 from spotline.registry import DATASETS
@@ -439,6 +440,7 @@ class JobSpec(_Section, BatchPolicy, SpecIdentity):
     train: TrainSpec = Field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     backfill: BackfillSpec = Field(default_factory=BackfillSpec)

@@ -3,9 +3,10 @@
 What lives here:
 - `controller.py`: the loop and its transitions; it carries decisions out.
 - `state.py`: the states and their payloads.
-- `policies.py`, `jit.py`, `repartition.py`: policies that return decisions (restart or
-  fail, how many replicas, when to grow, at which step to take a just-in-time
-  checkpoint, when to re-partition the pipeline), tested without Ray.
+- `policies.py`, `jit.py`, `repartition.py`, `recovery.py`: policies that return
+  decisions (restart or fail, how many replicas, when to grow, at which step to take a
+  just-in-time checkpoint, when to re-partition the pipeline, every how many steps to
+  take peer copies), tested without Ray.
 - `pace.py`, `capacity.py`: the measured pace the decisions weigh; patient reads of
   the cluster's capacity and losses.
 - `telemetry.py`: progress ingest, the goodput ledger, metrics and trackers.

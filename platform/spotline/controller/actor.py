@@ -57,6 +57,7 @@ class ControllerActor:
         from spotline.runtime.cluster import RayClusterView
         from spotline.runtime.demand import RayDemand
         from spotline.runtime.group import RayWorkerGroup
+        from spotline.runtime.keeper import PeerMemory
 
         # Events also go to this actor's log, which the Ray dashboard shows: redacted.
         install_log_redaction()
@@ -75,6 +76,8 @@ class ControllerActor:
             pool = BackfillPool(spec)
             sidecar = sidecar_factory(spec, store)
         cluster = RayClusterView(spec, device, ray.get_runtime_context().current_actor)
+        # The state keepers outlive every group; they go when the job ends.
+        self.peers = PeerMemory(spec) if spec.recovery.peer_snapshots else None
         self.controller = Controller(
             spec,
             store,
@@ -86,14 +89,20 @@ class ControllerActor:
                 sidecar=sidecar,
                 sidecar_gpu_fraction=spec.backfill.gpu_fraction,
                 avoid=cluster.cordoned,
+                peers=self.peers,
             ),
             cluster=cluster,
             backfill=pool,
             demand=RayDemand(spec, device, cordoned=cluster.cordoned),
+            peers=self.peers,
         )
 
     def run(self) -> dict[str, Any]:
-        return self.controller.run()
+        try:
+            return self.controller.run()
+        finally:
+            if self.peers is not None:
+                self.peers.close()
 
     def notify(self, notice: dict[str, Any]) -> bool:
         """A preemption notice from a node watcher; True once accepted."""

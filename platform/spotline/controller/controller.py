@@ -40,6 +40,7 @@ from typing import Any
 
 from spotline import constants
 from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError, StorageError
+from spotline.checkpoint.peer import PEER_KEY, PeerOffer
 from spotline.config.loader import SpecError
 from spotline.config.redact import redact
 from spotline.controller.capacity import lost_nodes, settled_capacity
@@ -222,6 +223,7 @@ class Controller(ControllerParts):
         if self.rec.resizes and "to_replicas" not in self.rec.resizes[-1]:
             self.rec.resizes[-1]["to_replicas"] = replicas
         self.pace.starting(self.clock())
+        offer = self._peer_offer()  # before step_seconds clear: nothing else reads them
         self.rec.step_seconds.clear()
         group = self.group_factory(replicas)
         self.group = group
@@ -230,7 +232,7 @@ class Controller(ControllerParts):
         pin = self.partitions.for_start(self.coordinator.recorded_partition)
         # A group that restores a checkpoint next leaves its weights empty: no rank
         # runs the random init that the load would overwrite.
-        group.start(partition=pin, init=not self.coordinator.has_checkpoint())
+        group.start(partition=pin, init=not (offer or self.coordinator.has_checkpoint()))
         attempt.device = group.device
         info = group.partition()
         self.partitions.started(info, attempt)
@@ -242,31 +244,79 @@ class Controller(ControllerParts):
         if self.backfill is not None:
             self.backfill.attach(group.executors())
         reached = self.step_count
-        restored, manifest = self.coordinator.restore(group, self.sleep)
+        restored, manifest = self.coordinator.restore(group, self.sleep, peer=offer)
         for done in self.coordinator.take_recovered():  # a dead group's, from its receipts
             self._committed(done)
+        from_peers = manifest is not None and PEER_KEY in manifest.extra
         if manifest is not None:
             attempt.restored_from = manifest.step
+            attempt.restored_bytes = getattr(group, "restored_bytes", 0)
+            attempt.restored_via = "peer memory" if from_peers else "storage"
+            attempt.restored_attempt = offer.attempt if from_peers and offer else ""
             was = (manifest.topology.get("pipeline_stages"), manifest.topology.get("replicas"))
             how = (
                 f", resharded from {was[0]} stage(s) x {was[1]} replica(s) to {pp} x {replicas}"
                 if was != (pp, replicas)
                 else ""
             )
-            self._event(
-                f"restored committed checkpoint step {manifest.step} (sha256 verified{how})",
-                track="resume",
+            what = (
+                f"step {manifest.step} from peer memory ({attempt.restored_bytes} bytes from "
+                "live nodes' keepers, none from storage"
+                if from_peers
+                else f"committed checkpoint step {manifest.step} (sha256 verified"
             )
+            self._event(f"restored {what}{how})", track="resume")
+        if self.peers is not None:
+            # The copies a later restore may read: this group's, and the one it restored
+            # from until this group has its own. Another lineage's never mix in.
+            keep = [group.attempt] + ([offer.attempt] if from_peers and offer else [])
+            self.peers.retain(keep)
+            if from_peers and offer:
+                self.rec.take_losses(offer.attempt, offer.losses)
+                self.peer_book.restores.append(
+                    {"step": offer.step, "bytes": attempt.restored_bytes, "from": offer.attempt}
+                )
         self.step_count = restored
         attempt.start_step = restored
         self.telemetry.start_tracking(manifest.step if manifest is not None else None)
         self.telemetry.ledger.lost(reached - restored)  # trained again from here
         if restored >= self.spec.train.steps:
             return Finishing()
-        group.run(self.spec.train.steps)
+        group.run(self.spec.train.steps, self.peer_book.run_every() if self.peers else 0)
         self.pace.group_started = self.clock()
         self.health.group_started(self.pace.group_started, restored)
         return Running(target=self.spec.train.steps)
+
+    def _peer_offer(self) -> PeerOffer | None:
+        """The newest step the previous group left complete in live keepers, if any."""
+        prev = self.rec.attempts[-1] if self.rec.attempts else None
+        if self.peers is None or prev is None or not prev.attempt:
+            return None
+        # Its own copies, else the one it started from (the same line of steps).
+        lineage = [prev] + [a for a in self.rec.attempts if a.attempt == prev.restored_attempt]
+        offer = None
+        for a, at in zip(lineage, [None, prev.restored_from], strict=False):
+            world = a.replicas * self.spec.parallel.pipeline_stages
+            bounds = self.coordinator.partitions.get(a.attempt)
+            try:
+                found = self.peers.offer(a.attempt, world, bounds, at)
+            except Exception as e:  # noqa: BLE001 - the commits are still there
+                self._event(
+                    f"could not ask the state keepers for peer copies ({e})", logging.WARNING
+                )
+                return None
+            if found is not None and (offer is None or found.step > offer.step):
+                offer = found
+        sent = self.peer_book.newest
+        latest = max(self.coordinator.committed, default=0)
+        if sent is not None and sent > latest and (offer is None or offer.step < sent):
+            self._event(
+                f"peer copy of step {sent} is no longer complete in live nodes' memory (a "
+                "rank and its buddy were lost together); restoring "
+                + (f"step {offer.step} from peer memory" if offer else "the newest commit"),
+                logging.WARNING,
+            )
+        return offer
 
     # --- training -------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from spotline.controller.health import CORDON_ARTIFACT, HangError, HealthBook
 from spotline.controller.inbox import EventLog, Inbox
 from spotline.controller.jit import JitBook, JitPolicy
 from spotline.controller.policies import FailurePolicy, GrowPolicy, ScalingPolicy
+from spotline.controller.recovery import PeerBook
 from spotline.controller.repartition import PartitionBook
 from spotline.controller.snapshot import (
     PlanView,
@@ -61,8 +62,12 @@ class ControllerParts:
         clock: Callable[[], float] = time.monotonic,
         backfill: Any = None,
         demand: Demand | None = None,
+        peers: Any = None,
     ):
         self.spec = spec
+        self.peers = peers if spec.recovery.peer_snapshots else None
+        """The job's state keepers (`spotline.runtime.keeper.PeerMemory`), or None."""
+        self.peer_book = PeerBook(spec)
         self.demand = demand  # what the job asks the autoscaler for, while it lives
         self.group_factory = group_factory
         self.cluster = cluster
@@ -183,6 +188,17 @@ class ControllerParts:
         tel = self.telemetry
         tel.account(p, elapsed, group, self.clock(), self.bubbles, self.backfill, self.partitions)
         tel.export_counts(self.backfill_api.finished_counts())
+        if p.peer and self.peers is not None:
+            k = self.peer_book.take(
+                p.peer, group.world_size, list(self.rec.step_seconds), group.device
+            )
+            if k is not None:
+                group.request(peer_every=k)
+                self._event(
+                    f"peer copies every {k} step(s): each costs "
+                    f"{self.peer_book.costs[-1]:.3f}s, within "
+                    f"{self.spec.recovery.peer_cost_budget:.0%} of training"
+                )
 
     def _committed(self, done: Committed) -> None:
         self.rec.commit(done)

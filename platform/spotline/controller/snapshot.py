@@ -40,6 +40,9 @@ class Attempt:
     partition: dict[str, Any] = field(default_factory=dict)
     """The stage partition it ran: bounds, how they were chosen, and the stage compute
     time it measured (seconds per step per stage, and their imbalance)."""
+    restored_via: str = ""  # "storage" or "peer memory", when it restored a step
+    restored_bytes: int = 0  # what its ranks read to restore
+    restored_attempt: str = ""  # the group whose peer copy it restored, if it did
 
 
 @dataclass
@@ -77,18 +80,23 @@ class Record:
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     """The live group's latest steps' own seconds (the ranks' step timers)."""
 
-    def commit(self, done) -> None:
-        """A commit (`coordinator.Committed`): the losses up to it as the committing group
-        trained them (a group that died before reporting its last steps would leave
-        them out of the record), its bytes and its upload time."""
-        group = {a.attempt: a for a in self.attempts}.get(done.manifest.extra.get("attempt"))
+    def take_losses(self, attempt: str | None, losses: list[tuple[int, float]]) -> None:
+        """(step, loss) group `attempt` trained, from its receipts or its peer copies: the
+        steps its reports never sent (it died first) join the record."""
+        group = {a.attempt: a for a in self.attempts}.get(attempt)
         reported = {s for s, _ in group.losses} if group is not None else set()
-        for step, loss in done.losses:
+        for step, loss in losses:
             self.losses[step] = loss
             if group is not None and step not in reported:
                 group.losses.append((step, loss))
         if group is not None:
             group.losses.sort()
+
+    def commit(self, done) -> None:
+        """A commit (`coordinator.Committed`): the losses up to it as the committing group
+        trained them (a group that died before reporting its last steps would leave
+        them out of the record), its bytes and its upload time."""
+        self.take_losses(done.manifest.extra.get("attempt"), done.losses)
         self.upload_bytes.append(done.nbytes)
         if done.upload_s is not None:
             self.upload_s.append(done.upload_s)
@@ -146,6 +154,8 @@ class Snapshot:
     backfill: dict[str, Any] | None = None
     health: dict[str, Any] | None = None
     """Every rank's heartbeat and compute, the stragglers, hangs and cordoned nodes."""
+    peer_memory: dict[str, Any] | None = None
+    """Peer copies: every how many steps, their cost, the newest, restores from them."""
     checkpoint_uri: str | None = None
     wall_s: float | None = None
     updated_at: float | None = None
@@ -201,7 +211,7 @@ STATUS_KEYS = (
     "name", "state", "step", "total_steps", "replicas", "device", "max_replicas", "failures",
     "node_losses", "waiting", "doomed_nodes", "committed_steps", "quarantined_steps",
     "workers", "error",
-    "batch", "health",
+    "batch", "health", "peer_memory",
     "partition", "train_loss", "tokens_per_s", "eval", "last_checkpoint", "ledger",
     "heldout_loss",
 )  # fmt: skip
@@ -212,7 +222,7 @@ RESULT_KEYS = (
     "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
     "plan", "tracking",
     "batch",
-    "partition", "health",
+    "partition", "health", "peer_memory",
 )  # fmt: skip
 
 
@@ -327,6 +337,7 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
             {"tasks": ctl.backfill.results(), **ctl.backfill.summary()} if ctl.backfill else None
         ),
         health=ctl.health.view(ctl.clock()),
+        peer_memory=ctl.peer_book.summary(list(r.step_seconds)) if ctl.peers else None,
         checkpoint_uri=ctl.store.uri,
         wall_s=(r.finished_at or time.time()) - r.started_at,
         updated_at=time.time(),

@@ -17,6 +17,7 @@ which never touches the training thread. Nothing here calls the controller.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -45,6 +46,7 @@ from spotline.preemption import make_source
 from spotline.registry import blames_user_code
 from spotline.runtime.cpu import pin_process
 from spotline.runtime.faults import Faults
+from spotline.runtime.keeper import PeerReader, PeerSender
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
 from spotline.train.process import Topology, import_deepspeed, init_distributed, use_device
@@ -52,6 +54,9 @@ from spotline.train.trainer import Trainer
 
 log = logging.getLogger("spotline.worker")
 
+
+_PEER_LOSSES = 10_000
+"""Steps whose losses rank 0's peer copies carry (the newest)."""
 
 _METERED = ("filled", "overrun", "open", "beyond")
 """The window channel's fill meters, reported per chunk as `<name>_s` (bubbles.channel)."""
@@ -70,11 +75,12 @@ class _Requests:
     save_at: int = 0
     stop_at: int = 0
     reason: str = ""
+    peer_every: int = 0
 
 
 def _empty_report() -> dict[str, Any]:
     """What a rank publishes between two progress() calls, before anything happened."""
-    return {"steps": [], "saves": [], "notices": [], "memory": None}
+    return {"steps": [], "saves": [], "notices": [], "memory": None, "peer": []}
 
 
 class TrainWorker:
@@ -105,9 +111,15 @@ class TrainWorker:
         # (step, loss) trained since this rank's last save: rank 0's receipt carries them,
         # so a step committed from receipts keeps its losses when the reports died.
         self._unsaved_losses: list[tuple[int, float]] = []
+        # (step, loss) of this process's latest steps: rank 0's peer copies carry them,
+        # so a step restored from peer memory keeps the losses its reports never sent.
+        self._recent_losses: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=_PEER_LOSSES
+        )
         self._stall_seen = 0.0
         self._filled_seen = (0,) * len(_METERED)  # the channel's meters already reported
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
+        self._own_keeper: str | None = None  # this node's state keeper (`set_peers`)
         self.device = "cpu"  # the group's, and this rank's place on its node (`bind`)
         self.local_rank = 0
         self._store: Any = None  # rank 0: the rendezvous store, listening (`host_store`)
@@ -163,6 +175,13 @@ class TrainWorker:
             wait_for_workers=False,
         )
         return self._store.port
+
+    def set_peers(self, own: str, buddy: str | None) -> None:
+        """Send every save's files, and a peer copy every `peer_every` steps, to this
+        node's state keeper `own` and to `buddy` on another node (None: none there)."""
+        self._own_keeper = own
+        keepers = [own] if buddy is None else [own, buddy]
+        self.uploader.peer = PeerSender(self.topo.rank, self.topo.world_size, self.attempt, keepers)
 
     def _threads(self) -> int:
         """This worker's torch thread budget: its stage's CPUs."""
@@ -256,7 +275,10 @@ class TrainWorker:
         CorruptCheckpointError before anything is loaded."""
         assert self.trainer is not None
         manifest = Manifest.from_json(manifest_json)
-        store = self.store.sibling(source) if source else self.store
+        if source == "peer":  # live keepers' memory (`spotline.checkpoint.peer`)
+            store = PeerReader(manifest, self._own_keeper)
+        else:
+            store = self.store.sibling(source) if source else self.store
         try:
             self._restored = self.trainer.fetch(manifest, store)
         except CheckpointFormatError as e:
@@ -273,10 +295,12 @@ class TrainWorker:
     # --- steady state -------------------------------------------------------------
 
     @ray.method(concurrency_group="control")
-    def request(self, save_at: int, stop_at: int, reason: str) -> None:
+    def request(self, save_at: int, stop_at: int, reason: str, peer_every: int = 0) -> None:
         """Checkpoint at step `save_at` and/or stop after step `stop_at` (0: not asked; a
         step already passed means the next boundary). Every rank acts at the same step.
-        The earliest stop asked for wins: a just-in-time checkpoint can be moved up."""
+        The earliest stop asked for wins: a just-in-time checkpoint can be moved up.
+        `peer_every` > 0: take a peer copy every that many steps from the next step
+        on (the ranks agree on it as on the rest)."""
         log.info(
             "rank %d: asked to save at %d, stop at %d (%s)",
             self.topo.rank,
@@ -290,6 +314,8 @@ class TrainWorker:
                 held = self._req.stop_at
                 self._req.stop_at = min(held, stop_at) if held > 0 else stop_at
             self._req.reason = reason or self._req.reason
+            if peer_every > 0:
+                self._req.peer_every = peer_every
 
     @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, Any]:
@@ -309,6 +335,7 @@ class TrainWorker:
             "rank": self.topo.rank,
             **buf,
             "uploads": self.uploader.take_done(),
+            "peer_sent": [dict(r, rank=self.topo.rank) for r in self.uploader.take_peer_done()],
             "uploading": self.uploader.busy,
             "bubbles": bubbles,
             "beat": trainer.heartbeat.read() if trainer else None,
@@ -321,14 +348,18 @@ class TrainWorker:
         return out
 
     @blames_user_code
-    def run(self, target: int) -> dict[str, Any]:
+    def run(self, target: int, peer_every: int = 0) -> dict[str, Any]:
         """Train to step `target`, or until every rank agreed to stop; returns where.
 
         A request to save at step k is served by the first save at a step >= k
         (a periodic one included); a stop always saves at the step it stops at.
+        `peer_every`: steps between peer copies (0: none until the controller asks;
+        -1: one at the first steady step, whose cost the controller measures k by).
         """
         assert self.trainer is not None
         tr = self.trainer
+        with self._lock:
+            self._req.peer_every = max(self._req.peer_every, peer_every)
         interval = self.spec.checkpoint.interval_steps
         self._export_devices()
         saved_through = tr.step  # the same on every rank: it follows agreed decisions
@@ -346,16 +377,19 @@ class TrainWorker:
             with self._lock:
                 req = dataclasses.replace(self._req)
             ask = req.save_at if req.save_at > saved_through else 0
-            save_at, stop_at = tr.agree(ask, req.stop_at)
+            save_at, stop_at, every = tr.agree(ask, req.stop_at, req.peer_every)
             s = tr.step
             stop = 0 < stop_at <= s
             save = stop or s % interval == 0 or s == target or 0 < save_at <= s
             with self._lock:
                 self._buf["steps"].append((s, loss, step_s, time.time()))
             self._unsaved_losses.append((s, loss))
+            self._recent_losses.append((s, loss))
             if save:
                 self._save(s)
                 saved_through = s
+            elif self._peer_due(s, every):
+                self._peer_copy(s)
             if stop:
                 tr.heartbeat.phase(f"stopped at step {s}")
                 return {"rank": self.topo.rank, "stopped_at": s, "reason": req.reason or "stop"}
@@ -393,6 +427,40 @@ class TrainWorker:
         )
         with self._lock:
             self._buf["saves"].append((step, blocked, snap.nbytes))
+
+    def _peer_due(self, step: int, every: int) -> bool:
+        """A peer copy at `step`: every `every` steps (the same on every rank, agreed);
+        `every` -1 asks for one copy at the first steady step to measure its cost."""
+        if self.uploader.peer is None:
+            return False
+        if every == -1:
+            with self._lock:
+                if self._req.peer_every == -1 and self._steps_run >= 2:
+                    self._req.peer_every = 0  # measured once: k comes from the controller
+                    return True
+            return False
+        return every > 0 and step % every == 0
+
+    def _peer_copy(self, step: int) -> None:
+        """Host copy (blocks training as a save's does), then serialization and the
+        send to the keepers on the upload thread; skipped while a save still uploads."""
+        assert self.trainer is not None
+        self.trainer.heartbeat.phase(f"peer copy of step {step} (host copy)")
+        t0 = time.perf_counter()
+        snap = self.trainer.snapshot()
+        blocked = time.perf_counter() - t0
+        local = self.staging / f"peer_{step:08d}"
+        taken = self.uploader.submit_peer(
+            step,
+            local,
+            lambda out: self._write(snap, out),
+            snap.meta.get("batch_schedule"),
+            list(self._recent_losses) if self.topo.rank == 0 else [],
+        )
+        with self._lock:
+            self._buf["peer"].append(
+                {"step": step, "rank": self.topo.rank, "blocked_s": blocked, "taken": taken}
+            )
 
     def _write(self, snap: Any, out: Path) -> Any:
         try:

@@ -106,6 +106,9 @@ class Progress:
     """Set once every rank's run returned: {"stopped_at": step, "reason": ...}."""
     ranks: list[RankBeat] = field(default_factory=list)
     """Every rank's latest heartbeat and its compute since the last poll (rank order)."""
+    peer: list[dict[str, Any]] = field(default_factory=list)
+    """Peer copies since the last poll, per rank: taken ({step, rank, blocked_s, taken})
+    and sent to the keepers ({step, rank, nbytes, send_s, total_s, kept_by} or error)."""
 
 
 @dataclass
@@ -142,9 +145,11 @@ class WorkerGroup(Protocol):
     def start(self, partition: list[int] | None = None, init: bool = True) -> None: ...
     def partition(self) -> dict[str, Any]: ...
     def restore(self, manifest: Manifest, source: str | None = None) -> int: ...
-    def run(self, target: int) -> None: ...
+    def run(self, target: int, peer_every: int = 0) -> None: ...
     def poll(self, timeout_s: float) -> Progress: ...
-    def request(self, save_at: int = 0, stop_at: int = 0, reason: str = "") -> None: ...
+    def request(
+        self, save_at: int = 0, stop_at: int = 0, reason: str = "", peer_every: int = 0
+    ) -> None: ...
     def wait_uploads(self, timeout_s: float) -> bool: ...
     def node_ids(self) -> set[str]: ...
     def heldout_loss(self) -> float: ...
@@ -213,8 +218,13 @@ class RayWorkerGroup:
         sidecar: Sidecar | None = None,
         sidecar_gpu_fraction: float = 0.0,
         avoid: set[str] | None = None,
+        peers: Any = None,
     ):
         self.spec = spec
+        self.peers = peers
+        """The job's state keepers (`spotline.runtime.keeper.PeerMemory`), or None."""
+        self.restored_bytes = 0
+        """Bytes the ranks read in the latest restore (from storage or peer memory)."""
         self.avoid = avoid if avoid is not None else set()
         """Node IDs no rank may be placed on (cordoned), read at `start`."""
         self.replicas = replicas
@@ -408,6 +418,9 @@ class RayWorkerGroup:
         self._devices = self._call_all(
             "rendezvous", "setup", addr, port, bounds, init, timeout_s=timeout
         )
+        if self.peers is not None:
+            pairs = self.peers.place([i["node_id"] for i in self._info])
+            self._call_all("peer memory", "set_peers", per_rank_args=pairs, timeout_s=timeout)
 
     def _choose_partition(self, pinned: list[int] | None, timeout: float) -> dict[str, Any]:
         """The layer bounds of the stages, and what they were chosen from (see
@@ -442,7 +455,7 @@ class RayWorkerGroup:
         loads an older step into every rank, which overwrites all of the state (no rank
         keeps a part of the bad step). A file that verifies but does not parse is
         corrupt too."""
-        self._corrupt_or_failure(
+        fetched = self._corrupt_or_failure(
             lambda: self._call_all(
                 f"read of checkpoint step {manifest.step}",
                 "fetch_checkpoint",
@@ -450,6 +463,7 @@ class RayWorkerGroup:
                 source,
             )
         )
+        self.restored_bytes = sum(f["bytes_read"] for f in fetched)
         steps = self._corrupt_or_failure(
             lambda: self._call_all(f"load of checkpoint step {manifest.step}", "load_checkpoint")
         )
@@ -467,19 +481,23 @@ class RayWorkerGroup:
 
     # --- free-running training ----------------------------------------------------------
 
-    def run(self, target: int) -> None:
-        """Every rank trains to `target` on its own from here; nothing waits for it."""
-        self._runs = [a.run.remote(target) for a in self.actors]
+    def run(self, target: int, peer_every: int = 0) -> None:
+        """Every rank trains to `target` on its own from here; nothing waits for it.
+        `peer_every`: see `TrainWorker.run`."""
+        self._runs = [a.run.remote(target, peer_every) for a in self.actors]
         now = time.monotonic()
         self._heard = {rank: (now, None) for rank in range(len(self.actors))}
         self._finished = {}
         self._drained = set()
         self._final_polls = set()
 
-    def request(self, save_at: int = 0, stop_at: int = 0, reason: str = "") -> None:
-        """Ask every rank to save at / stop after a step; does not wait."""
+    def request(
+        self, save_at: int = 0, stop_at: int = 0, reason: str = "", peer_every: int = 0
+    ) -> None:
+        """Ask every rank to save at / stop after a step, or to take peer copies every
+        `peer_every` steps; does not wait."""
         for a in self.actors:
-            a.request.remote(save_at, stop_at, reason)
+            a.request.remote(save_at, stop_at, reason, peer_every)
 
     def poll(self, timeout_s: float) -> Progress:
         """Collect what the ranks published, about every `timeout_s`: it first waits that
@@ -589,6 +607,7 @@ class RayWorkerGroup:
             out.data_stall_s = max(out.data_stall_s, r["data_stall_s"])
             if r.get("memory"):
                 out.memory.append(r["memory"])
+            out.peer += r.get("peer", []) + r.get("peer_sent", [])
         for step in sorted(self._saves):
             by_rank = self._saves[step]
             if len(by_rank) == self.world_size:

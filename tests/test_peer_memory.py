@@ -1,0 +1,224 @@
+"""Peer memory without Ray: a rank's peer copy is exactly its checkpoint's files, a
+keeper holds and serves them, the newest step every rank left complete is found (and
+never a step mixed from two groups), and k follows the measured cost."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotline.checkpoint.layout import FORMAT, RankSnapshot, write_rank
+from spotline.checkpoint.peer import PEER_KEY, PeerCopy, newest_complete, peer_copy
+from spotline.checkpoint.reshard import Plan
+from spotline.config import load_spec
+from spotline.controller.recovery import MEASURE, PeerBook, peer_interval
+from spotline.runtime.keeper import KEEP_STEPS, StateKeeper
+
+pytestmark = pytest.mark.unit
+
+FULL = {
+    "fp32": torch.arange(8, dtype=torch.float32) / 7,
+    "exp_avg": torch.linspace(-1, 1, 8),
+    "exp_avg_sq": torch.linspace(0, 2, 8) ** 2,
+}
+
+
+def _spec(**recovery):
+    return load_spec({"name": "peer", "recovery": recovery})
+
+
+def _snap(rank: int, step: int) -> RankSnapshot:
+    """Rank `rank` of 2 owns half of one parameter's fp32 master and Adam moments."""
+    lo = 4 * rank
+    tensors, entries = {}, []
+    for kind, full in FULL.items():
+        key = f"w/{kind}/{lo}"
+        tensors[key] = full[lo : lo + 4].clone()
+        entries.append(
+            {"key": key, "param": "w", "kind": kind, "start": lo, "numel": 4, "shape": [8],
+             "dtype": "float32", "rank": rank}
+        )  # fmt: skip
+    return RankSnapshot(tensors, entries, {"format": FORMAT, "step": step})
+
+
+def _rank_files(tmp: Path, rank: int, step: int):
+    out = tmp / f"s{step}" / f"r{rank}"
+    return out, write_rank(_snap(rank, step), out, root=out)
+
+
+def _keep(keeper: StateKeeper, tmp: Path, attempt: str, rank: int, step: int, world: int = 2):
+    local, written = _rank_files(tmp, rank, step)
+    losses = [(s, 3.0 - s / 10) for s in range(1, step + 2)] if rank == 0 else []
+    copy, blobs = peer_copy(attempt, rank, world, step, local, written, None, losses)
+    keeper.put(copy.to_dict(), blobs)
+    return local, written
+
+
+def _held(*keepers: tuple[str, StateKeeper]) -> list[tuple[str, PeerCopy]]:
+    return [(name, PeerCopy.from_dict(c)) for name, k in keepers for c in k.holdings()]
+
+
+def test_a_peer_copy_reads_back_bit_exact_through_the_checkpoint_reads(tmp_path: Path):
+    a, b = StateKeeper("peer"), StateKeeper("peer")
+    for rank, own, buddy in ((0, a, b), (1, b, a)):
+        local, written = _rank_files(tmp_path, rank, 6)
+        copy, blobs = peer_copy("g1", rank, 2, 6, local, written)
+        for keeper in (own, buddy):
+            keeper.put(copy.to_dict(), blobs)
+        # The copy is the files the save wrote, byte for byte.
+        assert blobs == {f"a-g1/rank_{rank:05d}/{rel}": (local / rel).read_bytes()
+                         for rel in written.files}  # fmt: skip
+    offer = newest_complete(_spec(), _held(("A", a), ("B", b)), "g1", 2)
+    assert offer is not None and offer.step == 6 and offer.attempt == "g1"
+    assert offer.manifest.extra[PEER_KEY]["holders"] == {
+        "a-g1/rank_00000": ["A", "B"],
+        "a-g1/rank_00001": ["A", "B"],
+    }
+    assert {f.path for f in offer.manifest.files} == {
+        f"a-g1/rank_{r:05d}/{n}" for r in (0, 1) for n in ("state.safetensors", "meta.json")
+    }
+
+    # The reshard planner reads it from the keeper (every chunk sha256-verified) and
+    # assembles each full tensor exactly: here with rank 0's keeper lost.
+    def read(entry: dict, start: int, length: int) -> bytes:
+        return b.read("g1", 6, entry["file"], entry["offset"] + start, length)
+
+    plan = Plan(offer.manifest.extra["index"])
+    plan.param("w", (8,))
+    for kind in FULL:
+        plan.need("w", kind, 0, 8)
+    got = plan.read(read)
+    for kind, full in FULL.items():
+        assert torch.equal(got.all("w", kind), full)
+
+
+def test_a_changed_byte_in_a_peer_copy_is_refused_by_the_verified_read(tmp_path: Path):
+    from spotline.checkpoint.layout import CheckpointFormatError
+
+    keeper = StateKeeper("peer")
+    for rank in (0, 1):
+        _keep(keeper, tmp_path, "g1", rank, 4)
+    offer = newest_complete(_spec(), _held(("A", keeper)), "g1", 2)
+    entry = offer.manifest.extra["index"][0]
+    blob = bytearray(keeper._copies[("g1", 0, 4)][1][entry["file"]])
+    blob[entry["offset"]] ^= 0xFF
+    keeper._copies[("g1", 0, 4)][1][entry["file"]] = bytes(blob)
+
+    plan = Plan(offer.manifest.extra["index"])
+    plan.param("w", (8,))
+    plan.need("w", "fp32", 0, 8)
+    with pytest.raises(CheckpointFormatError, match="sha256"):
+        plan.read(lambda e, s, n: keeper.read("g1", 4, e["file"], e["offset"] + s, n))
+
+
+def test_only_a_step_every_rank_of_one_group_left_is_offered(tmp_path: Path):
+    a, b = StateKeeper("peer"), StateKeeper("peer")
+    _keep(a, tmp_path, "g1", 0, 4)
+    _keep(b, tmp_path, "g1", 1, 4)
+    _keep(a, tmp_path, "g1", 0, 8)  # rank 1's copy of step 8 never arrived
+    _keep(b, tmp_path, "g2", 1, 12)  # another group's: never mixed in
+    _keep(b, tmp_path, "g1", 1, 12, world=4)  # another world size: never counted
+    spec = _spec()
+    offer = newest_complete(spec, _held(("A", a), ("B", b)), "g1", 2)
+    assert offer.step == 4
+    # Rank 0's losses up to the step travel with it (a later step's never).
+    assert offer.losses == [(s, 3.0 - s / 10) for s in range(1, 5)]
+    assert newest_complete(spec, _held(("A", a)), "g1", 2) is None  # B's node is gone
+    assert newest_complete(spec, _held(("A", a), ("B", b)), "g2", 2) is None
+    assert newest_complete(spec, _held(("A", a), ("B", b)), "g1", 2, at=8) is None
+    assert newest_complete(spec, _held(("A", a), ("B", b)), "g1", 2, at=4).step == 4
+
+
+def test_a_keeper_holds_the_newest_steps_of_each_rank_and_drops_other_groups(tmp_path: Path):
+    keeper = StateKeeper("peer")
+    for step in (2, 4, 6):
+        _keep(keeper, tmp_path, "g1", 0, step)
+    _keep(keeper, tmp_path, "g2", 0, 2)
+    steps = sorted((c["attempt"], c["step"]) for c in keeper.holdings())
+    assert steps == [("g1", s) for s in (6 - 2 * i for i in range(KEEP_STEPS))][::-1] + [("g2", 2)]
+    held = keeper.nbytes()
+    assert keeper.retain(["g2"]) < held
+    assert [(c["attempt"], c["step"]) for c in keeper.holdings()] == [("g2", 2)]
+    with pytest.raises(KeyError):
+        keeper.read("g1", 6, "a-g1/rank_00000/meta.json", 0, 1)
+    local, written = _rank_files(tmp_path, 1, 8)
+    copy, blobs = peer_copy("g2", 1, 2, 8, local, written)
+    blobs.pop(next(iter(blobs)))
+    with pytest.raises(ValueError, match="names other files"):
+        keeper.put(copy.to_dict(), blobs)
+
+
+def test_k_is_the_smallest_interval_within_the_cost_budget():
+    assert peer_interval(0.02, 1.0, 0.02) == 1
+    assert peer_interval(0.021, 1.0, 0.02) == 2
+    assert peer_interval(0.5, 0.1, 0.02) == 250
+    assert peer_interval(0.5, 0.0, 0.02) == 1
+
+
+def test_the_book_measures_k_from_peer_only_copies_and_asks_only_on_a_change():
+    book = PeerBook(_spec())
+    assert book.run_every() == MEASURE
+    steps = [0.5] * 10
+    # A checkpoint's own files travel too: counted as copies, never as their cost.
+    saved = [{"step": 10, "rank": r, "nbytes": 1, "total_s": 9.0, "with_save": True}
+             for r in (0, 1)]  # fmt: skip
+    assert book.take(saved, 2, steps, "cpu") is None and book.copies == 1
+    taken = [{"step": 3, "rank": r, "blocked_s": 0.05 * (r + 1), "taken": True} for r in (0, 1)]
+    sent = [{"step": 3, "rank": r, "nbytes": 1, "total_s": 0.1, "with_save": False}
+            for r in (0, 1)]  # fmt: skip
+    assert book.take(taken + sent[:1], 2, steps, "cpu") is None  # rank 1 not sent yet
+    # Cost on CPU: the slowest rank's host copy plus the send (0.1 + 0.1): k = 20.
+    assert book.take(sent[1:], 2, steps, "cpu") == 20
+    assert book.run_every() == 20 and book.newest == 10
+    again = [dict(s, step=23) for s in taken + sent]
+    assert book.take(again, 2, steps, "cpu") is None  # the same k: nothing to ask
+    summary = book.summary(steps)
+    assert summary["every_steps"] == 20 and summary["share_of_training"] == pytest.approx(0.02)
+    # On a GPU the serialization and send use host cores training does not: 0.1 s -> k=10.
+    gpu = PeerBook(_spec())
+    assert gpu.take(taken + sent, 2, steps, "gpu") == 10
+
+
+def test_fixed_and_disabled_intervals():
+    fixed = PeerBook(_spec(peer_interval_steps=3))
+    assert fixed.run_every() == 3
+    sent = [{"step": 3, "rank": 0, "nbytes": 1, "total_s": 5.0, "with_save": False}]
+    assert fixed.take(sent, 1, [0.1], "cpu") is None and fixed.run_every() == 3
+    off = PeerBook(_spec(peer_snapshots=False))
+    assert off.run_every() == 0 and off.summary([]) is None
+    with pytest.raises(Exception, match="peer_interval_steps is 0"):
+        _spec(peer_interval_steps=0)
+
+
+def test_a_peer_only_copy_is_written_and_handed_over_but_never_uploaded(tmp_path: Path):
+    from spotline.checkpoint import CheckpointStore
+    from spotline.checkpoint.transfer import Uploader
+
+    spec = load_spec({"name": "peer", "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}})
+    store = CheckpointStore(spec.resolved_checkpoint_uri())
+    up = Uploader(store, spec, 0, 2, "g1")
+    got: list = []
+    gate = threading.Event()
+
+    def peer(step, local, written, batch, losses):
+        got.append((step, sorted(written.files), (local / "meta.json").exists(), losses))
+        gate.wait(10)
+        return {"step": step, "nbytes": 1}
+
+    def write(out: Path):
+        return write_rank(_snap(0, 5), out, root=out)
+
+    assert not up.submit_peer(5, tmp_path / "p5", write, None)  # no keepers: no copy
+    up.peer = peer
+    assert up.submit_peer(5, tmp_path / "p5", write, None, [(4, 2.5), (5, 2.4)])
+    assert not up.submit_peer(6, tmp_path / "p6", write, None)  # busy: skipped, not queued
+    gate.set()
+    assert up.wait(10)
+    assert got == [(5, ["meta.json", "state.safetensors"], True, [(4, 2.5), (5, 2.4)])]
+    (report,) = up.take_peer_done()
+    assert report["step"] == 5 and report["with_save"] is False and report["total_s"] >= 0
+    assert up.take_done() == [] and store.uncommitted_steps() == []
+    assert not (tmp_path / "p5").exists()  # staging holds nothing once handed over
