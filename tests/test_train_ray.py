@@ -65,6 +65,13 @@ def test_sigkill_mid_step_resumes_with_identical_losses(reference, tmp_path):
     assert spec.spec_hash() == ref_spec.spec_hash()
     result = run_killing_a_rank(spec, after_commit=10, rank=3)
     assert_resumed_exactly(result, ref, after_commit=10)
+    # Its node lives on, and with it the keeper holding every rank's newest copy: the
+    # next group restored from that memory (bit-exact, as above), at a k measured from
+    # the cost of a copy.
+    assert result.attempts[1]["restored_via"] == "peer memory"
+    peer = result.peer_memory
+    assert peer["chosen"] == "measured" and peer["every_steps"] >= 1 and peer["cost_s"] > 0
+    assert peer["restores"][0]["step"] == result.attempts[1]["restored_from"]
 
 
 def _copy_unfinished(ref_tmp, tmp_path) -> None:

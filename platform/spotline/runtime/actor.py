@@ -358,8 +358,9 @@ class TrainWorker:
         """
         assert self.trainer is not None
         tr = self.trainer
-        with self._lock:
-            self._req.peer_every = max(self._req.peer_every, peer_every)
+        if peer_every:  # -1 (measure first) as much as a k: what the controller asked
+            with self._lock:
+                self._req.peer_every = peer_every
         interval = self.spec.checkpoint.interval_steps
         self._export_devices()
         saved_through = tr.step  # the same on every rank: it follows agreed decisions
