@@ -175,6 +175,10 @@ def test_the_book_measures_k_from_peer_only_copies_and_asks_only_on_a_change():
     assert book.run_every() == 20 and book.newest == 10
     again = [dict(s, step=23) for s in taken + sent]
     assert book.take(again, 2, steps, "cpu") is None  # the same k: nothing to ask
+    # A copy a rank skipped (its upload thread still busy with a save) is not a copy.
+    skipped = [{"step": 46, "rank": r, "taken": False} for r in (0, 1)]
+    assert book.take(skipped, 2, steps, "cpu") is None
+    assert book.copies == 3 and book.skipped == 2
     summary = book.summary(steps)
     assert summary["every_steps"] == 20 and summary["share_of_training"] == pytest.approx(0.02)
     # On a GPU the serialization and send use host cores training does not: 0.1 s -> k=10.

@@ -44,6 +44,7 @@ class PeerBook:
         self._sent: dict[int, list[dict[str, Any]]] = defaultdict(list)
         self.costs: list[float] = []  # per complete copy: blocked + (CPU) background, s
         self.copies = 0  # steps every rank sent to its keepers
+        self.skipped = 0  # rank copies not taken: the upload thread was busy with a save
         self.newest: int | None = None
         self.errors: list[str] = []
         self.restores: list[dict[str, Any]] = []
@@ -66,8 +67,11 @@ class PeerBook:
             if "error" in r:
                 self.errors.append(f"rank {r.get('rank')}, step {r['step']}: {r['error']}")
                 self.errors = self.errors[-5:]
-            elif "blocked_s" in r:
-                self._taken[r["step"]].append(r["blocked_s"])
+            elif "taken" in r:  # a host copy, or one skipped while a save uploaded
+                if r["taken"]:
+                    self._taken[r["step"]].append(r["blocked_s"])
+                else:
+                    self.skipped += 1
             else:
                 self._sent[r["step"]].append(r)
         for step in sorted(self._sent):
@@ -108,6 +112,7 @@ class PeerBook:
             "cost_s": cost,
             "share_of_training": share,
             "copies": self.copies,
+            "skipped": self.skipped,
             "newest_step": self.newest,
             "errors": list(self.errors),
             "restores": list(self.restores),

@@ -446,6 +446,10 @@ class TrainWorker:
         """Host copy (blocks training as a save's does), then serialization and the
         send to the keepers on the upload thread; skipped while a save still uploads."""
         assert self.trainer is not None
+        if self.uploader.busy:  # the next copy comes k steps later: no host copy for none
+            with self._lock:
+                self._buf["peer"].append({"step": step, "rank": self.topo.rank, "taken": False})
+            return
         self.trainer.heartbeat.phase(f"peer copy of step {step} (host copy)")
         t0 = time.perf_counter()
         snap = self.trainer.snapshot()
