@@ -53,6 +53,7 @@ class FakeGroup:
         self.world_size = spec.parallel.pipeline_stages * replicas
         self.attempt = f"att{len(FakeGroup.instances)}"
         self.device = "cpu"
+        self.restored_bytes = 0
         self.step = 0
         self.target = None
         self.running = False

@@ -62,7 +62,7 @@ def _held(*keepers: tuple[str, StateKeeper]) -> list[tuple[str, PeerCopy]]:
 
 
 def test_a_peer_copy_reads_back_bit_exact_through_the_checkpoint_reads(tmp_path: Path):
-    a, b = StateKeeper("peer"), StateKeeper("peer")
+    a, b = StateKeeper(), StateKeeper()
     for rank, own, buddy in ((0, a, b), (1, b, a)):
         local, written = _rank_files(tmp_path, rank, 6)
         copy, blobs = peer_copy("g1", rank, 2, 6, local, written)
@@ -98,7 +98,7 @@ def test_a_peer_copy_reads_back_bit_exact_through_the_checkpoint_reads(tmp_path:
 def test_a_changed_byte_in_a_peer_copy_is_refused_by_the_verified_read(tmp_path: Path):
     from spotline.checkpoint.layout import CheckpointFormatError
 
-    keeper = StateKeeper("peer")
+    keeper = StateKeeper()
     for rank in (0, 1):
         _keep(keeper, tmp_path, "g1", rank, 4)
     offer = newest_complete(_spec(), _held(("A", keeper)), "g1", 2)
@@ -115,7 +115,7 @@ def test_a_changed_byte_in_a_peer_copy_is_refused_by_the_verified_read(tmp_path:
 
 
 def test_only_a_step_every_rank_of_one_group_left_is_offered(tmp_path: Path):
-    a, b = StateKeeper("peer"), StateKeeper("peer")
+    a, b = StateKeeper(), StateKeeper()
     _keep(a, tmp_path, "g1", 0, 4)
     _keep(b, tmp_path, "g1", 1, 4)
     _keep(a, tmp_path, "g1", 0, 8)  # rank 1's copy of step 8 never arrived
@@ -133,7 +133,7 @@ def test_only_a_step_every_rank_of_one_group_left_is_offered(tmp_path: Path):
 
 
 def test_a_keeper_holds_the_newest_steps_of_each_rank_and_drops_other_groups(tmp_path: Path):
-    keeper = StateKeeper("peer")
+    keeper = StateKeeper()
     for step in (2, 4, 6):
         _keep(keeper, tmp_path, "g1", 0, step)
     _keep(keeper, tmp_path, "g2", 0, 2)

@@ -109,19 +109,14 @@ def peer_copy(
 @dataclass
 class PeerOffer:
     """A step every rank of one group left complete in live keepers: the manifest a new
-    group restores it by, and who holds what."""
+    group restores it by (it names who holds what)."""
 
     step: int
     attempt: str
     manifest: Manifest
-    holders: dict[str, list[str]] = field(default_factory=dict)
-    """Rank prefix -> the keepers holding that rank's files (own node's first)."""
+    """Its extra[PEER_KEY]["holders"]: rank prefix -> the keepers holding its files."""
     losses: list[tuple[int, float]] = field(default_factory=list)
     """(step, loss) up to `step` as the group trained them (rank 0's copy)."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.size for f in self.manifest.files)
 
 
 def newest_complete(
@@ -156,5 +151,5 @@ def newest_complete(
         manifest = build_manifest(spec, step, attempt, world, results, partition)
         where = {rank_prefix(attempt, r): holders[(step, r)] for r in range(world)}
         manifest.extra[PEER_KEY] = {"holders": where}
-        return PeerOffer(step, attempt, manifest, where, list(copies[0].losses))
+        return PeerOffer(step, attempt, manifest, list(copies[0].losses))
     return None

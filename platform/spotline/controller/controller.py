@@ -250,7 +250,7 @@ class Controller(ControllerParts):
         from_peers = manifest is not None and PEER_KEY in manifest.extra
         if manifest is not None:
             attempt.restored_from = manifest.step
-            attempt.restored_bytes = getattr(group, "restored_bytes", 0)
+            attempt.restored_bytes = group.restored_bytes
             attempt.restored_via = "peer memory" if from_peers else "storage"
             attempt.restored_attempt = offer.attempt if from_peers and offer else ""
             was = (manifest.topology.get("pipeline_stages"), manifest.topology.get("replicas"))

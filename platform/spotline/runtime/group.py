@@ -141,6 +141,7 @@ class WorkerGroup(Protocol):
     replicas: int
     attempt: str
     device: str  # "gpu" or "cpu", once started
+    restored_bytes: int  # what the ranks read in the latest restore
 
     def start(self, partition: list[int] | None = None, init: bool = True) -> None: ...
     def partition(self) -> dict[str, Any]: ...

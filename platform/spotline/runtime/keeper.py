@@ -46,8 +46,7 @@ def keeper_name(job: str, node_id: str) -> str:
 class StateKeeper:
     """Peer copies of ranks' snapshots, in this process's memory (see the module)."""
 
-    def __init__(self, job: str):
-        self.job = job
+    def __init__(self) -> None:
         self._copies: dict[tuple[str, int, int], tuple[PeerCopy, dict[str, bytes]]] = {}
 
     def put(self, copy: dict[str, Any], blobs: dict[str, bytes]) -> int:
@@ -111,7 +110,7 @@ class PeerMemory:
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 get_if_exists=True,
-            ).remote(self.spec.name)
+            ).remote()
         out = []
         for node in nodes_of_ranks:
             buddy = ring[(ring.index(node) + 1) % len(ring)]
@@ -170,6 +169,15 @@ class PeerMemory:
         self._keepers = {}
 
 
+def _keeper(handles: dict[str, Any], name: str) -> Any:
+    """The handle of keeper `name`, looked up once per process."""
+    import ray
+
+    if name not in handles:
+        handles[name] = ray.get_actor(name)
+    return handles[name]
+
+
 class PeerSender:
     """A rank's side: send what a save wrote to its own and its buddy's keeper."""
 
@@ -196,7 +204,10 @@ class PeerSender:
         copy, blobs = peer_copy(
             self.attempt, self.rank, self.world_size, step, local, written, batch, losses
         )
-        refs = {name: self._handle(name).put.remote(copy.to_dict(), blobs) for name in self.keepers}
+        refs = {
+            name: _keeper(self._handles, name).put.remote(copy.to_dict(), blobs)
+            for name in self.keepers
+        }
         took = []
         for name, ref in refs.items():
             try:
@@ -217,17 +228,10 @@ class PeerSender:
             "kept_by": len(took),
         }
 
-    def _handle(self, name: str) -> Any:
-        import ray
-
-        if name not in self._handles:
-            self._handles[name] = ray.get_actor(name)
-        return self._handles[name]
-
 
 class PeerReader:
     """`read_range` over the keepers a peer manifest names (own node's first), for a
-    rank restoring from peer memory; counts the bytes it read."""
+    rank restoring from peer memory."""
 
     def __init__(self, manifest: Manifest, own_keeper: str | None):
         self.step = manifest.step
@@ -239,7 +243,6 @@ class PeerReader:
             mine = [n for n in names if n == own_keeper]
             self._holders[prefix] = mine + [n for n in names if n != own_keeper]
         self._handles: dict[str, Any] = {}
-        self.bytes_read = 0
 
     def read_range(self, step: int, path: str, start: int, length: int) -> bytes:
         import ray
@@ -248,16 +251,15 @@ class PeerReader:
         why = "no keeper holds it"
         for name in self._holders.get(prefix, []):
             try:
-                handle = self._handles.get(name) or ray.get_actor(name)
-                self._handles[name] = handle
                 data = ray.get(
-                    handle.read.remote(self.attempt, step, path, start, length),
+                    _keeper(self._handles, name).read.remote(
+                        self.attempt, step, path, start, length
+                    ),
                     timeout=ASK_TIMEOUT_S,
                 )
             except Exception as e:  # noqa: BLE001 - the next holder, else the commit
                 why = f"{name.rsplit(':', 1)[-1][:12]}: {type(e).__name__}"
                 continue
-            self.bytes_read += len(data)
             return data
         raise CorruptCheckpointError(
             step, path, f"the peer copy cannot be read ({why})", uri=self.uri
