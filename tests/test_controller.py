@@ -33,7 +33,7 @@ from spotline.controller.state import (
     Waiting,
 )
 from spotline.report import status_rows
-from spotline.runtime.group import PROCESS_DIED, Progress, RankBeat, WorkerFailure
+from spotline.runtime.progress import PROCESS_DIED, Progress, RankBeat, WorkerFailure
 
 pytestmark = pytest.mark.unit
 

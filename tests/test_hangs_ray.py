@@ -156,7 +156,7 @@ def test_the_autoscaler_is_asked_to_replace_a_cordoned_node(ray_session, tmp_pat
 
     from spotline.runtime.cluster import replicas_fit
     from spotline.runtime.demand import RayDemand
-    from spotline.runtime.group import worker_bundle
+    from spotline.runtime.placement import worker_bundle
 
     spec = tiny_spec(tmp_path, "cordon-demand", **{"resources.device": "cpu"})
     demand = RayDemand(spec, "cpu")

@@ -20,7 +20,7 @@ from spotline.controller.health import (
 from spotline.controller.policies import classify
 from spotline.metrics.export import Metrics
 from spotline.runtime.faults import Faults
-from spotline.runtime.group import RankBeat
+from spotline.runtime.progress import RankBeat
 from spotline.train.health import ComputeMeter, Heartbeat
 
 pytestmark = pytest.mark.unit

@@ -242,7 +242,7 @@ def test_spot_config_is_sized_for_the_infra(
     launcher: dict[str, Any], kuberay: list[dict[str, Any]]
 ) -> None:
     from spotline.runtime.cluster import replicas_fit
-    from spotline.runtime.group import worker_bundle
+    from spotline.runtime.placement import worker_bundle
 
     spec = load_spec(SPOT_CONFIG)
     # 'gpu': on a pool that starts with no GPU node, the job asks for GPU bundles and

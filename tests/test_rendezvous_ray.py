@@ -26,7 +26,8 @@ _SCENARIO = textwrap.dedent(
     import ray
     from spotline.checkpoint import CheckpointStore
     from spotline.config import load_spec
-    from spotline.runtime.group import RayWorkerGroup, WorkerFailure
+    from spotline.runtime.group import RayWorkerGroup
+    from spotline.runtime.progress import WorkerFailure
 
     gpus, device, tmp = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False,

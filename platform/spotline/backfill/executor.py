@@ -328,7 +328,7 @@ def sidecar_factory(spec: JobSpec, store: CheckpointStore):
     import ray
 
     from spotline.runtime.actor import channel_path
-    from spotline.runtime.group import worker_name
+    from spotline.runtime.placement import worker_name
 
     # Held by this closure while the executors may restart: their secrets stay in the
     # object store until then.

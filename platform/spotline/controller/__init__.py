@@ -3,10 +3,12 @@
 What lives here:
 - `controller.py`: the loop and its transitions; it carries decisions out.
 - `state.py`: the states and their payloads.
-- `policies.py`, `jit.py`, `repartition.py`, `recovery.py`: policies that return
-  decisions (restart or fail, how many replicas, when to grow, at which step to take a
-  just-in-time checkpoint, when to re-partition the pipeline, every how many steps to
-  take peer copies), tested without Ray.
+- `policies.py`, `jit.py`, `repartition.py`, `recovery.py`, `cordons.py`: policies
+  that return decisions (restart or fail, how many replicas, when to grow, at which
+  step to take a just-in-time checkpoint, when to re-partition the pipeline, every how
+  many steps to take peer copies and which copy to restore, which node to cordon and
+  when to leave it), tested without Ray.
+- `health.py`: hang bounds and stragglers read from the ranks' heartbeats.
 - `pace.py`, `capacity.py`: the measured pace the decisions weigh; patient reads of
   the cluster's capacity and losses.
 - `telemetry.py`: progress ingest, the goodput ledger, metrics and trackers.

@@ -28,7 +28,9 @@ grows toward max_replicas when `GrowPolicy`'s cost rule says it pays.
 Hangs and stragglers (`health.py`): every poll carries each rank's heartbeat; no step
 for longer than the hang bound tears the group down as a failure naming the ranks that
 held it up. A node that hung too often, or straggled too far, is cordoned; a running
-group leaves a cordoned node at the next checkpoint boundary when that pays.
+group leaves a cordoned node at the next checkpoint boundary when that pays
+(`cordons.py`). A new group restores from the keepers' peer copies when they are at
+least as new as the newest commit (`recovery.py`).
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ from typing import Any
 
 from spotline import constants
 from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError, StorageError
-from spotline.checkpoint.peer import PEER_KEY, PeerOffer
+from spotline.checkpoint.peer import PEER_KEY
 from spotline.config.loader import SpecError
 from spotline.config.redact import redact
 from spotline.controller.capacity import lost_nodes, settled_capacity
-from spotline.controller.health import CORDON_ARTIFACT, HangError
 from spotline.controller.parts import ControllerParts
-from spotline.controller.policies import Fail, Resize, Wait, classify, restart_pays
+from spotline.controller.policies import Fail, Resize, Wait, classify
+from spotline.controller.recovery import restored_what
 from spotline.controller.repartition import Leave
 from spotline.controller.snapshot import Attempt
 from spotline.controller.state import (
@@ -62,7 +64,7 @@ from spotline.controller.state import (
     Waiting,
 )
 from spotline.registry import user_code_error
-from spotline.runtime.group import WorkerFailure, WorkerGroup
+from spotline.runtime.progress import WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
 
@@ -170,7 +172,7 @@ class Controller(ControllerParts):
             return Finished(reported=done)
         self.artifacts.own()
         self.telemetry.resume(self.coordinator)
-        self._keep_cordons()
+        self.cordons.keep()
         self.jit.check_fit()
         return Scheduling(reason="start", since=self.clock())
 
@@ -223,7 +225,11 @@ class Controller(ControllerParts):
         if self.rec.resizes and "to_replicas" not in self.rec.resizes[-1]:
             self.rec.resizes[-1]["to_replicas"] = replicas
         self.pace.starting(self.clock())
-        offer = self._peer_offer()  # before step_seconds clear: nothing else reads them
+        offer = self.recovery.offer(
+            self.rec.attempts,
+            self.coordinator.partitions,
+            max(self.coordinator.committed, default=0),
+        )
         self.rec.step_seconds.clear()
         group = self.group_factory(replicas)
         self.group = group
@@ -248,75 +254,30 @@ class Controller(ControllerParts):
         for done in self.coordinator.take_recovered():  # a dead group's, from its receipts
             self._committed(done)
         from_peers = manifest is not None and PEER_KEY in manifest.extra
+        source = offer if from_peers else None
         if manifest is not None:
             attempt.restored_from = manifest.step
             attempt.restored_bytes = group.restored_bytes
-            attempt.restored_via = "peer memory" if from_peers else "storage"
-            attempt.restored_attempt = offer.attempt if from_peers and offer else ""
-            was = (manifest.topology.get("pipeline_stages"), manifest.topology.get("replicas"))
-            how = (
-                f", resharded from {was[0]} stage(s) x {was[1]} replica(s) to {pp} x {replicas}"
-                if was != (pp, replicas)
-                else ""
+            attempt.restored_via = "peer memory" if source else "storage"
+            attempt.restored_attempt = source.attempt if source else ""
+            self._event(
+                f"restored {restored_what(manifest, attempt, pp, replicas)}", track="resume"
             )
-            what = (
-                f"step {manifest.step} from peer memory ({attempt.restored_bytes} bytes from "
-                "live nodes' keepers, none from storage"
-                if from_peers
-                else f"committed checkpoint step {manifest.step} (sha256 verified"
-            )
-            self._event(f"restored {what}{how})", track="resume")
-        if self.peers is not None:
-            # The copies a later restore may read: this group's, and the one it restored
-            # from until this group has its own. Another lineage's never mix in.
-            keep = [group.attempt] + ([offer.attempt] if from_peers and offer else [])
-            self.peers.retain(keep)
-            if from_peers and offer:
-                self.rec.take_losses(offer.attempt, offer.losses)
-                self.peer_book.restores.append(
-                    {"step": offer.step, "bytes": attempt.restored_bytes, "from": offer.attempt}
-                )
+        # The copies a later restore may read: this group's, and the one it restored
+        # from until this group has its own. Another lineage's never mix in.
+        self.recovery.restored(group.attempt, source, attempt.restored_bytes)
+        if source is not None:
+            self.rec.take_losses(source.attempt, source.losses)
         self.step_count = restored
         attempt.start_step = restored
         self.telemetry.start_tracking(manifest.step if manifest is not None else None)
         self.telemetry.ledger.lost(reached - restored)  # trained again from here
         if restored >= self.spec.train.steps:
             return Finishing()
-        group.run(self.spec.train.steps, self.peer_book.run_every() if self.peers else 0)
+        group.run(self.spec.train.steps, self.recovery.run_every())
         self.pace.group_started = self.clock()
         self.health.group_started(self.pace.group_started, restored)
         return Running(target=self.spec.train.steps)
-
-    def _peer_offer(self) -> PeerOffer | None:
-        """The newest step the previous group left complete in live keepers, if any."""
-        prev = self.rec.attempts[-1] if self.rec.attempts else None
-        if self.peers is None or prev is None or not prev.attempt:
-            return None
-        # Its own copies, else the one it started from (the same line of steps).
-        lineage = [prev] + [a for a in self.rec.attempts if a.attempt == prev.restored_attempt]
-        offer = None
-        for a, at in zip(lineage, [None, prev.restored_from], strict=False):
-            world = a.replicas * self.spec.parallel.pipeline_stages
-            bounds = self.coordinator.partitions.get(a.attempt)
-            try:
-                found = self.peers.offer(a.attempt, world, bounds, at)
-            except Exception as e:  # noqa: BLE001 - the commits are still there
-                self._event(
-                    f"could not ask the state keepers for peer copies ({e})", logging.WARNING
-                )
-                return None
-            if found is not None and (offer is None or found.step > offer.step):
-                offer = found
-        sent = self.peer_book.newest
-        latest = max(self.coordinator.committed, default=0)
-        if sent is not None and sent > latest and (offer is None or offer.step < sent):
-            self._event(
-                f"peer copy of step {sent} is no longer complete in live nodes' memory (a "
-                "rank and its buddy were lost together); restoring "
-                + (f"step {offer.step} from peer memory" if offer else "the newest commit"),
-                logging.WARNING,
-            )
-        return offer
 
     # --- training -------------------------------------------------------------------
 
@@ -503,7 +464,8 @@ class Controller(ControllerParts):
         kind = classify(causes or [], error)
         hang = kind.name == "hang" and not lost
         if hang:
-            self._hung(causes or [])  # may cordon a node: before the next size is counted
+            # May cordon a node: before the next size is counted.
+            self.cordons.after_hang(causes or [], self.step_count, self._replicas_left)
         want = self._replicas_left(exclude=lost)
         r = self.rec
         if r.attempts:
@@ -545,55 +507,14 @@ class Controller(ControllerParts):
 
     # --- hangs, stragglers and cordons -------------------------------------------------
 
-    def _hung(self, causes: list[BaseException]) -> None:
-        """Count a hang against the nodes of the ranks that held the group up (named by
-        the hang watch, or by the heartbeats when a rank's collective timeout fired
-        first), and cordon a node that reached failure.cordon_after_hangs."""
-        declared = [c for c in causes if isinstance(c, HangError)]
-        nodes = declared[0].nodes if declared else self.health.behind_nodes()
-        for node in self.health.hung(nodes, self.step_count):
-            n = self.health.hangs_on[node]
-            self._cordon(node, f"a rank there hung {n} times")
-
-    def _keep_cordons(self) -> None:
-        """A job started again keeps the nodes its earlier controllers cordoned out."""
-        self.health.load(self.coordinator.read_artifact(CORDON_ARTIFACT))
-        for node, why in self.health.cordoned.items():
-            self.cluster.cordon(node)
-            self._event(f"node {node[:12]} stays cordoned ({why})")
-
     def _cordon_decision(self) -> State | None:
-        """Cordon the node of a rank straggling past failure.cordon_straggler_threshold,
-        and leave it at the next checkpoint boundary when the restart pays (the grow
-        rule's cost test: the remaining steps at the pace without the straggler save
-        more than twice the measured restart)."""
+        """Cordon stragglers' nodes, and leave the cordoned nodes of the running group at
+        the next checkpoint boundary when the restart pays (`cordons.Cordons`)."""
         group = self.group
         assert group is not None
-        for s in self.health.cordon_due(self.clock()):
-            self._cordon(
-                s.node, f"rank {s.rank} there computed {s.slowdown:.0%} slower than its peers"
-            )
-        bad = set(self.health.cordoned) & group.node_ids()
-        pace, now = self.pace, self.clock()
-        if not bad or now - pace.cordon_checked < _GROW_CHECK_S:
-            return None
-        pace.cordon_checked = now
-        restart_s = pace.restart_cost_s()
-        replicas = self._replicas_left()
-        if restart_s is None or replicas < self.spec.elastic.min_replicas:
-            return None
-        slowest = max(
-            (s.slowdown for s in self.health.stragglers.values() if s.node in bad), default=0.0
-        )
-        sps = pace.sps.get(group.replicas, 0.0)
-        faster = sps * (1.0 + slowest) * replicas / group.replicas
-        steps_left = self.spec.train.steps - self.step_count
-        if not restart_pays(steps_left, sps, faster, restart_s, now - pace.group_started):
-            return None
-        interval = self.spec.checkpoint.interval_steps
-        boundary = (self.step_count // interval + 1) * interval
-        detail = f"restart without cordoned node(s) {', '.join(n[:12] for n in sorted(bad))}"
-        return self._leave("cordon", boundary, detail)
+        self.cordons.stragglers(self._replicas_left)
+        leave = self.cordons.leave_at(group, self.pace, self.step_count, self._replicas_left())
+        return self._leave("cordon", *leave) if leave is not None else None
 
     def _take_inbox(self) -> None:
         """Notices, in any state: the doomed node is drained at once (nothing new is

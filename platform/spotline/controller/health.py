@@ -25,7 +25,7 @@ from typing import Any
 
 from spotline import constants
 from spotline.config.schema import JobSpec
-from spotline.runtime.group import RankBeat
+from spotline.runtime.progress import RankBeat
 
 CORDON_ARTIFACT = "cordon.json"
 """The cordon list and the hang count per node, beside the checkpoints: a controller

@@ -31,7 +31,6 @@ class Pace:
     starting_since: float | None = None  # clock, while a new group has no step
     group_started: float = 0.0  # clock: when the live group was set running
     grow_checked: float = 0.0  # clock: the latest look at capacity for a grow
-    cordon_checked: float = 0.0  # clock: the latest look at leaving a cordoned node
 
     def note_rate(self, replicas: int, steps_per_s: float, warm: bool) -> None:
         """The steps per second this job runs at `replicas` replicas, as the grow and

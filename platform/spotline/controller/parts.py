@@ -1,8 +1,8 @@
 """What a controller is made of, and what other threads may ask of it.
 
 `ControllerParts` wires the controller's rooms together (the record, telemetry and its
-pace, the inbox and event log, the JIT and partition books, the artifacts, the
-backfill door, the commit coordinator) and answers the queries and requests that
+pace, the inbox and event log, the JIT and partition books, health and cordons, peer
+recovery, the artifacts, the backfill door, the commit coordinator) and answers the queries and requests that
 come from other threads: status, result, summary and trace (projections of one
 `Snapshot`), notices, stop, re-partition and hold requests. It also carries a poll
 of the live group to telemetry and the coordinator. It takes no decision and moves
@@ -25,11 +25,12 @@ from spotline.config.schema import JobSpec
 from spotline.controller.artifacts import Artifacts, trace
 from spotline.controller.backfill_api import BackfillAPI
 from spotline.controller.capacity import replicas_left
-from spotline.controller.health import CORDON_ARTIFACT, HangError, HealthBook
+from spotline.controller.cordons import Cordons
+from spotline.controller.health import HangError, HealthBook
 from spotline.controller.inbox import EventLog, Inbox
 from spotline.controller.jit import JitBook, JitPolicy
 from spotline.controller.policies import FailurePolicy, GrowPolicy, ScalingPolicy
-from spotline.controller.recovery import PeerBook
+from spotline.controller.recovery import PeerRecovery
 from spotline.controller.repartition import PartitionBook
 from spotline.controller.snapshot import (
     PlanView,
@@ -44,7 +45,7 @@ from spotline.controller.state import Pending, State
 from spotline.controller.telemetry import Telemetry
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.demand import Demand
-from spotline.runtime.group import Progress, WorkerFailure, WorkerGroup
+from spotline.runtime.progress import Progress, WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
 
@@ -65,9 +66,6 @@ class ControllerParts:
         peers: Any = None,
     ):
         self.spec = spec
-        self.peers = peers if spec.recovery.peer_snapshots else None
-        """The job's state keepers (`spotline.runtime.keeper.PeerMemory`), or None."""
-        self.peer_book = PeerBook(spec)
         self.demand = demand  # what the job asks the autoscaler for, while it lives
         self.group_factory = group_factory
         self.cluster = cluster
@@ -81,6 +79,7 @@ class ControllerParts:
         self.inbox = Inbox()
         self.rec = Record()
         self.coordinator = CommitCoordinator(spec, store, self._event)
+        self.recovery = PeerRecovery(spec, peers, self._event)  # peers: the state keepers
         self.telemetry = Telemetry(spec, self._event, checkpoint_uri=self.store.uri, rec=self.rec)
         self.pace = self.telemetry.pace
         self.health = HealthBook(spec, self._event, self.telemetry.metrics)
@@ -94,6 +93,16 @@ class ControllerParts:
         )
         self.partitions = PartitionBook(spec, self.rec, self._event)
         self.artifacts = Artifacts(spec, self.coordinator, self._event)
+        self.cordons = Cordons(
+            spec,
+            self.health,
+            cluster,
+            self.coordinator,
+            self.artifacts,
+            demand,
+            self._event,
+            clock,
+        )
         pp = spec.parallel.pipeline_stages
         self.bubbles = BubbleBook(pp) if pp > 1 else None
         self.backfill = backfill
@@ -188,17 +197,7 @@ class ControllerParts:
         tel = self.telemetry
         tel.account(p, elapsed, group, self.clock(), self.bubbles, self.backfill, self.partitions)
         tel.export_counts(self.backfill_api.finished_counts())
-        if p.peer and self.peers is not None:
-            k = self.peer_book.take(
-                p.peer, group.world_size, list(self.rec.step_seconds), group.device
-            )
-            if k is not None:
-                group.request(peer_every=k)
-                self._event(
-                    f"peer copies every {k} step(s): each costs "
-                    f"{self.peer_book.costs[-1]:.3f}s, within "
-                    f"{self.spec.recovery.peer_cost_budget:.0%} of training"
-                )
+        self.recovery.take(p.peer, group, list(self.rec.step_seconds))
 
     def _committed(self, done: Committed) -> None:
         self.rec.commit(done)
@@ -218,33 +217,6 @@ class ControllerParts:
             return 0
         gone = set(self._doomed_here()) | set(exclude) | set(self.health.cordoned)
         return replicas_left(self.cluster, self.group.worker_info(), gone)
-
-    def _cordon(self, node: str, why: str) -> bool:
-        """Keep `node` out of every new group of this job (failure.cordon), when the job
-        can still run at elastic.min_replicas without it; True once cordoned."""
-        least = self.spec.elastic.min_replicas
-        left = self._replicas_left(exclude={node})
-        if left < least:
-            self.health.refused[node] = self.clock()
-            self._event(
-                f"node {node[:12]}: {why}; not cordoned, as without it the cluster holds "
-                f"{left} replica(s), below elastic.min_replicas ({least})",
-                logging.WARNING,
-            )
-            return False
-        self.health.cordon(node, why)
-        self.cluster.cordon(node)
-        if self.demand is not None:
-            self.demand.keep(force=True)  # a replacement for it, now
-        if self.artifacts.owned:
-            self.coordinator.write_artifact(CORDON_ARTIFACT, self.health.to_json())
-        self._event(
-            f"cordoned node {node[:12]} for the rest of the job: {why}. No new group is "
-            "placed there (the list is kept beside the checkpoints)",
-            logging.WARNING,
-            track="cordon",
-        )
-        return True
 
     def _doomed_here(self) -> list[str]:
         group = self.group

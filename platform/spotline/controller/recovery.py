@@ -11,15 +11,20 @@ for a new k only when it changes.
 The copy restored after a failure is the newest step the failed group left complete
 in live keepers (`spotline.checkpoint.peer`), when it is at least as new as the newest
 commit; the commit coordinator falls back to the commits when it cannot be read.
+`PeerRecovery` is the controller's one door to all of it: it finds the offer, keeps
+the book, and keeps in the keepers only the copies a later restore may read.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
+from spotline.checkpoint.peer import PeerOffer
 from spotline.config.schema import JobSpec
 
 MEASURE = -1
@@ -117,3 +122,91 @@ class PeerBook:
             "errors": list(self.errors),
             "restores": list(self.restores),
         }
+
+
+def restored_what(manifest: Any, attempt: Any, stages: int, replicas: int) -> str:
+    """What a group restored (`manifest`, into `snapshot.Attempt` `attempt`), for the
+    event log: the step, where it was read from, and the reshard if the shape changed."""
+    was = (manifest.topology.get("pipeline_stages"), manifest.topology.get("replicas"))
+    how = (
+        f", resharded from {was[0]} stage(s) x {was[1]} replica(s) to {stages} x {replicas}"
+        if was != (stages, replicas)
+        else ""
+    )
+    if attempt.restored_via == "peer memory":
+        return (
+            f"step {manifest.step} from peer memory ({attempt.restored_bytes} bytes from live "
+            f"nodes' keepers, none from storage{how})"
+        )
+    return f"committed checkpoint step {manifest.step} (sha256 verified{how})"
+
+
+class PeerRecovery:
+    """The job's state keepers (`spotline.runtime.keeper.PeerMemory`, or None when
+    recovery.peer_snapshots is off) and the book of their copies."""
+
+    def __init__(self, spec: JobSpec, peers: Any, event: Callable[..., None]):
+        self.spec = spec
+        self.peers = peers if spec.recovery.peer_snapshots else None
+        self.book = PeerBook(spec)
+        self._event = event
+
+    def run_every(self) -> int:
+        """`peer_every` for a new group's run (0: no copies)."""
+        return self.book.run_every() if self.peers is not None else 0
+
+    def take(self, reports: list[dict[str, Any]], group: Any, step_seconds: list[float]) -> None:
+        """Fold a poll's peer reports; ask the ranks for a new k when it changed."""
+        if not reports or self.peers is None:
+            return
+        k = self.book.take(reports, group.world_size, step_seconds, group.device)
+        if k is not None:
+            group.request(peer_every=k)
+            self._event(
+                f"peer copies every {k} step(s): each costs {self.book.costs[-1]:.3f}s, "
+                f"within {self.spec.recovery.peer_cost_budget:.0%} of training"
+            )
+
+    def offer(
+        self, attempts: list[Any], partitions: dict[str, list[int]], latest_commit: int
+    ) -> PeerOffer | None:
+        """The newest step the previous attempt (of `attempts`, `snapshot.Attempt`s) left
+        complete in live keepers: its own copies, else the step it started from when that
+        came from peer memory (the same line of steps). Never another lineage's."""
+        prev = attempts[-1] if attempts else None
+        if self.peers is None or prev is None or not prev.attempt:
+            return None
+        lineage = [prev] + [a for a in attempts if a.attempt == prev.restored_attempt]
+        offer = None
+        for a, at in zip(lineage, [None, prev.restored_from], strict=False):
+            world = a.replicas * self.spec.parallel.pipeline_stages
+            try:
+                found = self.peers.offer(a.attempt, world, partitions.get(a.attempt), at)
+            except Exception as e:  # noqa: BLE001 - the commits are still there
+                self._event(
+                    f"could not ask the state keepers for peer copies ({e})", logging.WARNING
+                )
+                return None
+            if found is not None and (offer is None or found.step > offer.step):
+                offer = found
+        sent = self.book.newest
+        if sent is not None and sent > latest_commit and (offer is None or offer.step < sent):
+            self._event(
+                f"peer copy of step {sent} is no longer complete in live nodes' memory (a "
+                "rank and its buddy were lost together); restoring "
+                + (f"step {offer.step} from peer memory" if offer else "the newest commit"),
+                logging.WARNING,
+            )
+        return offer
+
+    def restored(self, attempt: str, offer: PeerOffer | None, nbytes: int) -> None:
+        """A group (`attempt`) started, from `offer` when it restored from peer memory:
+        the keepers keep only its copies and that source's."""
+        if self.peers is None:
+            return
+        self.peers.retain([attempt] + ([offer.attempt] if offer else []))
+        if offer is not None:
+            self.book.restores.append({"step": offer.step, "bytes": nbytes, "from": offer.attempt})
+
+    def summary(self, step_seconds: list[float]) -> dict[str, Any] | None:
+        return self.book.summary(step_seconds) if self.peers is not None else None

@@ -337,7 +337,7 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
             {"tasks": ctl.backfill.results(), **ctl.backfill.summary()} if ctl.backfill else None
         ),
         health=ctl.health.view(ctl.clock()),
-        peer_memory=ctl.peer_book.summary(list(r.step_seconds)) if ctl.peers else None,
+        peer_memory=ctl.recovery.summary(list(r.step_seconds)),
         checkpoint_uri=ctl.store.uri,
         wall_s=(r.finished_at or time.time()) - r.started_at,
         updated_at=time.time(),

@@ -1,5 +1,7 @@
-"""The Ray side of a job: the worker actor, the worker group, the cluster view, and
-the state keepers (`keeper`: peer copies of the ranks' state in live nodes' memory).
+"""The Ray side of a job: the worker actor, the worker group (`group`) and what it
+publishes (`progress`: the interface the controller drives), where workers go
+(`placement`), the cluster view, the autoscaler demand, and the state keepers
+(`keeper`: peer copies of the ranks' state in live nodes' memory).
 
 Workers answer calls and publish progress; they never reach back into the controller.
 The runtime never imports backfill (the group takes its executor factory as a sidecar).

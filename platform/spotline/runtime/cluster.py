@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from spotline import constants
 from spotline.config.schema import JobSpec
-from spotline.runtime.group import usable_nodes
+from spotline.runtime.placement import draining_nodes, usable_nodes, worker_bundle
 from spotline.runtime.rendezvous import decide_device
 
 log = logging.getLogger("spotline.controller")
@@ -180,21 +180,12 @@ class RayClusterView:
         placement excludes them (the same set object)."""
 
     def capacity(self, held_workers: int = 0, exclude: set[str] = frozenset()) -> int:
-        import ray
         from ray._private.state import available_resources_per_node
-
-        from spotline.runtime.group import worker_bundle
 
         # A draining node takes no new work, but its resources show as free again once
         # the job's own workers on it are gone: count only live nodes that are not
         # draining, nor noticed (a notice whose drain Ray refused still dooms the node).
-        try:
-            draining = set(
-                ray._private.worker.global_worker.gcs_client.get_draining_nodes(timeout=5)
-            )
-        except Exception as e:  # noqa: BLE001 - unknown drains: count what is free
-            log.warning("could not ask Ray which nodes are draining: %s", e)
-            draining = set()
+        draining = draining_nodes()  # unknown drains: count what is free
         alive = self._alive_nodes()
         nodes = [
             res

@@ -48,7 +48,7 @@ def demand_bundles(
     preemption notice, or cordoned) could hold: the autoscaler still counts those nodes,
     so without these bundles it would not replace them until they are gone."""
     from spotline.runtime.cluster import replicas_fit
-    from spotline.runtime.group import worker_bundle
+    from spotline.runtime.placement import worker_bundle
 
     pp = spec.parallel.pipeline_stages
     replica = [worker_bundle(spec, device, s) for s in range(pp)]
@@ -95,7 +95,7 @@ class RayDemand:
             ResourceRequestPriority,
         )
 
-        from spotline.runtime.group import held_out_nodes, usable_nodes
+        from spotline.runtime.placement import held_out_nodes, usable_nodes
 
         device = self.device
         if device == "auto":

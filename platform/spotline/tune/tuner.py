@@ -51,7 +51,7 @@ def default_concurrency(spec: JobSpec, have: dict[str, float] | None = None) -> 
     workers); at least 1."""
     import ray
 
-    from spotline.runtime.group import worker_bundle
+    from spotline.runtime.placement import worker_bundle
     from spotline.runtime.rendezvous import decide_device
 
     if have is None:

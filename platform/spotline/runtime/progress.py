@@ -1,0 +1,134 @@
+"""What a worker group publishes, and the interface the controller drives it through.
+
+`WorkerGroup` is all the controller knows of its ranks, so controller tests swap in a
+fake group; `Progress`, `RankBeat` and `WorkerFailure` are what a poll returns or
+raises. This room holds data and the protocol only: it never starts an actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from spotline.checkpoint import Manifest
+from spotline.config.redact import redact
+
+PROCESS_DIED = "worker process died (killed, out of memory, or its node was lost)"
+
+
+class WorkerFailure(RuntimeError):
+    """One or more ranks failed. `ranks_by_error` groups identical errors across ranks."""
+
+    def __init__(
+        self,
+        what: str,
+        ranks_by_error: dict[str, list[int]],
+        nodes: dict[int, str] | None = None,
+        causes: list[BaseException] | None = None,
+    ):
+        self.what = what
+        self.ranks_by_error = ranks_by_error
+        self.nodes = nodes or {}
+        self.causes = causes or []
+        self.progress: Progress | None = None
+        """What the ranks that still answered published in the same poll: their steps
+        and finished uploads must not be lost with the failure."""
+        super().__init__(self._render())
+
+    @property
+    def process_died(self) -> bool:
+        """Some rank's process is gone (not merely raised): its node may be lost."""
+        return PROCESS_DIED in self.ranks_by_error
+
+    def _render(self) -> str:
+        parts = []
+        for err, ranks in self.ranks_by_error.items():
+            where = ", ".join(
+                f"{r}" + (f"@{self.nodes[r][:8]}" if r in self.nodes else "") for r in sorted(ranks)
+            )
+            parts.append(f"[ranks {where}]: {err}")
+        return redact(f"{self.what} failed: " + "; ".join(parts))
+
+
+@dataclass
+class Progress:
+    """What a group's ranks published since the last poll."""
+
+    steps: list[tuple[int, float, float, float]] = field(default_factory=list)
+    """(step, loss, seconds, wall time at its end), in order (rank 0's: the loss is the
+    same on every rank)."""
+    saves: dict[int, float] = field(default_factory=dict)
+    """Steps saved by every rank, with the longest time a rank's training was blocked."""
+    save_bytes: dict[int, int] = field(default_factory=dict)
+    """Bytes each of those saves copied to the host, over all ranks."""
+    uploads: list[Any] = field(default_factory=list)
+    """Finished uploads (UploadResult), any rank, in the order they finished."""
+    uploading: bool = False
+    notices: list[dict[str, Any]] = field(default_factory=list)
+    """Preemption notices the ranks saw themselves (SIGTERM), as Notice fields + rank."""
+    bubbles: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank of a pipeline: bubble figures since the last poll and its latest steps."""
+    lr: float | None = None
+    batch: dict[str, Any] | None = None
+    """Rank 0's batch in force: schedule, global_batch_size, micro_batches, noise_scale
+    and the schedule's history ([[first_step, global_batch], ...])."""
+    data_stall_s: float = 0.0
+    """Seconds steps waited for their batches since the last poll (the slowest rank's)."""
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    """Peak tensor memory of ranks that measured it since the last poll: stage, bytes."""
+    finished: dict[str, Any] | None = None
+    """Set once every rank's run returned: {"stopped_at": step, "reason": ...}."""
+    ranks: list[RankBeat] = field(default_factory=list)
+    """Every rank's latest heartbeat and its compute since the last poll (rank order)."""
+    peer: list[dict[str, Any]] = field(default_factory=list)
+    """Peer copies since the last poll, per rank: taken ({step, rank, blocked_s, taken})
+    and sent to the keepers ({step, rank, nbytes, send_s, total_s, kept_by} or error)."""
+
+
+@dataclass
+class RankBeat:
+    """What the controller knows of one rank's health after a poll."""
+
+    rank: int
+    stage: int
+    replica: int
+    node: str
+    step: int
+    """The step its heartbeat says it works on."""
+    phase: str
+    """What it was doing at its latest heartbeat, and for how long it had been (`phase_s`)."""
+    phase_s: float
+    silent_s: float
+    """Seconds since the rank last answered a poll (0: it answered this one)."""
+    running: bool
+    """Its run has not returned (a finished rank is idle, not hung)."""
+    compute_steps: int = 0
+    compute_s: float = 0.0
+    """Steps whose own compute time (no collective, no pipeline transfer) it measured
+    since the last poll, and their summed seconds."""
+
+
+class WorkerGroup(Protocol):
+    """What the controller needs from a group of ranks."""
+
+    world_size: int
+    replicas: int
+    attempt: str
+    device: str  # "gpu" or "cpu", once started
+    restored_bytes: int  # what the ranks read in the latest restore
+
+    def start(self, partition: list[int] | None = None, init: bool = True) -> None: ...
+    def partition(self) -> dict[str, Any]: ...
+    def restore(self, manifest: Manifest, source: str | None = None) -> int: ...
+    def run(self, target: int, peer_every: int = 0) -> None: ...
+    def poll(self, timeout_s: float) -> Progress: ...
+    def request(
+        self, save_at: int = 0, stop_at: int = 0, reason: str = "", peer_every: int = 0
+    ) -> None: ...
+    def wait_uploads(self, timeout_s: float) -> bool: ...
+    def node_ids(self) -> set[str]: ...
+    def heldout_loss(self) -> float: ...
+    def executors(self) -> list[Any]: ...
+    def peak_flops(self) -> float | None: ...
+    def worker_info(self) -> list[dict[str, Any]]: ...
+    def shutdown(self) -> None: ...
