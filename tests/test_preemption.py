@@ -38,7 +38,8 @@ from spotline.preemption import (
     make_source,
     source_names,
 )
-from spotline.preemption.sources import AwsSource, SigtermSource
+from spotline.preemption.cloud import AwsSource
+from spotline.preemption.sources import SigtermSource
 
 NODE = "ab" * 28  # a hex Ray node id
 

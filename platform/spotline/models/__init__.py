@@ -3,7 +3,9 @@
 `model_def(spec)` is the one way to get a job's architecture: it finds the provider
 in the registry, validates its config, and builds the `ModelDef` that pipelines,
 checkpoints, FLOPs and backfill all use (see `spotline.models.provider`);
-`spotline.models.flops` counts each layer's width and FLOPs on the meta device.
+`spotline.models.flops` counts each layer's width and FLOPs on the meta device;
+`hf` maps weights to and from Hugging Face names, and `hf_files` reads a checkpoint's
+files and headers without loading a weight.
 
 A provider describes and builds layers; it must never start anything, read storage,
 or decide how a job is cut into stages (the caller passes the bounds:

@@ -2,7 +2,7 @@
 checkpoints in safetensors (the layout `LlamaForCausalLM.from_pretrained` reads).
 
 Never pickle: only `config.json`, `*.safetensors` and `model.safetensors.index.json` are
-read or written. Loading and saving work on local directories; fetching a remote
+read or written (the files and their headers: `hf_files.py`). Loading and saving work on local directories; fetching a remote
 checkpoint (fsspec URIs) is the caller's business (`spotline.models`). `check_checkpoint`
 reads through whatever fsspec filesystem it is given, and only config.json, the index
 and each safetensors header (a ranged read), so the preflight checks a checkpoint in
@@ -34,13 +34,18 @@ from typing import Any
 
 import torch
 
-from spotline.config.loader import SpecError
 from spotline.config.model import LlamaModelSpec
-from spotline.storage import UnsafePathError, check_relpath
+from spotline.models.hf_files import (
+    CONFIG,
+    INDEX,
+    RESAVE,
+    SINGLE,
+    HFCheckpointError,
+    parse_config,
+    safetensors_header,
+    weight_files,
+)
 
-CONFIG = "config.json"
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 """HF's usual shard size (5 GB)."""
 
@@ -50,26 +55,6 @@ _HF_DEFAULT_EPS = 1e-6
 
 _ATTN = ("q", "k", "v", "o")
 _MLP = ("gate", "up", "down")
-
-MAX_HEADER_BYTES = 100_000_000
-"""The safetensors library's own bound on a header; a longer one is not a real file."""
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: skip
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-_RESAVE = (
-    "re-save it with safetensors (transformers: save_pretrained(dir, "
-    "safe_serialization=True)), or point model.init_from elsewhere"
-)
-
-
-class HFCheckpointError(SpecError):
-    """model.init_from cannot be loaded: its config.json disagrees with the spec, a
-    safetensors header is not one, a tensor is missing, extra or misshapen, or only
-    pickles are there. One line naming the file and the tensor; final, as a restart
-    would read the same bytes."""
-
 
 # --- config --------------------------------------------------------------------------
 
@@ -414,123 +399,7 @@ def read_hf_config(dir: Path) -> dict[str, Any]:
     path = Path(dir) / CONFIG
     if not path.is_file():
         raise HFCheckpointError(f"{path} does not exist: not a Hugging Face checkpoint")
-    return _parse_config(path.read_bytes(), str(path))
-
-
-def _parse_config(raw: bytes, name: str) -> dict[str, Any]:
-    try:
-        cfg = json.loads(raw)
-    except ValueError as e:
-        raise HFCheckpointError(f"model.init_from: {name} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise HFCheckpointError(f"model.init_from: {name} is not a JSON object")
-    return cfg
-
-
-def safetensors_header(
-    read: Callable[[int, int], bytes], size: int, name: str
-) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor: (dtype, shape)} of the safetensors file `name` of `size` bytes, from its
-    header alone: an 8-byte little-endian length, bounded by the file and
-    MAX_HEADER_BYTES, then that much JSON whose every entry must lie inside the file.
-    `read(start, end)` returns those bytes of the file. HFCheckpointError naming it."""
-    if size < 8:
-        raise HFCheckpointError(
-            f"model.init_from: {name} is {size} bytes, too short for safetensors; {_RESAVE}"
-        )
-    n = int.from_bytes(read(0, 8), "little")
-    if n > min(size - 8, MAX_HEADER_BYTES):
-        raise HFCheckpointError(
-            f"model.init_from: {name} is not a safetensors file: its header length is "
-            f"{n:,} bytes, in a file of {size:,}; {_RESAVE}"
-        )
-    try:
-        header = json.loads(read(8, 8 + n))
-    except ValueError:
-        header = None
-    if not isinstance(header, dict):
-        raise HFCheckpointError(
-            f"model.init_from: {name} is not a safetensors file: its header is not a JSON "
-            f"object; {_RESAVE}"
-        )
-    data = size - 8 - n
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for tensor, meta in header.items():
-        if tensor == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
-            ok = (
-                all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end))
-                and begin <= end <= data
-                and end - begin == math.prod(shape) * _DTYPE_BYTES[dtype]
-            )
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise HFCheckpointError(
-                f"model.init_from: {name}: the header entry of tensor {tensor} is malformed "
-                f"or lies past the end of the file ({size:,} bytes): truncated or not "
-                f"safetensors; {_RESAVE}"
-            )
-        if dtype not in _FLOAT_DTYPES:
-            raise HFCheckpointError(
-                f"model.init_from: HF tensor {tensor} in {name} has dtype {dtype}; weights "
-                f"must be floating point ({', '.join(sorted(_FLOAT_DTYPES))}); {_RESAVE}"
-            )
-        out[tensor] = (dtype, shape)
-    return out
-
-
-def _check_shard_name(fname: object, where: str) -> None:
-    """Refuse a shard name from the safetensors index that is not a plain file of the
-    checkpoint folder itself (the one path rule, plus: no subfolder, safetensors only)."""
-    try:
-        check_relpath(fname)
-    except UnsafePathError as e:
-        why = e.why
-    else:
-        if "/" in fname:  # type: ignore[operator]
-            why = "lies in a subfolder"
-        elif not fname.endswith(".safetensors"):  # type: ignore[union-attr]
-            why = "is not a .safetensors file"
-        else:
-            return
-    raise HFCheckpointError(
-        f"model.init_from: {where}/{INDEX} names shard {fname!r}, which {why}: not a shard "
-        f"in {where}"
-    )
-
-
-def _weight_files(files: dict[str, int], read_index: Callable[[], bytes], where: str):
-    """(the safetensors files that hold the weights, the index's weight_map or None)."""
-    if INDEX in files:
-        try:
-            weight_map = json.loads(read_index())["weight_map"]
-            values = list(weight_map.values())
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise HFCheckpointError(
-                f"model.init_from: {where}/{INDEX} is not a safetensors index: {e}"
-            ) from None
-        for fname in values:
-            _check_shard_name(fname, where)
-        names = sorted(set(values))
-        for fname in names:
-            if fname not in files:
-                raise HFCheckpointError(
-                    f"model.init_from: {where}/{INDEX} lists {fname}, which is not in {where}"
-                )
-        return names, weight_map
-    if SINGLE in files:
-        return [SINGLE], None
-    pickles = sorted(n for n in files if n.endswith((".bin", ".pt", ".pth")))
-    hint = (
-        f" (only {', '.join(pickles)}: pickles, which Spotline never reads; convert them to "
-        "safetensors with transformers' save_pretrained(dir, safe_serialization=True))"
-        if pickles
-        else "; give a Hugging Face checkpoint directory (config.json and *.safetensors)"
-    )
-    raise HFCheckpointError(f"model.init_from: {where} holds no {SINGLE} nor {INDEX}{hint}")
+    return parse_config(path.read_bytes(), str(path))
 
 
 def check_checkpoint(fs, root: str, spec: LlamaModelSpec, vocab_size: int, where: str) -> list[str]:
@@ -558,12 +427,12 @@ def check_checkpoint(fs, root: str, spec: LlamaModelSpec, vocab_size: int, where
             f"model.init_from: {where} has no {CONFIG}; give a Hugging Face checkpoint "
             "directory (config.json and *.safetensors)"
         )
-    cfg = _parse_config(fs.cat_file(f"{root}/{CONFIG}"), f"{where}/{CONFIG}")
+    cfg = parse_config(fs.cat_file(f"{root}/{CONFIG}"), f"{where}/{CONFIG}")
     try:
         check_hf_config(cfg, spec, vocab_size, where)
     except ValueError as e:
         raise HFCheckpointError(str(e)) from None
-    names, weight_map = _weight_files(files, lambda: fs.cat_file(f"{root}/{INDEX}"), where)
+    names, weight_map = weight_files(files, lambda: fs.cat_file(f"{root}/{INDEX}"), where)
     found: dict[str, tuple[int, ...]] = {}
     home: dict[str, str] = {}
     for fname in names:
@@ -577,7 +446,7 @@ def check_checkpoint(fs, root: str, spec: LlamaModelSpec, vocab_size: int, where
             if weight_map is not None and weight_map.get(tensor) != fname:
                 raise HFCheckpointError(
                     f"model.init_from: HF tensor {tensor} is in {where}/{fname} but {INDEX} "
-                    f"puts it in {weight_map.get(tensor)}; {_RESAVE}"
+                    f"puts it in {weight_map.get(tensor)}; {RESAVE}"
                 )
             found[tensor], home[tensor] = shape, f"{where}/{fname}"
     if weight_map is not None:
@@ -585,7 +454,7 @@ def check_checkpoint(fs, root: str, spec: LlamaModelSpec, vocab_size: int, where
         if missing:
             raise HFCheckpointError(
                 f"model.init_from: HF tensor {missing[0]} is in {where}/{INDEX} but in none "
-                f"of its shards; {_RESAVE}"
+                f"of its shards; {RESAVE}"
             )
     found = {k: v for k, v in found.items() if not k.endswith("rotary_emb.inv_freq")}
     if spec.tie_embeddings and "lm_head.weight" in found:  # its values are compared on load
@@ -623,7 +492,7 @@ def load_hf(dir: Path, spec: LlamaModelSpec, vocab_size: int) -> dict[str, torch
         try:
             state.update(load_file(str(dir / fname)))
         except SafetensorError as e:
-            raise HFCheckpointError(f"model.init_from: {dir / fname}: {e}; {_RESAVE}") from None
+            raise HFCheckpointError(f"model.init_from: {dir / fname}: {e}; {RESAVE}") from None
     try:
         return from_hf(state, spec, vocab_size=vocab_size)
     except ValueError as e:

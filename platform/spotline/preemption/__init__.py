@@ -1,10 +1,13 @@
-"""Preemption notices: sources that ask whether this node is about to go (cloud metadata,
-Ray's node drain, SIGTERM) and a watcher that reports each notice once.
+"""Preemption notices: sources that ask whether this node is about to go (Ray's node
+drain and SIGTERM in `sources`, cloud metadata in `cloud`) and a watcher that reports
+each notice once.
 
 It only reports: it never stops a worker, saves a checkpoint or talks to training
 itself (the controller decides what a notice means).
 """
 
+# Importing `cloud` registers the aws, gcp and azure sources.
+from spotline.preemption import cloud  # noqa: F401
 from spotline.preemption.sources import (
     Notice,
     NoticeSource,
