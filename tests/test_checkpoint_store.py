@@ -368,3 +368,31 @@ def test_an_upload_takes_the_writers_digest_instead_of_hashing_again(
     entries = {e.path: e for e in store.upload_dir(local, 1, prefix="r0", known=known)}
     assert entries["r0/a.bin"].sha256 == told
     assert entries["r0/b.bin"].sha256 == hashlib.sha256(b"b" * 100).hexdigest()
+
+
+def test_a_storage_call_retries_a_dropped_connection_and_never_a_denied_one(tmp_path: Path):
+    """Checkpoints retry through the same rule as data's shard downloads
+    (`storage.fs.is_transient`): a reset connection passes on the next try; a denied
+    access or a missing file goes up at once."""
+    from spotline.checkpoint.storage import StepStorage
+
+    storage = StepStorage(str(tmp_path))
+    calls: list[str] = []
+
+    def reset_once() -> str:
+        calls.append("reset")
+        if len(calls) == 1:
+            raise ConnectionResetError("connection reset by peer")
+        return "ok"
+
+    assert storage.retrying(reset_once) == "ok" and calls == ["reset", "reset"]
+    for final in (PermissionError("access denied"), FileNotFoundError("no such key")):
+        tries: list[int] = []
+
+        def fail(e: BaseException = final) -> None:
+            tries.append(1)
+            raise e
+
+        with pytest.raises(type(final)):
+            storage.retrying(fail)
+        assert tries == [1]

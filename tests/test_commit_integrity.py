@@ -179,7 +179,7 @@ def test_receipts_of_another_job_or_without_one_never_commit(tmp_path: Path) -> 
     _plant_local(store, tmp_path, 20, "b", 1, {})  # no job, no spec hash
     assert coord.commit_from_storage() == []
     assert store.committed_steps() == []
-    assert any("step 10" in m and "belong to job 'other'" in m for m in log), log
+    assert any("step 10" in m and "belongs to job 'other'" in m for m in log), log
     assert any("step 20" in m and "receipt is malformed" in m for m in log), log
 
 

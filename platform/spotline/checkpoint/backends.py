@@ -85,10 +85,6 @@ class Backend:
     def storage_errors(self) -> tuple[type[BaseException], ...]:
         return (OSError,)
 
-    def transient_errors(self) -> tuple[type[BaseException], ...]:
-        """Errors worth retrying: the storage may answer the same call next time."""
-        return (TimeoutError, ConnectionError, InterruptedError)
-
     def explain(self, exc: BaseException) -> str:
         raise NotImplementedError
 

@@ -34,15 +34,15 @@ from typing import Any, Protocol
 import tenacity
 
 from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, StorageError
-from spotline.checkpoint.manifest import Manifest, Receipt
+from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.retention import apply_retention
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
     SUMMARY_ARTIFACT,
     CheckpointStore,
 )
-from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
-from spotline.config.identity import spec_differences
+from spotline.checkpoint.transfer import UploadResult, attempt_dir, build_manifest
+from spotline.config.identity import mismatch_reason, written_by_this
 from spotline.config.schema import JobSpec
 
 Event = Callable[..., None]
@@ -170,11 +170,19 @@ class CommitCoordinator:
                         f"if no run of this job wrote it, check who can write to {self.store.uri}",
                     )
                 for attempt, receipts in sorted(scan.receipts.items()):
-                    why = self._foreign(receipts)
-                    if why is not None:
+                    theirs = next(
+                        (
+                            r
+                            for r in receipts
+                            if not written_by_this(self.spec, r.job, r.spec_hash, r.spec)
+                        ),
+                        None,
+                    )
+                    if theirs is not None:
+                        why = mismatch_reason(self.spec, theirs.job, theirs.spec_hash, theirs.spec)
                         self._refuse(
                             step,
-                            f"the receipts of group {attempt} {why}",
+                            f"the receipts of group {attempt}: one {why}",
                             "to keep that step instead, resubmit the job and spec that wrote it",
                         )
                         continue
@@ -205,19 +213,6 @@ class CommitCoordinator:
         except StorageError as e:
             self._event(f"could not look for finished uploads: {e}", logging.WARNING)
         return out
-
-    def _foreign(self, receipts: list[Receipt]) -> str | None:
-        """Why receipts read back from storage are not this job's under this spec, or None."""
-        ours = self.spec.spec_hash()
-        for r in receipts:
-            if r.job != self.spec.name:
-                return f"belong to job {r.job!r}, and this job is {self.spec.name!r}"
-            if r.spec_hash != ours:
-                return (
-                    f"were written with spec hash {r.spec_hash}, and this job has {ours}"
-                    f"{spec_differences(self.spec, r.spec)}"
-                )
-        return None
 
     def _refuse(self, step: int, why: str, fix: str) -> None:
         """Say once (per controller) that uploads found in storage do not commit."""
@@ -571,41 +566,4 @@ def _load_error(e: BaseException) -> bool:
         isinstance(e, Exception)
         and not isinstance(e, (CorruptCheckpointError, StorageError))
         and not getattr(e, "process_died", False)
-    )
-
-
-def build_manifest(
-    spec: JobSpec,
-    step: int,
-    attempt: str,
-    world: int,
-    results: list[UploadResult],
-    partition: list[int] | None = None,
-) -> Manifest:
-    """The manifest of `step` from every rank's upload result of group `attempt`, whose
-    stages held the layers `partition` bounds (when known)."""
-    replicas = world // spec.parallel.pipeline_stages
-    # Every rank saved the same schedule (their metas must agree to load): rank 0's.
-    ranked = sorted(results, key=lambda r: r.rank)
-    schedule = next((r.batch for r in ranked if r.batch), None)
-    batch = int(schedule["history"][-1][1]) if schedule else None
-    files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
-    index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
-    identity = job_identity(spec)
-    return Manifest(
-        step=step,
-        files=files,
-        topology=spec.topology(replicas, batch),
-        data_position={"next_step": step, "seed": spec.data.seed},
-        spec_hash=identity["spec_hash"],
-        created_at=time.time(),
-        extra={
-            "job": identity["job"],
-            "attempt": attempt,
-            "batch": spec.batch_record(replicas, schedule),
-            "spec": identity["spec"],  # so a refused resume can say what differs
-            "vocab_size": spec.vocab_size(),
-            "index": index,
-            **({"partition": list(partition)} if partition is not None else {}),
-        },
     )

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotline.checkpoint.coordinator import build_manifest
 from spotline.checkpoint.layout import RankFiles
 from spotline.checkpoint.manifest import FileEntry, Manifest
-from spotline.checkpoint.transfer import UploadResult, attempt_dir
+from spotline.checkpoint.transfer import UploadResult, attempt_dir, build_manifest
 from spotline.config.schema import JobSpec
 
 PEER_KEY = "peer"

@@ -202,20 +202,6 @@ class S3Backend(Backend):
             return errors
         return (*errors, S3UploadFailedError)
 
-    def transient_errors(self) -> tuple[type[BaseException], ...]:
-        # Connections that dropped or timed out; s3fs already retries throttling
-        # and 5xx answers itself, and turns the rest into OSError subclasses.
-        try:
-            from botocore import exceptions as bx
-        except ImportError:
-            return super().transient_errors()
-        return (
-            *super().transient_errors(),
-            bx.ConnectionError,
-            bx.HTTPClientError,
-            bx.ReadTimeoutError,
-        )
-
     def explain(self, exc: BaseException) -> str:
         try:
             from botocore import exceptions as bx

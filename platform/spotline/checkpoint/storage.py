@@ -12,8 +12,8 @@ Layout under the root URI (``file://`` or ``s3://``)::
 `StepStorage` is what the modules above it share (uploads, reads, the catalog of
 steps, probes, retention, and the `CheckpointStore` facade): it never decides which
 step is committed, good or due for deletion. Retries go through the one retry loop
-data/ shares (`retry_transient`, over `storage.fs.retrying`), and only for errors the
-backend calls transient.
+data/ shares (`storage.fs.retrying`), and only for what `storage.fs.is_transient`
+says may pass.
 
 Optional S3 packages are imported only when an ``s3://`` URI is used; the settings
 pickle without the filesystem client, which each process rebuilds on first use.
@@ -70,13 +70,6 @@ def make_backend(uri: str, endpoint_url: str | None, options: dict, fields: Stor
         scheme = uri.split(":", 1)[0]
         raise bad_uri(uri, f"it starts with '{scheme}:' but has no '//' after it", fields)
     return LocalBackend(uri, uri, True, endpoint_url, options, fields)
-
-
-def retry_transient(fn: Callable[[], Any], transient: tuple[type[BaseException], ...]) -> Any:
-    """Run a storage call, retrying what the backend calls transient (a dropped
-    connection, a throttle, a 5xx) through `spotline.storage.fs.retrying`, the one retry
-    loop data/ and checkpoints share; the last error goes up."""
-    return retrying(fn, constants.SPOTLINE_STORAGE_RETRIES, lambda e: isinstance(e, transient))
 
 
 class StepStorage:
@@ -246,8 +239,10 @@ class StepStorage:
             raise StorageError(f"{action} at {self.uri} failed: {self._backend.explain(e)}") from e
 
     def retrying(self, fn: Callable[[], Any]) -> Any:
-        """Run a storage call, retrying what this backend calls transient (tenacity)."""
-        return retry_transient(fn, self._backend.transient_errors())
+        """Run a storage call, retrying what may pass (`storage.fs.is_transient`: a
+        dropped connection, a timeout, a throttle) through the one retry loop data/
+        uses too; the last error goes up."""
+        return retrying(fn, constants.SPOTLINE_STORAGE_RETRIES)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """Write `data` at `path` so that a reader sees all of it or nothing."""

@@ -5,7 +5,9 @@ made, the only part of a save that blocks training) into files under node-local
 staging, uploads them (retried with backoff by the store), writes the rank's receipt,
 and deletes the staged files. Saves of step N finish before those of step N+1 start.
 `submit` only enqueues; results are collected as they finish (`take_done`), so a
-step commits as soon as its last rank's upload is done.
+step commits as soon as its last rank's upload is done. `build_manifest` turns every
+rank's result of one step into the step's manifest (the commit coordinator's, and the
+peer-memory offer's).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotline.checkpoint.layout import RankFiles
-from spotline.checkpoint.manifest import FileEntry, Receipt
+from spotline.checkpoint.manifest import FileEntry, Manifest, Receipt
 from spotline.checkpoint.store import CheckpointStore
 
 if TYPE_CHECKING:
@@ -252,3 +254,40 @@ class Uploader:
                 self._pending -= 1
                 if self._pending == 0:
                     self._idle.set()
+
+
+def build_manifest(
+    spec: JobSpec,
+    step: int,
+    attempt: str,
+    world: int,
+    results: list[UploadResult],
+    partition: list[int] | None = None,
+) -> Manifest:
+    """The manifest of `step` from every rank's upload result of group `attempt`, whose
+    stages held the layers `partition` bounds (when known)."""
+    replicas = world // spec.parallel.pipeline_stages
+    # Every rank saved the same schedule (their metas must agree to load): rank 0's.
+    ranked = sorted(results, key=lambda r: r.rank)
+    schedule = next((r.batch for r in ranked if r.batch), None)
+    batch = int(schedule["history"][-1][1]) if schedule else None
+    files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
+    index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
+    identity = job_identity(spec)
+    return Manifest(
+        step=step,
+        files=files,
+        topology=spec.topology(replicas, batch),
+        data_position={"next_step": step, "seed": spec.data.seed},
+        spec_hash=identity["spec_hash"],
+        created_at=time.time(),
+        extra={
+            "job": identity["job"],
+            "attempt": attempt,
+            "batch": spec.batch_record(replicas, schedule),
+            "spec": identity["spec"],  # so a refused resume can say what differs
+            "vocab_size": spec.vocab_size(),
+            "index": index,
+            **({"partition": list(partition)} if partition is not None else {}),
+        },
+    )

@@ -136,6 +136,12 @@ def resumable_by(spec: JobSpec, job: str | None, their_hash: str | None, theirs:
     return job == spec.name and spec.retuned_fields(their_hash, theirs) is not None
 
 
+def written_by_this(spec: JobSpec, job: str | None, their_hash: str | None, theirs: Any) -> bool:
+    """True when what `job` wrote with `their_hash` is exactly `spec`'s: the same job
+    and the same spec hash. Receipts commit only then (a retuned field refuses them)."""
+    return job == spec.name and their_hash == spec.spec_hash()
+
+
 def mismatch_reason(spec: JobSpec, job: str | None, their_hash: str | None, theirs: Any) -> str:
     """Why what `job` wrote with `their_hash` (`theirs`: its recorded fields) is not
     `spec`'s: another job's, or another spec's, with the fields that differ."""

@@ -140,6 +140,7 @@ NETWORK_ERRORS = frozenset(
         "ConnectTimeoutError",
         "IncompleteReadError",
         "ResponseStreamingError",
+        "HTTPClientError",
     }
 )
 # S3 error codes that ask the client to come back later.
