@@ -389,7 +389,7 @@ def test_a_storage_call_retries_a_dropped_connection_and_never_a_denied_one(tmp_
     for final in (PermissionError("access denied"), FileNotFoundError("no such key")):
         tries: list[int] = []
 
-        def fail(e: BaseException = final) -> None:
+        def fail(e: BaseException = final, tries: list[int] = tries) -> None:
             tries.append(1)
             raise e
 

@@ -78,6 +78,7 @@ class FakeGroup:
     def start(self, partition=None, init=True):
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
+        self.init = init
         self.started_partition = partition
         layers = self.spec.model.n_layers + 2
         pp = self.spec.parallel.pipeline_stages
@@ -109,7 +110,9 @@ class FakeGroup:
             )
         return out
 
-    def restore(self, manifest):
+    def restore(self, manifest, source=None):
+        if source == "peer" and self.script.get("peer_unreadable"):
+            raise CorruptCheckpointError(manifest.step, "rank_0/state.safetensors", "unreadable")
         if manifest.step in self.script.get("corrupt_steps", ()):
             raise CorruptCheckpointError(manifest.step, "x.safetensors", "sha256 mismatch")
         self.restored.append(manifest.step)
@@ -1317,3 +1320,33 @@ def test_a_straggler_is_reported_and_its_node_left_at_the_next_boundary(tmp_path
     assert "node-1" not in second.node_ids() and second.replicas == 2
     ctl.request_stop()
     run_until(ctl, lambda: ctl.state.terminal)
+
+
+def test_a_group_whose_only_restore_is_a_peer_copy_still_initialises_its_weights(tmp_path):
+    """Nothing is committed yet and the failed group left a complete peer copy: the next
+    group is built with its random init all the same, so a peer copy that no rank can
+    read leaves it training from the start, not refusing to step on empty weights."""
+    from spotline.checkpoint.peer import PEER_KEY, PeerOffer
+    from spotline.checkpoint.transfer import build_manifest
+
+    ctl, store = make(tmp_path, {"kill_at": 7, "peer_unreadable": True})
+    asked = []
+
+    class Keepers:  # the failed group's step 5, complete in live nodes' memory
+        def offer(self, attempt, world, partition, at=None, leaving=frozenset()):
+            asked.append(attempt)
+            results = [UploadResult(5, r, attempt, world, [], []) for r in range(world)]
+            manifest = build_manifest(ctl.spec, 5, attempt, world, results)
+            manifest.extra[PEER_KEY] = {"holders": {}}
+            return PeerOffer(5, attempt, manifest)
+
+        def retain(self, attempts):
+            pass
+
+    ctl.recovery.peers = Keepers()
+    run_until(ctl, lambda: ctl.state.terminal)
+    assert isinstance(ctl.state, Finished), ctl.state
+    first, second = FakeGroup.instances[:2]
+    assert asked == [first.attempt]
+    assert first.init and second.init and second.restored == []
+    assert any("peer copy of step 5 could not be restored" in e for e in ctl.events.since(0)[0])

@@ -217,6 +217,10 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     # The grown group's new ranks and the group after the notice read their state from
     # live peers' memory (the final saves were copied there too), not from storage.
     assert second["restored_via"] == third["restored_via"] == "peer memory"
+    # The noticed node's keeper is never asked after the notice: the JIT step was whole
+    # in the memory of the node that stays, so its ranks' state had moved there before
+    # the deadline.
+    assert third["restored_bytes"] > 0 and third["restored_attempt"] == second["attempt"]
     assert [r["why"] for r in res["resizes"][:2]] == ["grow", "preemption"]
     store = CheckpointStore(res["checkpoint_uri"])
     assert store.load_manifest(grow).topology["replicas"] == 1

@@ -230,9 +230,9 @@ class Registry:
 NOTICE_SOURCES = Registry(
     "notice source",
     {
-        "aws": "spotline.preemption.sources:AwsSource",
-        "gcp": "spotline.preemption.sources:GcpSource",
-        "azure": "spotline.preemption.sources:AzureSource",
+        "aws": "spotline.preemption.cloud:AwsSource",
+        "gcp": "spotline.preemption.cloud:GcpSource",
+        "azure": "spotline.preemption.cloud:AzureSource",
         "sigterm": "spotline.preemption.sources:SigtermSource",
         "ray-drain": "spotline.preemption.sources:RayDrainSource",
     },

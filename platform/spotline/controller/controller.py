@@ -229,6 +229,7 @@ class Controller(ControllerParts):
             self.rec.attempts,
             self.coordinator.partitions,
             max(self.coordinator.committed, default=0),
+            leaving=set(self.inbox.doomed()),
         )
         self.rec.step_seconds.clear()
         group = self.group_factory(replicas)
@@ -237,8 +238,9 @@ class Controller(ControllerParts):
         self.rec.attempts.append(attempt)
         pin = self.partitions.for_start(self.coordinator.recorded_partition)
         # A group that restores a checkpoint next leaves its weights empty: no rank
-        # runs the random init that the load would overwrite.
-        group.start(partition=pin, init=not (offer or self.coordinator.has_checkpoint()))
+        # runs the random init that the load would overwrite. A peer copy alone does not
+        # count: should no rank be able to read it, nothing durable is left to load.
+        group.start(partition=pin, init=not self.coordinator.has_checkpoint())
         attempt.device = group.device
         info = group.partition()
         self.partitions.started(info, attempt)

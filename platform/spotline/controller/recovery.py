@@ -168,11 +168,17 @@ class PeerRecovery:
             )
 
     def offer(
-        self, attempts: list[Any], partitions: dict[str, list[int]], latest_commit: int
+        self,
+        attempts: list[Any],
+        partitions: dict[str, list[int]],
+        latest_commit: int,
+        leaving: set[str] = frozenset(),
     ) -> PeerOffer | None:
         """The newest step the previous attempt (of `attempts`, `snapshot.Attempt`s) left
         complete in live keepers: its own copies, else the step it started from when that
-        came from peer memory (the same line of steps). Never another lineage's."""
+        came from peer memory (the same line of steps). Never another lineage's. The
+        keepers of `leaving` nodes (doomed by a notice) do not count: a step restored
+        after a notice is one whose copies reached the nodes that stay."""
         prev = attempts[-1] if attempts else None
         if self.peers is None or prev is None or not prev.attempt:
             return None
@@ -181,7 +187,7 @@ class PeerRecovery:
         for a, at in zip(lineage, [None, prev.restored_from], strict=False):
             world = a.replicas * self.spec.parallel.pipeline_stages
             try:
-                found = self.peers.offer(a.attempt, world, partitions.get(a.attempt), at)
+                found = self.peers.offer(a.attempt, world, partitions.get(a.attempt), at, leaving)
             except Exception as e:  # noqa: BLE001 - the commits are still there
                 self._event(
                     f"could not ask the state keepers for peer copies ({e})", logging.WARNING

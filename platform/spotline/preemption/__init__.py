@@ -6,8 +6,6 @@ It only reports: it never stops a worker, saves a checkpoint or talks to trainin
 itself (the controller decides what a notice means).
 """
 
-# Importing `cloud` registers the aws, gcp and azure sources.
-from spotline.preemption import cloud  # noqa: F401
 from spotline.preemption.sources import (
     Notice,
     NoticeSource,

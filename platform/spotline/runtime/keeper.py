@@ -128,12 +128,16 @@ class PeerMemory:
         except Exception:  # noqa: BLE001 - a dead or unreachable keeper is replaced
             return False
 
-    def held(self) -> list[tuple[str, PeerCopy]]:
+    def held(self, leaving: set[str] = frozenset()) -> list[tuple[str, PeerCopy]]:
         """(keeper, copy) for every copy the live keepers hold; a keeper that does not
-        answer (its node is gone) holds nothing and is forgotten."""
+        answer (its node is gone) holds nothing and is forgotten. The keepers of
+        `leaving` nodes (a preemption notice dooms them) are not asked: a restore must
+        not read from a node that may vanish under it."""
         import ray
 
-        asks = {node: h.holdings.remote() for node, h in self._keepers.items()}
+        asks = {
+            node: h.holdings.remote() for node, h in self._keepers.items() if node not in leaving
+        }
         out: list[tuple[str, PeerCopy]] = []
         for node, ref in asks.items():
             try:
@@ -146,10 +150,16 @@ class PeerMemory:
         return out
 
     def offer(
-        self, attempt: str, world: int, partition: list[int] | None, at: int | None = None
+        self,
+        attempt: str,
+        world: int,
+        partition: list[int] | None,
+        at: int | None = None,
+        leaving: set[str] = frozenset(),
     ) -> PeerOffer | None:
-        """The newest step (or step `at`) group `attempt` left complete in live keepers."""
-        return newest_complete(self.spec, self.held(), attempt, world, partition, at)
+        """The newest step (or step `at`) group `attempt` left complete in the live
+        keepers of nodes that are not `leaving`."""
+        return newest_complete(self.spec, self.held(leaving), attempt, world, partition, at)
 
     def retain(self, attempts: list[str]) -> None:
         """Keep only the copies of `attempts` (the group that runs, and the one it
