@@ -230,7 +230,10 @@ def run_spotline(
     finally:
         cluster.close()
     jit = [x["committed_at"] for x in result.notices if x.get("committed_at") is not None]
-    resumed = [r["resumed_at"] for r in result.recoveries]
+    # Only restarts that a loss caused (a node loss, or a failure when the node was not
+    # seen go): a loss that hit no rank of the running group restarts nothing, and the
+    # next group start after it is not a recovery from it.
+    resumed = [r["resumed_at"] for r in result.recoveries if r["why"] in ("node loss", "failure")]
     losses = replay.times("loss") + (replay.times("gone") if mode == "periodic" else [])
     pairs = list(zip(result.attempts, result.attempts[1:], strict=False))
     return {
@@ -241,6 +244,7 @@ def run_spotline(
         "notice_to_commit_s": _latencies(jit, replay.times("notice")),
         "recovery_s": _latencies(resumed, losses),
         "restarts": len(result.recoveries),
+        "recoveries": [(r["why"], round(r["seconds"], 2)) for r in result.recoveries],
         "replica_history": [a["replicas"] for a in result.attempts],
         # Per loss without notice: steps the lost group trained past what came back.
         "steps_lost": [
