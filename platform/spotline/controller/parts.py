@@ -2,9 +2,9 @@
 
 `ControllerParts` wires the controller's rooms together (the record, telemetry and its
 pace, the inbox and event log, the JIT and partition books, health and cordons, peer
-recovery, the artifacts, the backfill door, the commit coordinator) and answers the queries and requests that
-come from other threads: status, result, summary and trace (projections of one
-`Snapshot`), notices, stop, re-partition and hold requests. It also carries a poll
+recovery, the artifacts, the backfill door, the commit coordinator) and answers the
+queries and requests that come from other threads: status, result, summary and trace
+(projections of one `Snapshot`), notices, stop, re-partition and hold requests. It also carries a poll
 of the live group to telemetry and the coordinator. It takes no decision and moves
 no state: the loop and its transitions are `controller.Controller`'s.
 """
