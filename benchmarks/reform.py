@@ -65,23 +65,12 @@ def _spec(world: int):
     )
 
 
-def _reset_deepspeed() -> None:
-    """DeepSpeed's process-wide state that a new process group must not inherit."""
-    import deepspeed.comm.comm as dcomm
-    from deepspeed.utils import groups
-
-    dcomm.cdb = None
-    for name, value in list(vars(groups).items()):
-        if name.startswith("_") and name.isupper() and not callable(value):
-            setattr(groups, name, {} if isinstance(value, dict) else None)
-
-
 def _rank(rank: int, world: int, ports: tuple[int, int], q: Any) -> None:
     try:
         t = time.perf_counter()
         import torch
 
-        from spotline.train.process import Topology, init_distributed
+        from spotline.train.process import Topology, init_distributed, leave_distributed
         from spotline.train.trainer import Trainer
 
         imports_s = time.perf_counter() - t
@@ -96,15 +85,14 @@ def _rank(rank: int, world: int, ports: tuple[int, int], q: Any) -> None:
         if rank == world - 1:
             os._exit(0)  # the lost rank
         t = time.perf_counter()
-        trainer.prefetch.close()
+        trainer.close()
         del trainer
-        torch.distributed.destroy_process_group()
-        _reset_deepspeed()
+        leave_distributed()
         init_distributed(Topology(1, world - 1, rank), "127.0.0.1", ports[1])
         trainer = Trainer(spec, Topology(1, world - 1, rank), threads=1)
         reform_s = time.perf_counter() - t
         after = [trainer.train_step() for _ in range(STEPS)]
-        trainer.prefetch.close()
+        trainer.close()
         q.put((rank, {"imports_s": imports_s, "build_s": build_s, "reform_s": reform_s,
                       "same_losses": bool(torch.allclose(torch.tensor(after),
                                                          torch.tensor(before), rtol=1e-5))}))  # fmt: skip

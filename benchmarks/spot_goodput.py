@@ -13,7 +13,12 @@ node goes; losses = the node vanishes; returns = a fresh node joins):
               (recovery.peer_snapshots: false).
   peer        the same, with peer-memory snapshots (recovery.peer_snapshots, k
               measured): a recovery restores the newest step every rank left in live
-              nodes' memory, reading nothing from object storage when a copy exists.
+              nodes' memory, reading nothing from object storage when a copy exists;
+              every recovery still ends all ranks and starts new ones
+              (recovery.in_place: false).
+  inplace     peer memory and in-place recovery (recovery.in_place): the ranks that
+              survive a loss, a notice or a grow keep their processes and re-form at
+              the new shape; only missing replicas start anew.
   periodic    the same Spotline job with periodic checkpoints only: no notices and no
               elastic shrink (min = max = 3), so it waits for the node to come back.
   raytrain    Ray Train v2 `TorchTrainer`, ScalingConfig(num_workers=(1, 3)), DDP over
@@ -212,13 +217,17 @@ def run_spotline(
     raw = _workload(mode, steps)
     raw["checkpoint"]["uri"] = f"file://{tmp}/{mode}/ckpt"
     raw["checkpoint"]["staging_dir"] = str(tmp / mode / "staging")
-    if mode in ("spotline", "peer"):
+    if mode in ("spotline", "peer", "inplace"):
         raw["elastic"] = {"min_replicas": 1, "max_replicas": n}
         raw["preemption"] = {"sources": [{"kind": "ray-drain", "poll_interval_s": 0.5}]}
     else:  # nopreempt and periodic: a fixed-size job that waits for its nodes
         raw["elastic"] = {"min_replicas": n, "max_replicas": n, "wait_for_capacity_s": 3600}
-    # Peer memory only in its own arm: the others restart from object storage.
-    raw["recovery"] = {"peer_snapshots": mode == "peer"}
+    # Peer memory only in its arms, in-place recovery only in its own: the others end
+    # every rank at a recovery and restart from object storage.
+    raw["recovery"] = {
+        "peer_snapshots": mode in ("peer", "inplace"),
+        "in_place": mode == "inplace",
+    }
     spec = load_spec(raw)
     cluster = SpotCluster(trace)
     try:
@@ -259,6 +268,8 @@ def run_spotline(
             if b["restored_from"] is not None
         ],
         "restored_via": [b["restored_via"] for _, b in pairs],
+        # Per group after the first: ranks that kept their processes (re-formed in place).
+        "kept": [b.get("kept", 0) for _, b in pairs],
         "peer_memory": result.peer_memory,
     }
 
@@ -443,6 +454,7 @@ def summarize(rows: dict[str, dict[str, Any]], trace: str, steps: int) -> dict[s
     return {
         "spotline_vs_nopreempt": ratio(rows, "spotline", "nopreempt"),
         "peer_vs_nopreempt": ratio(rows, "peer", "nopreempt"),
+        "inplace_vs_nopreempt": ratio(rows, "inplace", "nopreempt"),
         "steps_lost_per_loss": {k: _mean(r.get("steps_lost", [])) for k, r in rows.items()},
         "storage_bytes_per_restore": {
             k: _mean(r.get("storage_bytes", [])) for k, r in rows.items()
@@ -486,7 +498,8 @@ def render(figures: dict[str, Any], trace_name: str) -> str:
                 f"{'':<20}peer copies every {peer['every_steps']} step(s) ({peer['chosen']}), "
                 f"{_fmt(peer['cost_s'] and peer['cost_s'] * 1e3, ' ms')} each, "
                 f"{r3(peer['share_of_training'])} of training; restores "
-                f"{', '.join(r['restored_via'])}"
+                f"{', '.join(r['restored_via'])}; ranks kept in place per restart "
+                f"{r.get('kept')}"
             )
     nvr = figures["nopreempt_vs_raytrain"]
     lines.append(
@@ -511,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         ("nopreempt", run_spotline, False),
         ("spotline", run_spotline, True),
         ("peer", run_spotline, True),
+        ("inplace", run_spotline, True),
         ("periodic", run_spotline, True),
         ("raytrain-nopreempt", run_raytrain, False),
         ("raytrain", run_raytrain, True),

@@ -54,6 +54,7 @@ class FakeGroup:
         self.attempt = f"att{len(FakeGroup.instances)}"
         self.device = "cpu"
         self.restored_bytes = 0
+        self.kept = 0
         self.step = 0
         self.target = None
         self.running = False
@@ -75,7 +76,7 @@ class FakeGroup:
         self.nodes = [free[r % len(free)] for r in range(replicas)] if free else ["none"]
         FakeGroup.instances.append(self)
 
-    def start(self, partition=None, init=True):
+    def start(self, partition=None, init=True, survivors=None):
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
         self.init = init
@@ -284,6 +285,9 @@ class FakeGroup:
 
     def peak_flops(self):
         return 1e9
+
+    def hand_over(self, leaving, grace_s):
+        return None  # a fake rank has no process to keep
 
     def shutdown(self):
         self.shut = True

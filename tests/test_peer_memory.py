@@ -226,3 +226,76 @@ def test_a_peer_only_copy_is_written_and_handed_over_but_never_uploaded(tmp_path
     assert report["step"] == 5 and report["with_save"] is False and report["total_s"] >= 0
     assert up.take_done() == [] and store.uncommitted_steps() == []
     assert not (tmp_path / "p5").exists()  # staging holds nothing once handed over
+
+
+def test_a_rank_leaving_its_group_drops_the_saves_still_queued(tmp_path: Path):
+    """`Uploader.close`: the save in hand finishes, the queued ones never upload (they
+    are the old group's steps), and the uploader reports itself idle."""
+    from spotline.checkpoint import CheckpointStore
+    from spotline.checkpoint.transfer import Uploader
+
+    spec = load_spec({"name": "leave", "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}})
+    store = CheckpointStore(spec.resolved_checkpoint_uri())
+    up = Uploader(store, spec, 0, 1, "g1")
+    gate, entered = threading.Event(), threading.Event()
+    wrote: list[int] = []
+
+    def write(step):
+        def w(out: Path):
+            entered.set()
+            gate.wait(10)
+            wrote.append(step)
+            return write_rank(_snap(0, step), out, root=out)
+
+        return w
+
+    for step in (5, 6, 7):
+        up.submit(step, tmp_path / f"s{step}", write(step))
+    assert entered.wait(10)  # step 5 is in hand
+    up.close()
+    gate.set()
+    assert up.wait(10)
+    up._thread.join(10)
+    assert not up._thread.is_alive()
+    assert wrote == [5]  # the one in hand when the rank left
+    assert [r.step for r in up.take_done()] == [5]
+
+
+def test_surviving_replicas_take_the_first_indices_and_the_rest_end():
+    """`adopt`: survivors fill replica 0, 1, ... in the order they come; one past the
+    new size, one that ran on another device kind, or one on an avoided node ends."""
+    from spotline.runtime.survivors import Survivor, Survivors, adopt
+
+    def replica(node: str, device: str = "cpu") -> Survivor:
+        infos = [{"node_id": node, "device": device, "pid": 1}] * 2
+        return Survivor(actors=[object(), object()], pg=None, infos=infos)
+
+    a, b, c, gpu, cordoned = (
+        replica("a"),
+        replica("b"),
+        replica("c"),
+        replica("d", "gpu"),
+        replica("e"),
+    )
+    held = Survivors([gpu, a, cordoned, b, c])
+    assert held.devices() == 10
+    got = adopt(held, replicas=2, device="cpu", avoid={"e"})
+    assert got == {0: a, 1: b}
+    assert adopt(Survivors([a]), replicas=3, device="gpu", avoid=set()) == {}
+
+
+def test_leaving_a_process_group_forgets_deepspeeds_groups():
+    """A re-formed rank joins a new world in the same process: DeepSpeed's cached
+    groups and its backend handle must not carry the old one's over."""
+    import deepspeed.comm.comm as dcomm
+    from deepspeed.utils import groups
+
+    from spotline.train.process import leave_distributed
+
+    groups._DATA_PARALLEL_GROUP = object()  # the old world's groups and backend
+    groups._EXPERT_PARALLEL_GROUP = {"e": object()}
+    dcomm.cdb = object()
+    leave_distributed()
+    assert groups._DATA_PARALLEL_GROUP is None and groups._EXPERT_PARALLEL_GROUP == {}
+    assert dcomm.cdb is None
+    assert isinstance(groups._DEVICE_MESH_SPLIT_UNSUPPORTED, str)  # a constant stays

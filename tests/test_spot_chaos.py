@@ -173,7 +173,8 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     }
     spec = _spot_spec(tmp_path / "elastic", "elastic", **over)
     run = spotline.Job(spec).start()
-    _wait(run, lambda s: s["replicas"] == 1 and s["step"] >= 5, "1 replica training")
+    st = _wait(run, lambda s: s["replicas"] == 1 and s["step"] >= 5, "1 replica training")
+    pids = {w["pid"] for w in st["workers"]}
 
     # Capacity comes back: the job grows to 2 replicas at a checkpoint boundary.
     spot_cluster.spot.append(spot_cluster.cluster.add_node(**SPOT_NODE))
@@ -184,9 +185,12 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     )
     grow = _result(run)["resizes"][0]["step"]
     st = _wait(run, lambda s: s["step"] >= grow + 3, "training at 2 replicas")
+    # The replica that ran goes on in its own processes; only the new one started.
+    assert pids < {w["pid"] for w in st["workers"]}, (pids, st["workers"])
 
     # A spot notice for the node of rank 1: JIT checkpoint, then on with 1 replica.
     victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
+    grown = st["workers"]
     drain_node(victim, seconds=120)
     st = _wait(
         run,
@@ -194,6 +198,9 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
         "the job to go on with 1 replica",
     )
     assert victim not in {w["node_id"] for w in st["workers"]}
+    # The replica on the node that stays keeps its processes through the notice too.
+    stayed = {w["pid"] for w in grown if w["node_id"] != victim}
+    assert {w["pid"] for w in st["workers"]} == stayed, (grown, st["workers"])
     spot_cluster.remove(spot_cluster.node(victim))  # the preempted node goes
     res = _result(run)
     (notice,) = res["notices"]
@@ -211,6 +218,7 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     assert res["failures"] == 0
     first, second, third = res["attempts"][:3]
     assert (first["replicas"], second["replicas"], third["replicas"]) == (1, 2, 1)
+    assert (second["kept"], third["kept"]) == (2, 2)  # recovery.in_place
     assert second["restored_from"] == grow
     assert second["losses"][-1][0] == jit  # training stopped at the JIT step
     assert third["restored_from"] == jit and third["start_step"] == jit
@@ -719,8 +727,16 @@ def test_a_node_lost_without_notice_resumes_from_peer_memory_not_storage(
     )
     st = run.status()
     assert store.committed_steps() == []
-    _lose_node(cluster, st, rank=2)  # its ranks' copies live on in the other node's keeper
+    victim = _lose_node(cluster, st, rank=2)  # its ranks' copies live on in the other node's keeper
     trained = st["step"]
+    # The replica on the node that stays goes on in its own processes (recovery.in_place).
+    stayed = {w["rank"]: w["pid"] for w in st["workers"] if w["node_id"] != victim}
+    after = _wait(
+        run,
+        lambda s: s["workers"] and all(w["node_id"] != victim for w in s["workers"]),
+        "the group after the loss",
+    )
+    assert sorted(w["pid"] for w in after["workers"]) == sorted(stayed.values()), (stayed, after)
 
     result = run.wait(verbose=False)
     assert result.state == "finished", result.error
@@ -728,6 +744,7 @@ def test_a_node_lost_without_notice_resumes_from_peer_memory_not_storage(
     first, second = result.attempts[:2]
     assert second["replicas"] == 1 and second["restored_via"] == "peer memory"
     assert second["restored_attempt"] == first["attempt"] and second["restored_bytes"] > 0
+    assert second["kept"] == 2  # both stages of the replica that stayed
     lost = first["losses"][-1][0] - second["restored_from"]
     assert second["restored_from"] >= 2 * k and second["restored_from"] % k == 0
     assert 0 <= lost <= k + (first["losses"][-1][0] - trained) + 2, (lost, trained, first)

@@ -182,6 +182,22 @@ class Uploader:
                 if self._pending == 0:
                     self._idle.set()
 
+    def close(self) -> None:
+        """Stop once the job in hand is done; the saves and copies still queued are
+        dropped (a rank leaving its group for a new one: they are the old group's
+        steps, and a step commits only from every rank's receipt)."""
+        with self._lock:
+            while True:
+                try:
+                    job = self._todo.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    self._pending -= 1
+            if self._pending == 0:
+                self._idle.set()
+        self._todo.put(None)
+
     def wait(self, timeout_s: float) -> bool:
         """True once every submitted upload finished (or failed)."""
         return self._idle.wait(timeout_s)

@@ -5,6 +5,10 @@ holds) into the host memory of a state keeper on its own node and of one on anot
 node (its buddy). A group that lost a node restores the newest step every rank of it
 left complete in live keepers' memory, not the newest commit in object storage: fewer
 steps lost, nothing read from storage. The durable commit is unchanged.
+
+In place (`in_place`): after a node loss, a notice, a grow or any other restart, the
+ranks that are still good keep their processes and re-form at the new shape; only the
+missing ranks are started anew.
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ class RecoverySpec(BaseModel):
     cost at most `peer_cost_budget` of the step time."""
     peer_cost_budget: float = Field(0.02, gt=0.0, lt=1.0)
     """The share of training time peer snapshots may take under "auto" (0.02: 2%)."""
+    in_place: bool = True
+    """Keep the processes of the ranks that survive a restart (a lost node, a notice, a
+    grow): they re-form the process group at the new shape and restore there, instead
+    of being ended and started again. A rank that hangs is never kept."""
+    reform_grace_s: float = Field(5.0, ge=0.0)
+    """How long a restart waits for a surviving rank's training to end (a collective
+    fails once a peer is gone) before it ends that rank too, as without `in_place`."""
 
     def fixed_interval(self) -> int | None:
         """k when the spec sets it (0: none taken); None when it is measured."""

@@ -11,15 +11,16 @@ from __future__ import annotations
 from spotline import constants
 
 
-def settled_capacity(cluster, want: int, clock, sleep) -> int:
-    """Whole replicas the live, non-draining capacity holds, read again (for up to
+def settled_capacity(cluster, want: int, clock, sleep, held: int = 0) -> int:
+    """Whole replicas the live, non-draining capacity holds (`held`: devices the job's
+    own ranks kept for the next group occupy), read again (for up to
     SPOTLINE_CAPACITY_SETTLE_S) while it is short of `want`: sizing from the first
     reading after a teardown would start too small."""
     deadline = clock() + constants.SPOTLINE_CAPACITY_SETTLE_S
-    capacity = cluster.capacity()
+    capacity = cluster.capacity(held_workers=held)
     while capacity < want and clock() < deadline:
         sleep(0.2)
-        capacity = cluster.capacity()
+        capacity = cluster.capacity(held_workers=held)
     return capacity
 
 

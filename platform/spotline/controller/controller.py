@@ -16,14 +16,14 @@ happens here, off the training path, through the commit coordinator (the only
 owner of storage). Telemetry takes the polls in and keeps the ledger; status, result
 and summary are projections of one typed `Snapshot`.
 
-Spot capacity: a notice drains the doomed node at once (nothing new lands there).
-When the node runs ranks of the live group, the JIT policy picks the step to save at
-(at once, or the latest one whose save still fits the deadline, moved up should
-steps slow down); the group saves and stops there, the step commits, and the job
-restarts on the capacity that is really left once the freed devices show. A node
-lost without notice resumes from the latest commit. Below elastic.min_replicas the
-controller waits up to elastic.wait_for_capacity_s. When capacity comes back it
-grows toward max_replicas when `GrowPolicy`'s cost rule says it pays.
+Spot capacity: a notice drains the doomed node at once. When it runs ranks of the
+live group, the JIT policy picks the step to save at (at once, or the latest one whose
+save still fits the deadline); the group saves and stops there, the step commits, and
+the job goes on with what is left. A node lost without notice resumes from the newest
+peer copy or commit. Every restart (a loss, a notice, a grow) keeps the ranks that are
+still good in their processes (recovery.in_place): they re-form at the new shape. Below
+elastic.min_replicas the controller waits up to elastic.wait_for_capacity_s; when
+capacity comes back it grows when `GrowPolicy`'s cost rule says it pays.
 
 Hangs and stragglers (`health.py`): every poll carries each rank's heartbeat; no step
 for longer than the hang bound tears the group down as a failure naming the ranks that
@@ -180,7 +180,7 @@ class Controller(ControllerParts):
 
     def _scheduling(self, state: Scheduling) -> State:
         self.cluster.watch()
-        capacity = settled_capacity(self.cluster, state.want, self.clock, self.sleep)
+        capacity = settled_capacity(self.cluster, state.want, self.clock, self.sleep, self._held())
         decision = self.scaling_policy.decide(capacity)
         if isinstance(decision, Wait):
             self._event(
@@ -192,7 +192,7 @@ class Controller(ControllerParts):
         return self._start_group(decision.replicas)
 
     def _waiting(self, state: Waiting) -> State:
-        capacity = self.cluster.capacity()
+        capacity = self.cluster.capacity(held_workers=self._held())
         decision = self.scaling_policy.decide(capacity)
         now = self.clock()
         if isinstance(decision, Resize):
@@ -240,8 +240,12 @@ class Controller(ControllerParts):
         # A group that restores a checkpoint next leaves its weights empty: no rank
         # runs the random init that the load would overwrite. A peer copy alone does not
         # count: should no rank be able to read it, nothing durable is left to load.
-        group.start(partition=pin, init=not self.coordinator.has_checkpoint())
+        survivors = self._take_survivors()  # re-formed in their processes (recovery.in_place)
+        group.start(partition=pin, init=not self.coordinator.has_checkpoint(), survivors=survivors)
         attempt.device = group.device
+        attempt.kept = group.kept
+        if group.kept:
+            self._event(f"{group.kept} of {group.world_size} rank(s) re-formed in their processes")
         info = group.partition()
         self.partitions.started(info, attempt)
         if info.get("bounds"):  # the manifests of this group's commits record them
@@ -423,7 +427,8 @@ class Controller(ControllerParts):
             f"restarting at step {self.step_count} from {before} replica(s): {detail}",
             track="restart",
         )
-        self._teardown()
+        # The ranks off noticed (and cordoned) nodes go on in their own processes.
+        self._teardown(leaving=set(self._doomed_here()) if why == "preemption" else set())
         self.pace.restart_from = (self.clock(), why)
 
     def _finishing(self, state: Finishing) -> State:
@@ -473,7 +478,9 @@ class Controller(ControllerParts):
         if r.attempts:
             r.attempts[-1].error = error
             r.attempts[-1].ended_by = "node lost" if lost else ("hang" if hang else "failure")
-        self._teardown()
+        # A rank lost with its node, or whose process died, leaves its peers' processes
+        # good: they re-form in place. After a hang nothing is kept (a rank is stuck).
+        self._teardown(leaving=lost if (lost or process_died) and not hang else None)
         self.pace.restart_from = (
             self.clock(),
             "node loss" if lost else ("hang" if hang else "failure"),

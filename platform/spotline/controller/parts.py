@@ -112,6 +112,8 @@ class ControllerParts:
             self.coordinator.pinned = backfill.pinned_steps
         self.state: State = Pending()
         self.group: WorkerGroup | None = None
+        self.survivors: Any = None
+        """Ranks of the ended group that the next one adopts (`WorkerGroup.hand_over`)."""
         self.step_count = 0  # the latest step the live group reported
         self.plan_view = PlanView(spec)
 
@@ -222,13 +224,36 @@ class ControllerParts:
         group = self.group
         return sorted((group.node_ids() if group else set()) & set(self.inbox.doomed()))
 
-    def _teardown(self) -> None:
+    def _teardown(self, leaving: set[str] | None = None) -> None:
+        """End the live group. `leaving` (with recovery.in_place): the nodes whose ranks
+        go (lost, or named by a notice); the group's other good ranks are handed to the
+        next group rather than ended (`survivors`), as are those on cordoned nodes not.
+        None: everything ends, ranks held for a next group included."""
         if self.backfill is not None:
             self.backfill.detach()
         if self.group is not None:
             self.coordinator.abandon(self.group.attempt)
+            if leaving is not None and self.spec.recovery.in_place:
+                gone = set(leaving) | set(self.health.cordoned) | set(self.inbox.doomed())
+                self._release_survivors()
+                self.survivors = self.group.hand_over(gone, self.spec.recovery.reform_grace_s)
             self.group.shutdown()
             self.group = None
+        if leaving is None:
+            self._release_survivors()
+
+    def _release_survivors(self) -> None:
+        if self.survivors is not None:
+            self.survivors.release()
+            self.survivors = None
+
+    def _take_survivors(self) -> Any:
+        out, self.survivors = self.survivors, None
+        return out
+
+    def _held(self) -> int:
+        """Devices the ranks held for the next group occupy: theirs to take again."""
+        return self.survivors.devices() if self.survivors is not None else 0
 
     # --- what other threads ask -------------------------------------------------------
 

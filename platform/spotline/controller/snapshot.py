@@ -43,6 +43,7 @@ class Attempt:
     restored_via: str = ""  # "storage" or "peer memory", when it restored a step
     restored_bytes: int = 0  # what its ranks read to restore
     restored_attempt: str = ""  # the group whose peer copy it restored, if it did
+    kept: int = 0  # ranks of the group before that it adopted (processes kept, re-formed)
 
 
 @dataclass

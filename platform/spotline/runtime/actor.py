@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import os
 import shutil
@@ -49,7 +50,13 @@ from spotline.runtime.faults import Faults
 from spotline.runtime.keeper import PeerReader, PeerSender
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
-from spotline.train.process import Topology, import_deepspeed, init_distributed, use_device
+from spotline.train.process import (
+    Topology,
+    import_deepspeed,
+    init_distributed,
+    leave_distributed,
+    use_device,
+)
 from spotline.train.trainer import Trainer
 
 log = logging.getLogger("spotline.worker")
@@ -86,43 +93,13 @@ def _empty_report() -> dict[str, Any]:
 class TrainWorker:
     def __init__(self, job: SealedJob, topo: Topology, attempt: str):
         install_log_redaction()
-        self.spec, store = job.open()
-        self.topo = topo
-        self.store = store
-        self.attempt = attempt
-        root = Path(self.spec.checkpoint.staging_dir) / self.spec.name
-        self.staging = root / attempt / f"rank_{topo.rank:05d}"
+        self.spec, self.store = job.open()
         self.trainer: Trainer | None = None
-        cap = self.spec.checkpoint.upload_max_mb_per_s
-        self.uploader = Uploader(
-            store,
-            self.spec,
-            topo.rank,
-            topo.world_size,
-            attempt,
-            None if cap is None else cap * 1e6,
-        )
         self.channel: WindowChannel | None = None
-        self.faults: Faults | None = None
+        self.metrics: Metrics | None = None
         self._lock = threading.Lock()  # the control thread and the training thread
-        self._req = _Requests()
-        self._buf = _empty_report()
-        self._steps_run = 0  # steps this process trained (its peak memory is taken once)
-        # (step, loss) trained since this rank's last save: rank 0's receipt carries them,
-        # so a step committed from receipts keeps its losses when the reports died.
-        self._unsaved_losses: list[tuple[int, float]] = []
-        # (step, loss) of this process's latest steps: rank 0's peer copies carry them,
-        # so a step restored from peer memory keeps the losses its reports never sent.
-        self._recent_losses: collections.deque[tuple[int, float]] = collections.deque(
-            maxlen=_PEER_LOSSES
-        )
-        self._stall_seen = 0.0
-        self._filled_seen = (0,) * len(_METERED)  # the channel's meters already reported
-        self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
-        self._own_keeper: str | None = None  # this node's state keeper (`set_peers`)
         self.device = "cpu"  # the group's, and this rank's place on its node (`bind`)
         self.local_rank = 0
-        self._store: Any = None  # rank 0: the rendezvous store, listening (`host_store`)
         self._sigterm = None
         self._sigterm_reported = False
         sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
@@ -132,6 +109,61 @@ class TrainWorker:
             node = ray.get_runtime_context().get_node_id()
             self._sigterm = make_source(sigterm[0], node_id=node)
             self._sigterm.install()
+        self._join(topo, attempt)
+
+    def _join(self, topo: Topology, attempt: str) -> None:
+        """Take rank `topo` of group `attempt`: what a rank holds for one group."""
+        self.topo = topo
+        self.attempt = attempt
+        root = Path(self.spec.checkpoint.staging_dir) / self.spec.name
+        self.staging = root / attempt / f"rank_{topo.rank:05d}"
+        cap = self.spec.checkpoint.upload_max_mb_per_s
+        self.uploader = Uploader(
+            self.store,
+            self.spec,
+            topo.rank,
+            topo.world_size,
+            attempt,
+            None if cap is None else cap * 1e6,
+        )
+        self.faults: Faults | None = None
+        self._req = _Requests()
+        self._buf = _empty_report()
+        self._steps_run = 0  # steps this rank trained in this group (peak memory: once)
+        # (step, loss) trained since this rank's last save: rank 0's receipt carries them,
+        # so a step committed from receipts keeps its losses when the reports died.
+        self._unsaved_losses: list[tuple[int, float]] = []
+        # (step, loss) of this group's latest steps: rank 0's peer copies carry them,
+        # so a step restored from peer memory keeps the losses its reports never sent.
+        self._recent_losses: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=_PEER_LOSSES
+        )
+        self._stall_seen = 0.0
+        self._filled_seen = (0,) * len(_METERED)  # the channel's meters already reported
+        self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
+        self._own_keeper: str | None = None  # this node's state keeper (`set_peers`)
+        self._store: Any = None  # rank 0: the rendezvous store, listening (`host_store`)
+
+    def reform(self, topo: Topology, attempt: str) -> dict[str, Any]:
+        """Take rank `topo` of the next group (`attempt`) in this same process, after the
+        group this rank trained in ended (its run returned: it stopped at a step, or a
+        collective failed when a peer went). Drops the engine, the upload queue of the
+        old group and its process group, and keeps what a new process would have to
+        build again: the imports, the device and its context, the bound environment.
+        The group then sets this rank up as a new one (`setup`) and restores it, from
+        its own node's keeper where a peer copy is complete. Returns `info`."""
+        trainer, self.trainer = self.trainer, None
+        if trainer is not None:
+            trainer.close()
+        del trainer  # the engine, and with it the old group's communicators
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.uploader.close()
+        leave_distributed()
+        gc.collect()
+        self._join(topo, attempt)
+        return self.info()
 
     # --- start-up -----------------------------------------------------------------
 
@@ -254,7 +286,8 @@ class TrainWorker:
             init=init,
             engine_hook=self.faults.wrap_engine if self.faults is not None else None,
         )
-        self.metrics = Metrics(self.spec.name)
+        if self.metrics is None:  # one per process: a re-formed rank keeps its series
+            self.metrics = Metrics(self.spec.name)
         return {"backend": backend, "device": name, "peak_flops": peak}
 
     def _clean_staging(self) -> None:

@@ -1,9 +1,14 @@
 """A group of worker actors that train as one DeepSpeed job.
 
 The controller only talks to the `WorkerGroup` interface (`progress.py`), so controller
-tests swap in a fake group. `RayWorkerGroup` places one actor per device with a
-placement group: the stages of a replica are consecutive bundles, packed onto a
-node where they fit. Rank = stage * replicas + replica, as DeepSpeed's grid expects.
+tests swap in a fake group. `RayWorkerGroup` places one actor per device, with one
+placement group per replica: its stages are the bundles, packed onto a node where
+they fit (a worker and its sidecar share a bundle, so they share a device). Rank =
+stage * replicas + replica, as DeepSpeed's grid expects.
+
+`hand_over` gives the next group the replicas whose ranks are all still good, and
+`start(survivors=...)` adopts them (`survivors.py`): each rank re-forms in its own
+process at its new rank, and only the missing replicas are placed and started anew.
 
 Once started (`run`), the ranks train on their own; `poll` collects what they
 published without ever waiting on a rank's training thread (every rank's heartbeat
@@ -15,7 +20,6 @@ bundle (the backfill executors): the runtime does not know what it is.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -27,7 +31,14 @@ from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.config.schema import JobSpec
 from spotline.runtime.placement import usable_nodes, worker_bundle, worker_name
-from spotline.runtime.progress import PROCESS_DIED, Progress, RankBeat, WorkerFailure
+from spotline.runtime.progress import (
+    PROCESS_DIED,
+    Progress,
+    RankBeat,
+    WorkerFailure,
+    describe_failure,
+    failure_cause,
+)
 from spotline.runtime.rendezvous import (
     check_one_device,
     decide_device,
@@ -35,6 +46,7 @@ from spotline.runtime.rendezvous import (
     share_node_devices,
 )
 from spotline.runtime.sealed import SealedJob
+from spotline.runtime.survivors import Survivor, Survivors, adopt, end
 from spotline.train.process import Topology
 
 log = logging.getLogger("spotline.group")
@@ -72,7 +84,9 @@ class RayWorkerGroup:
         self.pp = spec.parallel.pipeline_stages
         self.world_size = self.pp * replicas
         self.attempt = uuid.uuid4().hex[:8]
-        self.pg = None
+        self.pgs: list[Any] = []  # one placement group per replica
+        self.kept = 0
+        """Ranks adopted from the previous group (their processes kept), at `start`."""
         self.actors: list[Any] = []
         self.sidecars: list[Any] = []  # one per rank, when a sidecar factory is given
         self._info: list[dict[str, Any]] = []
@@ -132,16 +146,16 @@ class RayWorkerGroup:
 
         # Give peers a moment to fail too, so the report shows every affected rank.
         errors: dict[str, list[int]] = defaultdict(list)
-        errors[_describe(first_exc)].append(first_rank)
-        causes = [_cause(first_exc)]
+        errors[describe_failure(first_exc)].append(first_rank)
+        causes = [failure_cause(first_exc)]
         others = [f for f in futures if rank_of[f] != first_rank]
         ready, _ = ray.wait(others, num_returns=len(others), timeout=1.0)
         for f in ready:
             try:
                 ray.get(f)
             except Exception as e:  # noqa: BLE001
-                errors[_describe(e)].append(rank_of[f])
-                causes.append(_cause(e))
+                errors[describe_failure(e)].append(rank_of[f])
+                causes.append(failure_cause(e))
         raise WorkerFailure(what, dict(errors), self._nodes(), causes)
 
     def _nodes(self) -> dict[int, str]:
@@ -149,11 +163,18 @@ class RayWorkerGroup:
 
     # --- start-up ---------------------------------------------------------------------
 
-    def start(self, partition: list[int] | None = None, init: bool = True) -> None:
+    def start(
+        self,
+        partition: list[int] | None = None,
+        init: bool = True,
+        survivors: Survivors | None = None,
+    ) -> None:
         """Place and start the ranks. `partition`: the layer bounds to run at (a resumed
         job's recorded ones, or a re-partition); None: parallel.partition decides.
         `init=False`: the ranks leave their weights empty for the `restore` that
-        follows (a rank refuses to train before it loaded one)."""
+        follows (a rank refuses to train before it loaded one). `survivors`: ranks of
+        the previous group to adopt (see the module); this group owns them from here
+        and ends those it has no place for."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -164,23 +185,31 @@ class RayWorkerGroup:
         # on CPU moves to GPUs at its next start once a GPU node is up.
         nodes = usable_nodes()
         self.device = decide_device(self.requested_device, nodes)
-        # Bundle i = (replica i // pp, stage i % pp): a replica's stages stay adjacent.
-        bundles = [
-            worker_bundle(self.spec, self.device, i % self.pp) for i in range(self.world_size)
-        ]
+        topos = [Topology(self.pp, self.replicas, r) for r in range(self.world_size)]
+        bundles = [worker_bundle(self.spec, self.device, t.stage) for t in topos]
+        # New replica index -> the surviving replica that takes it.
+        adopted = adopt(survivors or Survivors(), self.replicas, self.device, self.avoid)
         # Cordoned nodes are excluded by Ray's own node-id label on every bundle.
         avoid = sorted(self.avoid)
-        self.pg = placement_group(
-            bundles,
-            strategy="PACK",
-            name=f"spotline:{self.spec.name}:{self.attempt}",
-            bundle_label_selector=(
-                [{"ray.io/node-id": f"!in({','.join(avoid)})"} for _ in bundles] if avoid else None
-            ),
-        )
+        selector = [{"ray.io/node-id": f"!in({','.join(avoid)})"}] * self.pp if avoid else None
+        stages = bundles[:: self.replicas]  # one replica's bundles, by stage
+        self.pgs = [adopted[r].pg if r in adopted else None for r in range(self.replicas)]
+        fresh = [r for r in range(self.replicas) if r not in adopted]
+        for r in fresh:
+            self.pgs[r] = placement_group(
+                stages,
+                strategy="PACK",
+                name=f"spotline:{self.spec.name}:replica-{r}:{self.attempt}",
+                bundle_label_selector=selector,
+            )
         timeout = constants.SPOTLINE_WORKER_START_TIMEOUT_S
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
-        if not ready:
+        waits = [self.pgs[r].ready() for r in fresh]
+        ready, _ = ray.wait(waits, num_returns=len(waits), timeout=timeout)
+        self.actors = [None] * self.world_size
+        for r, sv in adopted.items():
+            for stage, actor in enumerate(sv.actors):
+                self.actors[stage * self.replicas + r] = actor
+        if len(ready) < len(waits):
             why = ""
             if self.device == "gpu" and not any(n.get("GPU", 0) > 0 for n in nodes):
                 why = (
@@ -190,12 +219,12 @@ class RayWorkerGroup:
             raise WorkerFailure(
                 "placement",
                 {
-                    f"{why}{self.world_size} {self.device.upper()} workers of "
-                    f"{_distinct(bundles)} could not be placed within "
+                    f"{why}{len(fresh) * self.pp} {self.device.upper()} workers of "
+                    f"{_distinct(stages)} could not be placed within "
                     f"{timeout:.0f}s (cluster has {ray.available_resources()} free); add nodes or "
-                    "lower elastic.min_replicas / resources.cpus_per_worker / resources.stages": list(
-                        range(self.world_size)
-                    )
+                    "lower elastic.min_replicas / resources.cpus_per_worker / resources.stages": [
+                        t.rank for t in topos if t.replica in fresh
+                    ]
                 },
             )
         # Kept while the workers live: it holds their secrets in the object store.
@@ -203,14 +232,14 @@ class RayWorkerGroup:
         cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         # With a sidecar the worker leaves a fraction of its GPU to it; both are in the
         # same bundle, so Ray gives them the same physical device.
-        for rank in range(self.world_size):
-            topo = Topology(self.pp, self.replicas, rank)
-            idx = topo.replica * self.pp + topo.stage
-            bundle = bundles[idx]
-            gpus = bundle.get("GPU", 0) * (1 - self.sidecar_gpu_fraction)
-            where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=idx)
-            self.actors.append(
-                cls.options(
+        for rank, topo in enumerate(topos):
+            bundle = bundles[rank]
+            where = PlacementGroupSchedulingStrategy(
+                self.pgs[topo.replica], placement_group_bundle_index=topo.stage
+            )
+            if self.actors[rank] is None:
+                gpus = bundle.get("GPU", 0) * (1 - self.sidecar_gpu_fraction)
+                self.actors[rank] = cls.options(
                     num_cpus=bundle.get("CPU", 0),
                     num_gpus=gpus,
                     resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
@@ -218,22 +247,50 @@ class RayWorkerGroup:
                     scheduling_strategy=where,
                     max_restarts=0,
                 ).remote(self._sealed, topo, self.attempt)
-            )
             if self.sidecar is not None:
                 self.sidecars.append(self.sidecar(topo, where, bundle, self.attempt))
-        self._info = self._call_all("start", "info", timeout_s=timeout)
+        kept = [t.rank for t in topos if t.replica in adopted]
+        new = [t.rank for t in topos if t.replica not in adopted]
+        self.kept = len(kept)
+        infos: list[dict[str, Any]] = [{} for _ in topos]  # shown once whole
+        if kept:
+            reformed = self._call_all(
+                "re-form",
+                "reform",
+                per_rank_args={r: (topos[r], self.attempt) for r in kept},
+                timeout_s=timeout,
+                ranks=kept,
+            )
+            log.info(
+                "%d rank(s) re-formed in their own processes (pids %s); %d started anew",
+                len(kept),
+                ", ".join(str(i["pid"]) for i in reformed),
+                len(new),
+            )
+            for r, info in zip(kept, reformed, strict=True):
+                was = adopted[topos[r].replica].infos[topos[r].stage]
+                # It keeps the environment it was bound with: CUDA read it once.
+                infos[r] = info | {
+                    k: was.get(k) for k in ("device", "local_rank", "visible_devices")
+                }
+        for r, info in zip(
+            new, self._call_all("start", "info", timeout_s=timeout, ranks=new), strict=True
+        ):
+            infos[r] = info
+        self._info = infos
         check_one_device(self.device, [i["gpu_ids"] for i in self._info])
-        # Each rank sees its node's GPUs and drives the one Ray gave it (LOCAL_RANK).
+        # Each new rank sees its node's GPUs and drives the one Ray gave it (LOCAL_RANK).
         shares = share_node_devices([(i["node_id"], i["gpu_ids"]) for i in self._info])
         ifname = self.spec.resources.socket_ifname
         envs = self._call_all(
             "start",
             "bind",
-            per_rank_args=[(self.device, lr, vis, ifname) for lr, vis in shares],
+            per_rank_args={r: (self.device, *shares[r], ifname) for r in new},
             timeout_s=timeout,
+            ranks=new,
         )
-        for info, env in zip(self._info, envs, strict=True):
-            info.update(
+        for r, env in zip(new, envs, strict=True):
+            self._info[r].update(
                 device=self.device,
                 local_rank=int(env["LOCAL_RANK"]),
                 visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
@@ -256,6 +313,46 @@ class RayWorkerGroup:
         if self.peers is not None:
             pairs = self.peers.place([i["node_id"] for i in self._info])
             self._call_all("peer memory", "set_peers", per_rank_args=pairs, timeout_s=timeout)
+
+    def hand_over(self, leaving: set[str], grace_s: float) -> Survivors:
+        """The replicas of this ended group the next one may adopt: every rank of one
+        alive, off the nodes of `leaving` (lost, noticed, cordoned), and with its run
+        returned within `grace_s` (a rank still blocked in a collective after that is
+        not kept, nor is its replica: they end with this group). They leave this group,
+        so `shutdown` ends only the rest."""
+        import ray
+
+        out = Survivors()
+        if not self._runs or len(self._info) != len(self.actors):
+            return out  # the group never ran: nothing in it is known to be good
+        ready, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=grace_s)
+        done = set(ready)
+
+        def good(rank: int) -> bool:
+            ref = self._runs[rank]
+            if ref not in done or self._info[rank]["node_id"] in leaving:
+                return False
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - a collective error leaves the process good
+                return describe_failure(e) != PROCESS_DIED
+            return True
+
+        for r in range(self.replicas):
+            ranks = [s * self.replicas + r for s in range(self.pp)]
+            if self.pgs[r] is None or not all(good(rank) for rank in ranks):
+                continue
+            out.replicas.append(
+                Survivor(
+                    [self.actors[k] for k in ranks],
+                    self.pgs[r],
+                    [dict(self._info[k]) for k in ranks],
+                )
+            )
+            for k in ranks:
+                self.actors[k] = None
+            self.pgs[r] = None
+        return out
 
     def _choose_partition(self, pinned: list[int] | None, timeout: float) -> dict[str, Any]:
         """The layer bounds of the stages, and what they were chosen from (see
@@ -483,24 +580,15 @@ class RayWorkerGroup:
         return list(self._info)
 
     def shutdown(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        # Already-dead actors and groups are fine: teardown is idempotent.
-        for a in self.sidecars + self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(a, no_restart=True)
+        end(self.sidecars + [a for a in self.actors if a is not None], self.pgs)
         self.actors = []
         self.sidecars = []
+        self.pgs = []
         self._runs = []
         self._polls = {}
         self._drained = set()
         self._final_polls = set()
         self._heard = {}
-        if self.pg is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.pg)
-            self.pg = None
 
 
 def _distinct(bundles: list[dict[str, float]]) -> str:
@@ -509,18 +597,3 @@ def _distinct(bundles: list[dict[str, float]]) -> str:
         if b not in kinds:
             kinds.append(b)
     return " / ".join(str(b) for b in kinds)
-
-
-def _cause(e: BaseException) -> BaseException:
-    return getattr(e, "cause", None) or e
-
-
-def _describe(e: BaseException) -> str:
-    name = type(e).__name__
-    if "ActorDied" in name or "ActorUnavailable" in name or "RayActorError" in name:
-        return PROCESS_DIED
-    cause = getattr(e, "cause", None)
-    if cause is not None:
-        return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
-    text = str(e).strip().splitlines()
-    return f"{name}: {text[-1] if text else ''}"

@@ -132,3 +132,20 @@ class WorkerGroup(Protocol):
     def peak_flops(self) -> float | None: ...
     def worker_info(self) -> list[dict[str, Any]]: ...
     def shutdown(self) -> None: ...
+
+
+def failure_cause(e: BaseException) -> BaseException:
+    """The exception a rank raised, out of Ray's wrapper."""
+    return getattr(e, "cause", None) or e
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line for what ended a rank's call: PROCESS_DIED, or the error's type and last line."""
+    name = type(e).__name__
+    if "ActorDied" in name or "ActorUnavailable" in name or "RayActorError" in name:
+        return PROCESS_DIED
+    cause = getattr(e, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+    text = str(e).strip().splitlines()
+    return f"{name}: {text[-1] if text else ''}"

@@ -384,3 +384,22 @@ class HostCopier:
         for stream in self._streams.values():
             stream.synchronize()
         self._sources.clear()
+
+
+def reset_deepspeed_groups() -> None:
+    """Forget DeepSpeed's process-wide communication state: its backend handle
+    (`deepspeed.comm.comm.cdb`) and the groups it caches in `deepspeed.utils.groups`.
+    A rank that joins a new process group in the same process calls this after the old
+    group is destroyed, so nothing of the old world (its size, its sub-groups) leaks
+    into the new one."""
+    import deepspeed.comm.comm as dcomm
+    from deepspeed.utils import groups
+
+    dcomm.cdb = None
+    for name, value in list(vars(groups).items()):
+        if not (name.startswith("_") and name.isupper()) or callable(value):
+            continue
+        if isinstance(value, dict):
+            setattr(groups, name, {})
+        elif not isinstance(value, str):  # a group, a world size or rank; not a constant
+            setattr(groups, name, None)

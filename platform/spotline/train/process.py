@@ -200,3 +200,15 @@ def init_distributed(
     # DeepSpeed adopts the process group that exists.
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     return backend
+
+
+def leave_distributed() -> None:
+    """Leave the process group this rank is in, and DeepSpeed's view of it, keeping the
+    process: the next `init_distributed` joins a new group at a new rank and world
+    size as a fresh process would. Call it once the engine built on the old group is
+    dropped."""
+    from spotline.train.engine import reset_deepspeed_groups
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    reset_deepspeed_groups()

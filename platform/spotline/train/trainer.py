@@ -423,6 +423,12 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------
 
+    def close(self) -> None:
+        """Stop building batches ahead; the engine goes with the last reference to this
+        trainer (a rank that re-forms in its own process drops it, then leaves the
+        process group: `spotline.train.process.leave_distributed`)."""
+        self.prefetch.close()
+
     def snapshot(self) -> state.RankSnapshot:
         """Host copies of what this rank owns (the only part of a save that blocks
         training; no collective): its ZeRO share of the fp32 weights and Adam moments,
