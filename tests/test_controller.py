@@ -287,6 +287,7 @@ class FakeGroup:
         return 1e9
 
     def hand_over(self, leaving, grace_s):
+        self.left_behind = {}
         return None  # a fake rank has no process to keep
 
     def shutdown(self):

@@ -35,9 +35,11 @@ class RecoverySpec(BaseModel):
     """Keep the processes of the ranks that survive a restart (a lost node, a notice, a
     grow): they re-form the process group at the new shape and restore there, instead
     of being ended and started again. A rank that hangs is never kept."""
-    reform_grace_s: float = Field(5.0, ge=0.0)
+    reform_grace_s: float = Field(2.0, ge=0.0)
     """How long a restart waits for a surviving rank's training to end (a collective
-    fails once a peer is gone) before it ends that rank too, as without `in_place`."""
+    fails once a peer is gone) before it ends that rank's replica too, as without
+    `in_place`. On gloo a rank whose collective waits on another survivor, not on the
+    lost one, stays blocked until failure.collective_timeout_s: this bounds that wait."""
 
     def fixed_interval(self) -> int | None:
         """k when the spec sets it (0: none taken); None when it is measured."""

@@ -87,6 +87,8 @@ class RayWorkerGroup:
         self.pgs: list[Any] = []  # one placement group per replica
         self.kept = 0
         """Ranks adopted from the previous group (their processes kept), at `start`."""
+        self.left_behind: dict[int, str] = {}
+        """Rank -> why `hand_over` could not keep it."""
         self.actors: list[Any] = []
         self.sidecars: list[Any] = []  # one per rank, when a sidecar factory is given
         self._info: list[dict[str, Any]] = []
@@ -328,19 +330,24 @@ class RayWorkerGroup:
         ready, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=grace_s)
         done = set(ready)
 
-        def good(rank: int) -> bool:
-            ref = self._runs[rank]
-            if ref not in done or self._info[rank]["node_id"] in leaving:
-                return False
+        def why_not(rank: int) -> str | None:
+            if self._info[rank]["node_id"] in leaving:
+                return "its node goes"
+            if self._runs[rank] not in done:
+                return f"still in its step {grace_s:.0f}s after the failure"
             try:
-                ray.get(ref)
+                ray.get(self._runs[rank])
             except Exception as e:  # noqa: BLE001 - a collective error leaves the process good
-                return describe_failure(e) != PROCESS_DIED
-            return True
+                if describe_failure(e) == PROCESS_DIED:
+                    return "its process died"
+            return None
 
+        self.left_behind = {}
         for r in range(self.replicas):
             ranks = [s * self.replicas + r for s in range(self.pp)]
-            if self.pgs[r] is None or not all(good(rank) for rank in ranks):
+            whys = {k: why_not(k) for k in ranks}
+            self.left_behind.update({k: w for k, w in whys.items() if w is not None})
+            if self.pgs[r] is None or any(whys.values()):
                 continue
             out.replicas.append(
                 Survivor(
