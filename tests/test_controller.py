@@ -55,6 +55,7 @@ class FakeGroup:
         self.device = "cpu"
         self.restored_bytes = 0
         self.kept = 0
+        self.handed = None  # the nodes `hand_over` was told go, once it was asked
         self.step = 0
         self.target = None
         self.running = False
@@ -77,6 +78,7 @@ class FakeGroup:
         FakeGroup.instances.append(self)
 
     def start(self, partition=None, init=True, survivors=None):
+        self.adopted = survivors
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
         self.init = init
@@ -287,12 +289,30 @@ class FakeGroup:
         return 1e9
 
     def hand_over(self, leaving, grace_s):
+        """The replicas off `leaving` go on (recovery.in_place); a fake has no process."""
         self.left_behind = {}
-        return None  # a fake rank has no process to keep
+        self.handed = set(leaving)
+        self.survivors_out = FakeSurvivors([n for n in self.nodes if n not in leaving])
+        return self.survivors_out
 
     def shutdown(self):
         self.shut = True
         self.running = False
+
+
+class FakeSurvivors:
+    """What a fake group hands on: the nodes of its replicas that go on. The fake
+    cluster counts their devices as free already, so they hold none here."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+        self.released = False
+
+    def devices(self):
+        return 0
+
+    def release(self):
+        self.released = True
 
 
 class FakeCluster:
@@ -961,6 +981,50 @@ def test_node_loss_resumes_from_latest_commit_without_using_a_failure(tmp_path):
     assert second.replicas == 1 and second.restored == [10]
     assert res["attempts"][0]["ended_by"] == "node lost"
     assert res["recoveries"][0]["why"] == "node loss"
+
+
+def test_a_restart_hands_the_ranks_that_stay_to_the_next_group_but_never_after_a_hang(
+    tmp_path,
+):
+    """recovery.in_place: after a node loss the replicas off the lost node, and after a
+    notice those off the doomed node, are handed to the next group (never ended); after
+    a hang nothing is, and with in_place off nothing is either."""
+    ctl, _ = make(tmp_path / "loss", {"kill_at": 17, "lose_node": "node-1"}, _two_nodes)
+    assert ctl.run()["state"] == "finished"
+    first, second = FakeGroup.instances
+    assert first.handed == {"node-1"} and first.survivors_out.nodes == ["node-0"]
+    assert second.adopted is first.survivors_out and not second.adopted.released
+
+    script = {"notices": {13: _notice("node-1", deadline=time.time() + 5)}}
+    ctl, _ = make(tmp_path / "notice", script=script, capacity=_devices({"nodes": 2}))
+    assert ctl.run()["state"] == "finished"
+    first, second = FakeGroup.instances
+    assert first.handed == {"node-1"} and second.adopted is first.survivors_out
+
+    ctl, _ = make(tmp_path / "hang", {"freeze": {"at": 15, "rank": 1, "times": 1}})
+    run_until(ctl, lambda: ctl.state.terminal)
+    first, second = FakeGroup.instances[:2]
+    assert first.handed is None and second.adopted is None
+
+    off = {"recovery.in_place": False}
+    ctl, _ = make(tmp_path / "off", {"kill_at": 17, "lose_node": "node-1"}, _two_nodes, **off)
+    assert ctl.run()["state"] == "finished"
+    assert FakeGroup.instances[0].handed is None and FakeGroup.instances[1].adopted is None
+
+
+def test_ranks_held_for_a_next_group_that_never_starts_are_ended(tmp_path):
+    """Handed on at a node loss, then the job stops while it waits for capacity: the
+    held ranks end with it."""
+
+    def capacity(held, cluster):  # both nodes at first; none once the loss is seen
+        return 0 if any(g.shut for g in FakeGroup.instances) else 2
+
+    script = {"kill_at": 17, "lose_node": "node-1"}
+    ctl, _ = make(tmp_path, script, capacity, **{"elastic.wait_for_capacity_s": 3})
+    run_until(ctl, lambda: ctl.state.terminal)
+    assert ctl.state.name == "failed"
+    (first,) = FakeGroup.instances
+    assert first.survivors_out.released and ctl.survivors is None
 
 
 def test_after_a_teardown_the_group_is_sized_from_settled_capacity(tmp_path):

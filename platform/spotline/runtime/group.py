@@ -30,7 +30,7 @@ from typing import Any
 from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.config.schema import JobSpec
-from spotline.runtime.placement import usable_nodes, worker_bundle, worker_name
+from spotline.runtime.placement import bundle_kinds, usable_nodes, worker_bundle, worker_name
 from spotline.runtime.progress import (
     PROCESS_DIED,
     Progress,
@@ -222,7 +222,7 @@ class RayWorkerGroup:
                 "placement",
                 {
                     f"{why}{len(fresh) * self.pp} {self.device.upper()} workers of "
-                    f"{_distinct(stages)} could not be placed within "
+                    f"{bundle_kinds(stages)} could not be placed within "
                     f"{timeout:.0f}s (cluster has {ray.available_resources()} free); add nodes or "
                     "lower elastic.min_replicas / resources.cpus_per_worker / resources.stages": [
                         t.rank for t in topos if t.replica in fresh
@@ -327,8 +327,10 @@ class RayWorkerGroup:
         out = Survivors()
         if not self._runs or len(self._info) != len(self.actors):
             return out  # the group never ran: nothing in it is known to be good
-        ready, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=grace_s)
-        done = set(ready)
+        staying = [
+            ref for k, ref in enumerate(self._runs) if self._info[k]["node_id"] not in leaving
+        ]
+        done = set(ray.wait(staying, num_returns=len(staying), timeout=grace_s)[0])
 
         def why_not(rank: int) -> str | None:
             if self._info[rank]["node_id"] in leaving:
@@ -596,11 +598,3 @@ class RayWorkerGroup:
         self._drained = set()
         self._final_polls = set()
         self._heard = {}
-
-
-def _distinct(bundles: list[dict[str, float]]) -> str:
-    kinds = []
-    for b in bundles:
-        if b not in kinds:
-            kinds.append(b)
-    return " / ".join(str(b) for b in kinds)

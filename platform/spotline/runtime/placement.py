@@ -64,3 +64,12 @@ def worker_bundle(spec: JobSpec, device: str, stage: int = 0) -> dict[str, float
         bundle[f"accelerator_type:{r.accelerator_type}"] = 0.001
     bundle.update(r.resources)
     return {k: v for k, v in bundle.items() if v > 0}
+
+
+def bundle_kinds(bundles: list[dict[str, float]]) -> str:
+    """The distinct bundles of `bundles`, for a message: "{'CPU': 1.0} / {...}"."""
+    kinds: list[dict[str, float]] = []
+    for b in bundles:
+        if b not in kinds:
+            kinds.append(b)
+    return " / ".join(str(b) for b in kinds)
