@@ -237,13 +237,14 @@ class ControllerParts:
                 gone = set(leaving) | set(self.health.cordoned) | set(self.inbox.doomed())
                 self._release_survivors()
                 self.survivors = self.group.hand_over(gone, self.spec.recovery.reform_grace_s)
-                stuck = [k for k, why in self.group.left_behind.items() if why.startswith("still")]
-                if stuck:
-                    self._event(
-                        f"rank(s) {stuck} {self.group.left_behind[stuck[0]]}: their replicas "
-                        "start anew (recovery.reform_grace_s)",
-                        logging.WARNING,
-                    )
+                behind = self.group.left_behind
+                self._event(
+                    f"{self.survivors.devices()} rank(s) go on in their processes"
+                    + "".join(f"; rank {k} not: {why}" for k, why in sorted(behind.items())),
+                    logging.WARNING
+                    if any(w.startswith("still") for w in behind.values())
+                    else logging.INFO,
+                )
             self.group.shutdown()
             self.group = None
         if leaving is None:
