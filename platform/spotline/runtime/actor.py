@@ -13,6 +13,9 @@ A save blocks training only for its host copy; serialization and upload run on t
 rank's upload thread. Progress (losses, step times, saves, finished uploads, bubbles,
 notices) is published into a buffer that the controller drains with `progress`,
 which never touches the training thread. Nothing here calls the controller.
+
+A rank that survives its group (recovery.in_place) takes its place in the next one
+with `reform`: the same process, a new rank, a new engine, the state restored.
 """
 
 from __future__ import annotations
