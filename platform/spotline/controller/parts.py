@@ -227,8 +227,8 @@ class ControllerParts:
     def _teardown(self, leaving: set[str] | None = None) -> None:
         """End the live group. `leaving` (with recovery.in_place): the nodes whose ranks
         go (lost, or named by a notice); the group's other good ranks are handed to the
-        next group rather than ended (`survivors`), as are those on cordoned nodes not.
-        None: everything ends, ranks held for a next group included."""
+        next group rather than ended (`survivors`), never those on a cordoned or noticed
+        node. None: everything ends, ranks held for a next group included."""
         if self.backfill is not None:
             self.backfill.detach()
         if self.group is not None:
