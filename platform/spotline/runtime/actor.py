@@ -53,6 +53,7 @@ from spotline.runtime.faults import Faults
 from spotline.runtime.keeper import PeerReader, PeerSender
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
+from spotline.train.links import Links
 from spotline.train.process import (
     Topology,
     import_deepspeed,
@@ -146,6 +147,7 @@ class TrainWorker:
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
         self._own_keeper: str | None = None  # this node's state keeper (`set_peers`)
         self._store: Any = None  # rank 0: the rendezvous store, listening (`host_store`)
+        self._links = Links()  # this rank's gloo connections to its peers (`setup`)
 
     def reform(self, topo: Topology, attempt: str) -> dict[str, Any]:
         """Take rank `topo` of the next group (`attempt`) in this same process, after the
@@ -262,6 +264,7 @@ class TrainWorker:
             raise SpecError(str(e)) from None
         self._clean_staging()
         store, self._store = self._store, None  # the process group owns it from here
+        self._links.begin()
         backend = init_distributed(
             self.topo,
             master_addr,
@@ -289,6 +292,11 @@ class TrainWorker:
             init=init,
             engine_hook=self.faults.wrap_engine if self.faults is not None else None,
         )
+        if backend == "gloo" and self.topo.world_size > 1:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            timeout = self.spec.failure.collective_timeout_s
+            self._links.agree(_get_default_store(), self.topo.rank, self.topo.world_size, timeout)
         if self.metrics is None:  # one per process: a re-formed rank keeps its series
             self.metrics = Metrics(self.spec.name)
         return {"backend": backend, "device": name, "peak_flops": peak}
@@ -400,6 +408,17 @@ class TrainWorker:
         interval = self.spec.checkpoint.interval_steps
         self._export_devices()
         saved_through = tr.step  # the same on every rank: it follows agreed decisions
+        try:
+            return self._train(tr, target, interval, saved_through)
+        except BaseException:
+            # This group is over: a peer still waiting on this rank fails now, not at
+            # the collective timeout, and stays good to re-form (`spotline.train.links`).
+            cut = self._links.cut()
+            if cut:
+                log.warning("rank %d: step failed; cut its %d gloo link(s)", self.topo.rank, cut)
+            raise
+
+    def _train(self, tr: Trainer, target: int, interval: int, saved_through: int) -> dict[str, Any]:
         while tr.step < target:
             t0 = time.perf_counter()
             if self._steps_run == 1:  # the first steady step: optimizer state exists
