@@ -55,6 +55,7 @@ class FakeGroup:
         self.device = "cpu"
         self.restored_bytes = 0
         self.kept = 0
+        self.ahead = 0
         self.handed = None  # the nodes `hand_over` was told go, once it was asked
         self.step = 0
         self.target = None
@@ -306,6 +307,7 @@ class FakeSurvivors:
 
     def __init__(self, nodes):
         self.nodes = nodes
+        self.replicas = []  # what else joins them: replicas started ahead
         self.released = False
 
     def devices(self):
@@ -313,6 +315,45 @@ class FakeSurvivors:
 
     def release(self):
         self.released = True
+
+
+class FakeStandby:
+    """Replicas started ahead: each is ready at the `ready_after`-th keep after it
+    started. The fake cluster counts their devices as free, so they hold none here."""
+
+    def __init__(self, ready_after):
+        self.ready_after = ready_after
+        self.started: list[dict] = []  # {"keeps": seen since its start}
+        self.wants: list[int] = []
+        self.taken: list[dict] = []
+        self.released = False
+
+    def devices(self):
+        return 0
+
+    def ready(self):
+        return sum(1 for r in self.started if r["keeps"] >= self.ready_after)
+
+    def starting(self):
+        return len(self.started) - self.ready()
+
+    def keep(self, room, limit, device, avoid):
+        self.wants.append(min(room, limit))
+        for r in self.started:
+            r["keeps"] += 1
+        del self.started[max(limit, 0) :]
+        if room >= 1 and len(self.started) < limit:
+            self.started.append({"keeps": 0})
+
+    def take(self, avoid):
+        out = [r for r in self.started if r["keeps"] >= self.ready_after]
+        self.taken += out
+        self.started = []
+        return out
+
+    def release(self):
+        self.released = True
+        self.started = []
 
 
 class FakeCluster:
@@ -370,7 +411,7 @@ class FakeDemand:
         self.calls.append("withdraw")
 
 
-def make(tmp_path, script=None, capacity=2, **over):
+def make(tmp_path, script=None, capacity=2, standby=None, **over):
     raw = {
         "name": "ctl",
         "model": {"n_layers": 2},
@@ -393,7 +434,9 @@ def make(tmp_path, script=None, capacity=2, **over):
         return g
 
     demand = FakeDemand()
-    ctl = Controller(spec, store, group, cluster, sleep=clock.sleep, clock=clock, demand=demand)
+    ctl = Controller(
+        spec, store, group, cluster, sleep=clock.sleep, clock=clock, demand=demand, standby=standby
+    )
     ctl.fake_demand = demand
     ctl.fake_cluster = cluster
     ctl.fake_clock = clock
@@ -1059,6 +1102,31 @@ def test_grows_when_capacity_returns_and_it_pays(tmp_path):
     assert grow["why"] == "grow" and grow["to_replicas"] == 2
     # No fixed interval: it grew at the first check after the capacity came.
     assert FakeGroup.instances[1].restored[0] <= 50
+    assert store.load_manifest(400).topology["replicas"] == 2
+
+
+def test_a_grow_trains_on_until_the_replica_started_ahead_is_ready_then_takes_it_in(tmp_path):
+    """Capacity joins: a replica is started ahead at the first check, the group trains on
+    while its processes start, and the grow hands it to the bigger group as a survivor;
+    with no spare capacity none is kept, and the job's end releases what is left."""
+    total = {"nodes": 1}
+    standby = FakeStandby(ready_after=3)
+    steps = {"train.steps": 400, "checkpoint.interval_steps": 50}
+    ctl, store = make(tmp_path, capacity=_devices(total), standby=standby, **steps)
+    run_until(ctl, lambda: ctl.step_count >= 5 and standby.wants)
+    assert set(standby.wants) == {0} and not standby.started
+    total["nodes"] = 2  # a second replica's worth joins
+    run_until(ctl, lambda: standby.wants[-1] == 1)
+    run_until(ctl, lambda: standby.started[0]["keeps"] == 2)
+    # Not ready yet: still the first group, training.
+    assert len(FakeGroup.instances) == 1 and isinstance(ctl.state, Running)
+    res = ctl.run()
+    assert res["state"] == "finished"
+    first, grown = FakeGroup.instances
+    assert grown.replicas == 2 and res["resizes"][0]["why"] == "grow"
+    assert standby.taken and grown.adopted.replicas == standby.taken
+    assert first.survivors_out is grown.adopted
+    assert standby.released  # the job's end
     assert store.load_manifest(400).topology["replicas"] == 2
 
 

@@ -185,7 +185,8 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     )
     grow = _result(run)["resizes"][0]["step"]
     st = _wait(run, lambda s: s["step"] >= grow + 3, "training at 2 replicas")
-    # The replica that ran goes on in its own processes; only the new one started.
+    # The replica that ran goes on in its own processes; the new one's were started
+    # ahead, on the joined node, while the job trained on.
     assert pids < {w["pid"] for w in st["workers"]}, (pids, st["workers"])
 
     # A spot notice for the node of rank 1: JIT checkpoint, then on with 1 replica.
@@ -219,6 +220,7 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     first, second, third = res["attempts"][:3]
     assert (first["replicas"], second["replicas"], third["replicas"]) == (1, 2, 1)
     assert (second["kept"], third["kept"]) == (2, 2)  # recovery.in_place
+    assert (second["ahead"], third["ahead"]) == (2, 0)
     assert second["restored_from"] == grow
     assert second["losses"][-1][0] == jit  # training stopped at the JIT step
     assert third["restored_from"] == jit and third["start_step"] == jit

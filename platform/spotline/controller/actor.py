@@ -58,6 +58,7 @@ class ControllerActor:
         from spotline.runtime.demand import RayDemand
         from spotline.runtime.group import RayWorkerGroup
         from spotline.runtime.keeper import PeerMemory
+        from spotline.runtime.standby import Standby
 
         # Events also go to this actor's log, which the Ray dashboard shows: redacted.
         install_log_redaction()
@@ -95,6 +96,7 @@ class ControllerActor:
             backfill=pool,
             demand=RayDemand(spec, device, cordoned=cluster.cordoned),
             peers=self.peers,
+            standby=Standby(spec, store, spec.backfill.gpu_fraction if sidecar else 0.0),
         )
 
     def run(self) -> dict[str, Any]:

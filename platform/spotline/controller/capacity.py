@@ -37,8 +37,9 @@ def lost_nodes(cluster, nodes: set[str], patient: bool, clock, sleep) -> set[str
         sleep(0.25)
 
 
-def replicas_left(cluster, workers: list[dict], gone: set[str]) -> int:
-    """Replicas a group's devices off the `gone` nodes plus the free ones hold: what
-    the next group can expect once the devices of the old one show free again."""
-    held = sum(1 for w in workers if w["node_id"] not in gone)
+def replicas_left(cluster, workers: list[dict], gone: set[str], ahead: int = 0) -> int:
+    """Replicas a group's devices off the `gone` nodes, the `ahead` devices of replicas
+    started ahead, and the free ones hold: what the next group can expect once the
+    devices of the old one show free again."""
+    held = sum(1 for w in workers if w["node_id"] not in gone) + ahead
     return cluster.capacity(held_workers=held, exclude=gone)

@@ -243,9 +243,7 @@ class Controller(ControllerParts):
         survivors = self._take_survivors()  # re-formed in their processes (recovery.in_place)
         group.start(partition=pin, init=not self.coordinator.has_checkpoint(), survivors=survivors)
         attempt.device = group.device
-        attempt.kept = group.kept
-        if group.kept:
-            self._event(f"{group.kept} of {group.world_size} rank(s) re-formed in their processes")
+        self._count_kept(group, attempt)
         info = group.partition()
         self.partitions.started(info, attempt)
         if info.get("bounds"):  # the manifests of this group's commits record them
@@ -403,18 +401,22 @@ class Controller(ControllerParts):
         ):
             return None
         pace.grow_checked = now
+        ahead = self._keep_standby()
         restart_s = pace.restart_cost_s()
         if restart_s is None:
             return None  # no start is measured yet
         decision = self.grow_policy.decide(
             replicas=group.replicas,
-            capacity=self.cluster.capacity(held_workers=group.world_size),
+            capacity=self.cluster.capacity(held_workers=group.world_size + ahead),
             steps_left=self.spec.train.steps - self.step_count,
             steps_per_s=pace.sps.get(group.replicas, 0.0),
             restart_s=restart_s,
             running_s=now - pace.group_started,
             measured=pace.sps,
         )
+        sb = self.standby
+        if decision is not None and sb is not None and sb.starting():
+            return None  # training on while the new replicas' processes start
         return decision.replicas if decision is not None else None
 
     def _restart(self, why: str, detail: str) -> None:

@@ -64,6 +64,7 @@ class ControllerParts:
         backfill: Any = None,
         demand: Demand | None = None,
         peers: Any = None,
+        standby: Any = None,
     ):
         self.spec = spec
         self.demand = demand  # what the job asks the autoscaler for, while it lives
@@ -114,6 +115,8 @@ class ControllerParts:
         self.group: WorkerGroup | None = None
         self.survivors: Any = None
         """Ranks of the ended group that the next one adopts (`WorkerGroup.hand_over`)."""
+        self.standby = standby if spec.recovery.in_place else None
+        """Replicas started ahead on free capacity (`spotline.runtime.standby.Standby`)."""
         self.step_count = 0  # the latest step the live group reported
         self.plan_view = PlanView(spec)
 
@@ -218,7 +221,8 @@ class ControllerParts:
         if self.group is None:
             return 0
         gone = set(self._doomed_here()) | set(exclude) | set(self.health.cordoned)
-        return replicas_left(self.cluster, self.group.worker_info(), gone)
+        ahead = self.standby.devices() if self.standby is not None else 0
+        return replicas_left(self.cluster, self.group.worker_info(), gone, ahead)
 
     def _doomed_here(self) -> list[str]:
         group = self.group
@@ -237,6 +241,8 @@ class ControllerParts:
                 gone = set(leaving) | set(self.health.cordoned) | set(self.inbox.doomed())
                 self._release_survivors()
                 self.survivors = self.group.hand_over(gone, self.spec.recovery.reform_grace_s)
+                if self.standby is not None:
+                    self.survivors.replicas += self.standby.take(gone)
                 behind = self.group.left_behind
                 self._event(
                     f"{self.survivors.devices()} rank(s) go on in their processes"
@@ -249,6 +255,29 @@ class ControllerParts:
             self.group = None
         if leaving is None:
             self._release_survivors()
+            if self.standby is not None:
+                self.standby.release()
+
+    def _count_kept(self, group: WorkerGroup, attempt: Any) -> None:
+        attempt.kept, attempt.ahead = group.kept, group.ahead
+        if group.kept or group.ahead:
+            ahead = f" ({group.ahead} of them started ahead)" if group.ahead else ""
+            self._event(
+                f"{group.kept + group.ahead} of {group.world_size} rank(s) re-formed in their "
+                f"processes{ahead}"
+            )
+
+    def _keep_standby(self) -> int:
+        """Start replicas ahead on the free capacity beyond the live group, up to
+        elastic.max_replicas, off cordoned and noticed nodes; returns the devices they
+        hold (the job's own, as the group's are)."""
+        group, standby = self.group, self.standby
+        if standby is None or group is None:
+            return 0
+        limit = (self.scaling_policy.fit(self.spec.elastic.max_replicas) or 0) - group.replicas
+        avoid = set(self.health.cordoned) | set(self.inbox.doomed())
+        standby.keep(self.cluster.capacity(), limit, group.device, avoid)
+        return standby.devices()
 
     def _release_survivors(self) -> None:
         if self.survivors is not None:

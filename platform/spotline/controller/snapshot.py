@@ -44,6 +44,7 @@ class Attempt:
     restored_bytes: int = 0  # what its ranks read to restore
     restored_attempt: str = ""  # the group whose peer copy it restored, if it did
     kept: int = 0  # ranks of the group before that it adopted (processes kept, re-formed)
+    ahead: int = 0  # ranks that joined from replicas started ahead (processes kept)
 
 
 @dataclass

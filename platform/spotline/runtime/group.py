@@ -30,7 +30,7 @@ from typing import Any
 from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.config.schema import JobSpec
-from spotline.runtime.placement import bundle_kinds, usable_nodes, worker_bundle, worker_name
+from spotline.runtime.placement import bundle_kinds, usable_nodes, worker_bundle
 from spotline.runtime.progress import (
     PROCESS_DIED,
     Progress,
@@ -46,6 +46,7 @@ from spotline.runtime.rendezvous import (
     share_node_devices,
 )
 from spotline.runtime.sealed import SealedJob
+from spotline.runtime.spawn import start_worker
 from spotline.runtime.survivors import Survivor, Survivors, adopt, end
 from spotline.train.process import Topology
 
@@ -87,6 +88,8 @@ class RayWorkerGroup:
         self.pgs: list[Any] = []  # one placement group per replica
         self.kept = 0
         """Ranks adopted from the previous group (their processes kept), at `start`."""
+        self.ahead = 0
+        """Ranks that joined from replicas started ahead (`standby.py`), at `start`."""
         self.left_behind: dict[int, str] = {}
         """Rank -> why `hand_over` could not keep it."""
         self.actors: list[Any] = []
@@ -181,8 +184,6 @@ class RayWorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from spotline.runtime.actor import TrainWorker
-
         # Decided from the nodes there are now, at every start: an 'auto' job that began
         # on CPU moves to GPUs at its next start once a GPU node is up.
         nodes = usable_nodes()
@@ -231,29 +232,27 @@ class RayWorkerGroup:
             )
         # Kept while the workers live: it holds their secrets in the object store.
         self._sealed = SealedJob(self.spec, self.store)
-        cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
-        # With a sidecar the worker leaves a fraction of its GPU to it; both are in the
-        # same bundle, so Ray gives them the same physical device.
         for rank, topo in enumerate(topos):
             bundle = bundles[rank]
             where = PlacementGroupSchedulingStrategy(
                 self.pgs[topo.replica], placement_group_bundle_index=topo.stage
             )
             if self.actors[rank] is None:
-                gpus = bundle.get("GPU", 0) * (1 - self.sidecar_gpu_fraction)
-                self.actors[rank] = cls.options(
-                    num_cpus=bundle.get("CPU", 0),
-                    num_gpus=gpus,
-                    resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                    name=f"spotline:{self.spec.name}:{worker_name(topo)}:{self.attempt}",
-                    scheduling_strategy=where,
-                    max_restarts=0,
-                ).remote(self._sealed, topo, self.attempt)
+                self.actors[rank] = start_worker(
+                    self.spec,
+                    self._sealed,
+                    topo,
+                    self.attempt,
+                    where,
+                    bundle,
+                    self.sidecar_gpu_fraction,
+                )
             if self.sidecar is not None:
                 self.sidecars.append(self.sidecar(topo, where, bundle, self.attempt))
         kept = [t.rank for t in topos if t.replica in adopted]
         new = [t.rank for t in topos if t.replica not in adopted]
-        self.kept = len(kept)
+        self.ahead = sum(1 for r in kept if adopted[topos[r].replica].ahead)
+        self.kept = len(kept) - self.ahead
         infos: list[dict[str, Any]] = [{} for _ in topos]  # shown once whole
         if kept:
             reformed = self._call_all(
@@ -264,9 +263,11 @@ class RayWorkerGroup:
                 ranks=kept,
             )
             log.info(
-                "%d rank(s) re-formed in their own processes (pids %s); %d started anew",
+                "%d rank(s) re-formed in their own processes (pids %s), %d of them started "
+                "ahead; %d started anew",
                 len(kept),
                 ", ".join(str(i["pid"]) for i in reformed),
+                self.ahead,
                 len(new),
             )
             for r, info in zip(kept, reformed, strict=True):

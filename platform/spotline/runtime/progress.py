@@ -117,6 +117,7 @@ class WorkerGroup(Protocol):
     device: str  # "gpu" or "cpu", once started
     restored_bytes: int  # what the ranks read in the latest restore
     kept: int  # ranks adopted from the previous group at `start` (their processes kept)
+    ahead: int  # ranks that joined from replicas started ahead, at `start`
     left_behind: dict[int, str]  # rank -> why `hand_over` did not keep it
 
     def start(

@@ -28,6 +28,8 @@ class Survivor:
     actors: list[Any]
     pg: Any
     infos: list[dict[str, Any]]
+    ahead: bool = False
+    """Started ahead and never trained (`standby.py`), rather than kept from a group."""
 
 
 class Survivors:

@@ -1,0 +1,193 @@
+"""Replicas started ahead, so that no process start is on the path of a restart.
+
+A new rank's process imports torch and DeepSpeed and binds its device: seconds on a
+CPU, more with CUDA. Started when the group needs it (a grow, a replacement after a
+loss), that is time with no training step. So while the group trains, the controller
+keeps as many replicas started here as the free capacity holds beyond the group (up to
+elastic.max_replicas): each has its placement group, its ranks' actors are built and
+bound to the device (`TrainWorker.bind`), and they wait, holding no rank. When the
+group next re-forms (a grow, a loss, a notice), the ready ones join it as survivors
+do (`survivors.py`): they re-form at their rank in their own processes. A grow waits
+for them, training on, rather than starting processes on its path.
+
+This room only starts, holds and ends them; `ControllerParts` says how many to keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from spotline import constants
+from spotline.checkpoint import CheckpointStore
+from spotline.config.schema import JobSpec
+from spotline.runtime.placement import worker_bundle
+from spotline.runtime.rendezvous import share_node_devices
+from spotline.runtime.sealed import SealedJob
+from spotline.runtime.spawn import start_worker
+from spotline.runtime.survivors import Survivor, end
+from spotline.train.process import Topology
+
+log = logging.getLogger("spotline.standby")
+
+
+@dataclass
+class _Replica:
+    """One replica started ahead: placing -> started (actors up) -> bound (ready)."""
+
+    name: str
+    device: str
+    pg: Any
+    since: float
+    actors: list[Any] = field(default_factory=list)
+    infos: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[Any] = field(default_factory=list)  # the refs of the phase in hand
+    ready: bool = False
+    placed: bool = False
+
+
+class Standby:
+    """The job's replicas started ahead (see the module)."""
+
+    def __init__(self, spec: JobSpec, store: CheckpointStore, gpu_fraction: float = 0.0):
+        self.spec = spec
+        self.store = store
+        self.gpu_fraction = gpu_fraction
+        """Of each worker's GPU left to its sidecar, which the group starts (`start_worker`)."""
+        self._replicas: list[_Replica] = []
+        self._sealed: SealedJob | None = None  # held while any of them lives
+
+    # --- what the controller reads ----------------------------------------------------
+
+    def devices(self) -> int:
+        """Devices they hold (placed ones): the job's own, as the group's are."""
+        return sum(self.spec.parallel.pipeline_stages for r in self._replicas if r.placed)
+
+    def ready(self) -> int:
+        return sum(1 for r in self._replicas if r.ready)
+
+    def starting(self) -> int:
+        return sum(1 for r in self._replicas if not r.ready)
+
+    # --- keeping them -----------------------------------------------------------------
+
+    def keep(self, room: int, limit: int, device: str, avoid: set[str]) -> None:
+        """Move each one on; end those that failed, sit on a node in `avoid`, run on
+        another device kind than `device`, or are more than `limit` (the newest go
+        first); and start one more when `room` (whole replicas the free resources hold
+        now) is at least 1 and none is still waiting for its placement. One at a time,
+        and only onto free resources: a placement group that cannot be placed would be
+        demand the autoscaler launches nodes for."""
+        self._advance()
+        for r in list(self._replicas):
+            if r.device != device or any(i.get("node_id") in avoid for i in r.infos):
+                self._end(r, "its node is leaving or its device kind is no longer the job's")
+        while len(self._replicas) > max(limit, 0):
+            self._end(self._replicas[-1], "the job needs no more replicas")
+        placing = any(not r.placed for r in self._replicas)
+        if room >= 1 and not placing and len(self._replicas) < limit:
+            self._start(device, avoid)
+
+    def take(self, avoid: set[str]) -> list[Survivor]:
+        """The ready replicas, off the nodes in `avoid`, as survivors for the next group;
+        every other one ends (one not ready yet would hold devices the next group is
+        sized without)."""
+        self._advance()
+        out = []
+        for r in self._replicas:
+            if r.ready and not any(i["node_id"] in avoid for i in r.infos):
+                out.append(Survivor(r.actors, r.pg, r.infos, ahead=True))
+            else:
+                end(r.actors, [r.pg])
+        if out:
+            log.info("%d replica(s) started ahead join the next group", len(out))
+        self._replicas = []
+        return out
+
+    def release(self) -> None:
+        for r in self._replicas:
+            end(r.actors, [r.pg])
+        self._replicas = []
+
+    # --- the phases -------------------------------------------------------------------
+
+    def _start(self, device: str, avoid: set[str]) -> None:
+        from ray.util.placement_group import placement_group
+
+        pp = self.spec.parallel.pipeline_stages
+        name = f"standby-{uuid.uuid4().hex[:8]}"
+        stages = [worker_bundle(self.spec, device, s) for s in range(pp)]
+        off = ",".join(sorted(avoid))  # Ray's own node-id label, as the group places
+        pg = placement_group(
+            stages,
+            strategy="PACK",
+            name=f"spotline:{self.spec.name}:{name}",
+            bundle_label_selector=[{"ray.io/node-id": f"!in({off})"}] * pp if avoid else None,
+        )
+        self._replicas.append(_Replica(name, device, pg, time.monotonic(), pending=[pg.ready()]))
+
+    def _end(self, r: _Replica, why: str) -> None:
+        log.info("replica %s started ahead ends: %s", r.name, why)
+        end(r.actors, [r.pg])
+        self._replicas.remove(r)
+
+    def _advance(self) -> None:
+        """Take each replica one phase on where its calls returned; never waits."""
+        import ray
+
+        for r in list(self._replicas):
+            if r.ready:
+                continue
+            done, _ = ray.wait(r.pending, num_returns=len(r.pending), timeout=0)
+            if len(done) < len(r.pending):
+                limit = constants.SPOTLINE_WORKER_START_TIMEOUT_S
+                if time.monotonic() - r.since > limit:
+                    self._end(r, f"not started within {limit:.0f}s")
+                continue
+            try:
+                results = ray.get(r.pending)
+            except Exception as e:  # noqa: BLE001 - it is ended; the group starts its own
+                self._end(r, f"its start failed: {type(e).__name__}: {e}")
+                continue
+            if not r.placed:
+                r.placed = True
+                self._spawn(r)
+            elif not r.infos:
+                r.infos = results
+                shares = share_node_devices([(i["node_id"], i["gpu_ids"]) for i in results])
+                ifname = self.spec.resources.socket_ifname
+                r.pending = [
+                    a.bind.remote(r.device, *share, ifname)
+                    for a, share in zip(r.actors, shares, strict=True)
+                ]
+            else:
+                for info, env in zip(r.infos, results, strict=True):
+                    info.update(
+                        device=r.device,
+                        local_rank=int(env["LOCAL_RANK"]),
+                        visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+                    )
+                r.ready = True
+                r.pending = []
+                log.info("replica %s started ahead is ready", r.name)
+
+    def _spawn(self, r: _Replica) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self._sealed is None:
+            self._sealed = SealedJob(self.spec, self.store)
+        pp = self.spec.parallel.pipeline_stages
+        for stage in range(pp):
+            topo = Topology(pp, 1, stage)  # a placeholder: `reform` gives it its rank
+            where = PlacementGroupSchedulingStrategy(r.pg, placement_group_bundle_index=stage)
+            bundle = worker_bundle(self.spec, r.device, stage)
+            name = f"spotline:{self.spec.name}:{r.name}/stage-{stage}"
+            r.actors.append(
+                start_worker(
+                    self.spec, self._sealed, topo, r.name, where, bundle, self.gpu_fraction, name
+                )
+            )
+        r.pending = [a.info.remote() for a in r.actors]
