@@ -1055,6 +1055,22 @@ def test_a_restart_hands_the_ranks_that_stay_to_the_next_group_but_never_after_a
     assert FakeGroup.instances[0].handed is None and FakeGroup.instances[1].adopted is None
 
 
+def test_a_lost_nodes_state_keeper_is_forgotten_before_the_next_group_asks(tmp_path):
+    """A restore asks every keeper it knows what it holds; one on a lost node would keep
+    the next group waiting for Ray to call it unavailable."""
+    from spotline.runtime.keeper import PeerMemory
+
+    peers = PeerMemory.__new__(PeerMemory)
+    peers._keepers = {"node-0": "keeper-0", "node-1": "keeper-1"}
+    ctl, _ = make(tmp_path, {"kill_at": 17, "lose_node": "node-1"}, _two_nodes)
+    ctl.recovery.peers = peers
+    offered = []
+    peers.offer = lambda *a, **k: offered.append(set(peers._keepers))  # what it would ask
+    peers.retain = lambda attempts: None
+    assert ctl.run()["state"] == "finished"
+    assert offered[-1] == {"node-0"} and set(peers._keepers) == {"node-0"}
+
+
 def test_ranks_held_for_a_next_group_that_never_starts_are_ended(tmp_path):
     """Handed on at a node loss, then the job stops while it waits for capacity: the
     held ranks end with it."""

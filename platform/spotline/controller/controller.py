@@ -492,9 +492,7 @@ class Controller(ControllerParts):
             # Losing spot nodes is the normal weather, not a fault of the job: it does not
             # use up failure.max_failures.
             r.node_losses += len(lost)
-            if self.demand is not None:
-                self.demand.keep(force=True)  # the autoscaler replaces what went
-            self.inbox.forget(lost)
+            self._forget(lost)
             self._event(
                 f"lost node(s) {', '.join(n[:12] for n in sorted(lost))} at step "
                 f"{self.step_count}; resuming from the latest committed step ({latest}) on "

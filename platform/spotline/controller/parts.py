@@ -279,6 +279,14 @@ class ControllerParts:
         standby.keep(self.cluster.capacity(), limit, group.device, avoid)
         return standby.devices()
 
+    def _forget(self, lost: set[str]) -> None:
+        """Lost nodes: their notices and state keepers went with them, and the autoscaler
+        is asked at once to replace them."""
+        if self.demand is not None:
+            self.demand.keep(force=True)
+        self.inbox.forget(lost)
+        self.recovery.forget(lost)
+
     def _release_survivors(self) -> None:
         if self.survivors is not None:
             self.survivors.release()

@@ -167,6 +167,11 @@ class PeerRecovery:
                 f"within {self.spec.recovery.peer_cost_budget:.0%} of training"
             )
 
+    def forget(self, nodes: set[str]) -> None:
+        """Lost `nodes`: their keepers and their copies went with them."""
+        if self.peers is not None and nodes:
+            self.peers.forget(nodes)
+
     def offer(
         self,
         attempts: list[Any],

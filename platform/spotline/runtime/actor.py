@@ -249,10 +249,14 @@ class TrainWorker:
         master_port: int,
         bounds: list[int] | None = None,
         init: bool = True,
+        rehearsal: bool = False,
     ) -> dict[str, Any]:
         """Join the process group and build this rank's engine (`init=False`: its weights
-        are left empty for the checkpoint the group restores next)."""
-        if constants.SPOTLINE_PIN_CORES:
+        are left empty for the checkpoint the group restores next). `rehearsal`: a
+        replica started ahead (`spotline.runtime.standby`) builds one among its own
+        ranks, so that the first-time costs of a process (imports, the first engine)
+        are paid before a group needs it; it touches no other group's staging files."""
+        if constants.SPOTLINE_PIN_CORES and not rehearsal:
             pin_process(self.topo.rank)
         # This node's disk, checked before the first step rather than at the first save.
         check_local_dir(self.staging, "checkpoint.staging_dir")
@@ -262,7 +266,8 @@ class TrainWorker:
             self.store.signing_key()
         except StorageError as e:
             raise SpecError(str(e)) from None
-        self._clean_staging()
+        if not rehearsal:
+            self._clean_staging()
         store, self._store = self._store, None  # the process group owns it from here
         self._links.begin()
         backend = init_distributed(

@@ -161,6 +161,12 @@ class PeerMemory:
         keepers of nodes that are not `leaving`."""
         return newest_complete(self.spec, self.held(leaving), attempt, world, partition, at)
 
+    def forget(self, nodes: set[str]) -> None:
+        """The keepers of `nodes` are gone with them (a node loss the controller saw):
+        never asked again, so no restore waits on a dead actor to answer."""
+        for node in nodes:
+            self._keepers.pop(node, None)
+
     def retain(self, attempts: list[str]) -> None:
         """Keep only the copies of `attempts` (the group that runs, and the one it
         restored from until it has its own): no later restore may read another's."""

@@ -5,7 +5,10 @@ CPU, more with CUDA. Started when the group needs it (a grow, a replacement afte
 loss), that is time with no training step. So while the group trains, the controller
 keeps as many replicas started here as the free capacity holds beyond the group (up to
 elastic.max_replicas): each has its placement group, its ranks' actors are built and
-bound to the device (`TrainWorker.bind`), and they wait, holding no rank. When the
+bound to the device (`TrainWorker.bind`), and they rehearse: they build an engine
+among their own ranks (empty weights, no step), which pays a process's first-time
+costs (imports, the first engine build: about a second here, more with CUDA). Then
+they wait, holding no rank. When the
 group next re-forms (a grow, a loss, a notice), the ready ones join it as survivors
 do (`survivors.py`): they re-form at their rank in their own processes. A grow waits
 for them, training on, rather than starting processes on its path.
@@ -36,7 +39,7 @@ log = logging.getLogger("spotline.standby")
 
 @dataclass
 class _Replica:
-    """One replica started ahead: placing -> started (actors up) -> bound (ready)."""
+    """One replica started ahead, and the phase it is in (see `_advance`)."""
 
     name: str
     device: str
@@ -47,6 +50,7 @@ class _Replica:
     pending: list[Any] = field(default_factory=list)  # the refs of the phase in hand
     ready: bool = False
     placed: bool = False
+    phase: str = "placing"  # starting, binding, hosting, rehearsing, ready
 
 
 class Standby:
@@ -152,10 +156,10 @@ class Standby:
             except Exception as e:  # noqa: BLE001 - it is ended; the group starts its own
                 self._end(r, f"its start failed: {type(e).__name__}: {e}")
                 continue
-            if not r.placed:
+            if r.phase == "placing":
                 r.placed = True
-                self._spawn(r)
-            elif not r.infos:
+                self._spawn(r)  # -> "starting"
+            elif r.phase == "starting":
                 r.infos = results
                 shares = share_node_devices([(i["node_id"], i["gpu_ids"]) for i in results])
                 ifname = self.spec.resources.socket_ifname
@@ -163,15 +167,25 @@ class Standby:
                     a.bind.remote(r.device, *share, ifname)
                     for a, share in zip(r.actors, shares, strict=True)
                 ]
-            else:
+                r.phase = "binding"
+            elif r.phase == "binding":
                 for info, env in zip(r.infos, results, strict=True):
                     info.update(
                         device=r.device,
                         local_rank=int(env["LOCAL_RANK"]),
                         visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
                     )
+                r.pending = [r.actors[0].host_store.remote(r.infos[0]["ip"])]
+                r.phase = "hosting"
+            elif r.phase == "hosting":
+                # The rehearsal: an engine among its own ranks, dropped at `reform`.
+                addr, port = r.infos[0]["ip"], results[0]
+                r.pending = [a.setup.remote(addr, port, None, False, True) for a in r.actors]
+                r.phase = "rehearsing"
+            else:
                 r.ready = True
                 r.pending = []
+                r.phase = "ready"
                 log.info("replica %s started ahead is ready", r.name)
 
     def _spawn(self, r: _Replica) -> None:
@@ -191,3 +205,4 @@ class Standby:
                 )
             )
         r.pending = [a.info.remote() for a in r.actors]
+        r.phase = "starting"
