@@ -14,7 +14,7 @@ Measured from the driver, which polls the job's status every 50 ms: the seconds 
 the kill to the status whose events first say the next group trained a step
 ("training again", everything the user waits for included), the controller's own
 figure in that event (from when it saw the loss), the ranks kept (the same PIDs), and
-the steps lost (trained before the kill, minus the step restored). The table gives
+the steps lost (the last step the lost group trained, minus the step restored). The table gives
 medians with [min-max] over the repeats.
 
     python benchmarks/loss_to_training.py --repeats 3 --json /tmp/loss.json   # ~1 min a run
@@ -97,7 +97,7 @@ def _once(in_place: bool, tmp: Path) -> dict[str, Any]:
                         os.kill(w["pid"], signal.SIGKILL)
                 ray.kill(ray.get_actor(keeper_name(st["name"], victim)))
                 cluster.remove_node(next(n for n in nodes if n.node_id == victim), False)
-                killed_at, trained, seen = time.monotonic(), st["step"], len(st["events"])
+                killed_at, seen = time.monotonic(), len(st["events"])
             elif killed_at is not None and any("training again" in e for e in events[seen:]):
                 again = time.monotonic() - killed_at  # the next group's first step is in
                 break
@@ -111,16 +111,17 @@ def _once(in_place: bool, tmp: Path) -> dict[str, Any]:
             for e in events
             if (m := re.search(r"training again ([\d.]+)s after the node loss", e))
         ]
-        restored = [int(m.group(1)) for e in events if (m := re.match(r"restored step (\d+)", e))]
         st = run.status()
         kept = {w["pid"] for w in st["workers"]} & pids
-        run.stop()
+        lost_group, next_group = run.stop().attempts[:2]
         return {
             "loss_to_training_s": again,
             "controller_s": ctl[-1] if ctl else None,
             "kept_ranks": len(kept),
             "replicas_after": st["replicas"],
-            "steps_lost": trained - restored[-1],
+            # The last step the lost group trained (its ranks ran past the status polled
+            # at the kill) minus the step the next group restored.
+            "steps_lost": lost_group["losses"][-1][0] - next_group["restored_from"],
             "blocked": [e for e in events if "still in its step" in e],
         }
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from spotline import constants
 from spotline.controller.policies import (
     Fail,
     FailurePolicy,
@@ -12,6 +13,7 @@ from spotline.controller.policies import (
     Restart,
     ScalingPolicy,
     Wait,
+    next_boundary,
 )
 
 pytestmark = pytest.mark.unit
@@ -209,3 +211,13 @@ def test_jit_fit_from_measured_figures() -> None:
     assert jit_fit_problem(spec, 1, save_s=40.0, step_s=2.0) is None
     problem = jit_fit_problem(spec, 1, save_s=105.0, step_s=6.0)
     assert problem is not None and "about 111s (measured, plus a 6.0s step)" in problem
+
+
+def test_the_next_boundary_is_one_the_ranks_have_not_reached():
+    """The ranks train ahead of the step the controller last saw (by up to two polls'
+    worth): a boundary they passed would stop them at once, off the boundary."""
+    assert next_boundary(655, 10, 0.0, 2000) == 660
+    assert next_boundary(660, 10, 0.0, 2000) == 670
+    ahead = 2 * constants.SPOTLINE_POLL_INTERVAL_S * 40  # 40 steps/s
+    assert next_boundary(655, 10, 40.0, 2000) == ((655 + int(ahead)) // 10 + 1) * 10 > 660
+    assert next_boundary(1995, 10, 40.0, 2000) == 2000  # never past the last step

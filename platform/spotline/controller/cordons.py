@@ -18,7 +18,7 @@ from typing import Any
 
 from spotline.config.schema import JobSpec
 from spotline.controller.health import CORDON_ARTIFACT, HangError, HealthBook
-from spotline.controller.policies import restart_pays
+from spotline.controller.policies import next_boundary, restart_pays
 
 # How often a running job weighs leaving a cordoned node.
 CHECK_S = 2.0
@@ -125,7 +125,7 @@ class Cordons:
         if not restart_pays(steps_left, sps, faster, restart_s, now - pace.group_started):
             return None
         interval = self.spec.checkpoint.interval_steps
-        boundary = (step // interval + 1) * interval
+        boundary = next_boundary(step, interval, sps, self.spec.train.steps)
         return (
             boundary,
             f"restart without cordoned node(s) {', '.join(n[:12] for n in sorted(bad))}",

@@ -9,8 +9,10 @@ inputs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from spotline import constants
 from spotline.controller.health import is_collective_timeout
 
 
@@ -246,3 +248,12 @@ def restart_pays(
         return False
     saved_s = steps_left / steps_per_s - steps_left / faster
     return saved_s > 2 * restart_s
+
+
+def next_boundary(step: int, interval: int, steps_per_s: float, last: int) -> int:
+    """The first checkpoint boundary (a multiple of `interval`, at most `last`) the
+    ranks have not reached yet. They train on their own, ahead of `step` (the latest
+    the controller saw) by up to about two polls' worth of steps; a stop asked for a
+    step they passed happens at once, off the boundary."""
+    ahead = math.ceil(max(steps_per_s, 0.0) * 2 * constants.SPOTLINE_POLL_INTERVAL_S)
+    return min(((step + ahead) // interval + 1) * interval, last)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotline.bubbles.book import stage_compute_s
-from spotline.controller.policies import restart_pays
+from spotline.controller.policies import next_boundary, restart_pays
 from spotline.planning.partition import imbalance
 
 # How often a running job looks at its stages' imbalance.
@@ -218,7 +218,8 @@ class PartitionBook:
         return self.leave(
             decision.bounds,
             step,
-            f"stage imbalance {decision.measured_imbalance:.1%} over "
+            steps_per_s=steps_per_s,
+            why=f"stage imbalance {decision.measured_imbalance:.1%} over "
             f"{policy.window_steps} steps > parallel.rebalance_threshold "
             f"{policy.threshold:.0%}; predicted imbalance {decision.predicted_imbalance:.1%}, "
             f"{decision.speedup:.2f}x faster stages (restart cost {restart_s:.1f}s)",
@@ -251,10 +252,13 @@ class PartitionBook:
             bounds, step, "asked for", measured_imbalance=window[-1] if window else None
         )
 
-    def leave(self, bounds: list[int], step: int, why: str, **figures: Any) -> Leave:
-        """Record a re-partition to `bounds` at the checkpoint boundary after `step`."""
+    def leave(
+        self, bounds: list[int], step: int, why: str, steps_per_s: float = 0.0, **figures: Any
+    ) -> Leave:
+        """Record a re-partition to `bounds` at the checkpoint boundary after `step` (the
+        ranks run ahead of it at `steps_per_s`: `policies.next_boundary`)."""
         interval = self.spec.checkpoint.interval_steps
-        boundary = min((step // interval + 1) * interval, self.spec.train.steps)
+        boundary = next_boundary(step, interval, steps_per_s, self.spec.train.steps)
         before = self.rec.attempts[-1].partition.get("bounds") or []
         self.rec.repartitions.append(
             {

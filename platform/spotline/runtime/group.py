@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +36,7 @@ from spotline.runtime.progress import (
     RankBeat,
     WorkerFailure,
     describe_failure,
-    failure_cause,
+    peer_failures,
 )
 from spotline.runtime.rendezvous import (
     check_one_device,
@@ -147,21 +146,9 @@ class RayWorkerGroup:
         return [results[r] for r in called]
 
     def _raise_failure(self, what, first_rank, first_exc, futures, rank_of) -> None:
-        import ray
-
-        # Give peers a moment to fail too, so the report shows every affected rank.
-        errors: dict[str, list[int]] = defaultdict(list)
-        errors[describe_failure(first_exc)].append(first_rank)
-        causes = [failure_cause(first_exc)]
-        others = [f for f in futures if rank_of[f] != first_rank]
-        ready, _ = ray.wait(others, num_returns=len(others), timeout=1.0)
-        for f in ready:
-            try:
-                ray.get(f)
-            except Exception as e:  # noqa: BLE001
-                errors[describe_failure(e)].append(rank_of[f])
-                causes.append(failure_cause(e))
-        raise WorkerFailure(what, dict(errors), self._nodes(), causes)
+        """WorkerFailure for `first_rank`'s error, with every peer that failed with it."""
+        errors, causes = peer_failures(first_rank, first_exc, futures, rank_of)
+        raise WorkerFailure(what, errors, self._nodes(), causes)
 
     def _nodes(self) -> dict[int, str]:
         return {i["rank"]: i["node_id"] for i in self._info}

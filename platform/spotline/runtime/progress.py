@@ -155,3 +155,36 @@ def describe_failure(e: BaseException) -> str:
         return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
     text = str(e).strip().splitlines()
     return f"{name}: {text[-1] if text else ''}"
+
+
+_QUIET_S = 0.25
+"""After a rank failed, how long no other rank failing ends the wait for them."""
+
+
+def peer_failures(
+    first_rank: int, first_exc: BaseException, runs: list[Any], rank_of: dict[Any, int]
+) -> tuple[dict[str, list[int]], list[BaseException]]:
+    """The ranks that failed with `first_rank` (their `runs` refs), grouped by what they
+    said, and the causes. Peers fail within milliseconds of each other (a failed rank
+    cuts its links), so the wait ends once none more fails for _QUIET_S, at most 1 s:
+    a rank on a node that vanished fails only once Ray sees the node dead, and must not
+    hold recovery up."""
+    import time
+
+    import ray
+
+    errors: dict[str, list[int]] = {describe_failure(first_exc): [first_rank]}
+    causes = [failure_cause(first_exc)]
+    pending = [f for f in runs if rank_of[f] != first_rank]
+    deadline = time.monotonic() + 1.0
+    while pending and time.monotonic() < deadline:
+        wait_s = min(_QUIET_S, max(0.0, deadline - time.monotonic()))
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        if not ready:
+            break
+        try:
+            ray.get(ready[0])
+        except Exception as e:  # noqa: BLE001 - grouped for the report
+            errors.setdefault(describe_failure(e), []).append(rank_of[ready[0]])
+            causes.append(failure_cause(e))
+    return errors, causes
