@@ -103,7 +103,8 @@ class Controller(ControllerParts):
                     self._ingest(e.progress, self.clock() - t0)
                 except Exception:  # noqa: BLE001 - the failure below is what to act on
                     log.exception("could not take in the last report of the failed group")
-            self.state = self._on_failure(str(e), e.process_died, e.causes)
+            # A rank silent while its peers failed may have gone with its node.
+            self.state = self._on_failure(str(e), e.process_died or bool(e.silent), e.causes)
         except (CheckpointMismatchError, CorruptCheckpointError, SpecError) as e:
             self.state = self._fail(str(e))
         except StorageError as e:

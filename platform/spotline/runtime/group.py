@@ -147,8 +147,8 @@ class RayWorkerGroup:
 
     def _raise_failure(self, what, first_rank, first_exc, futures, rank_of) -> None:
         """WorkerFailure for `first_rank`'s error, with every peer that failed with it."""
-        errors, causes = peer_failures(first_rank, first_exc, futures, rank_of)
-        raise WorkerFailure(what, errors, self._nodes(), causes)
+        errors, causes, silent = peer_failures(first_rank, first_exc, futures, rank_of)
+        raise WorkerFailure(what, errors, self._nodes(), causes, silent)
 
     def _nodes(self) -> dict[int, str]:
         return {i["rank"]: i["node_id"] for i in self._info}

@@ -25,11 +25,15 @@ class WorkerFailure(RuntimeError):
         ranks_by_error: dict[str, list[int]],
         nodes: dict[int, str] | None = None,
         causes: list[BaseException] | None = None,
+        silent: list[int] | None = None,
     ):
         self.what = what
         self.ranks_by_error = ranks_by_error
         self.nodes = nodes or {}
         self.causes = causes or []
+        self.silent = silent or []
+        """Ranks whose run had not ended when the others' failures were collected: a
+        process on a vanished node ends only once Ray sees the node dead."""
         self.progress: Progress | None = None
         """What the ranks that still answered published in the same poll: their steps
         and finished uploads must not be lost with the failure."""
@@ -163,9 +167,9 @@ _QUIET_S = 0.25
 
 def peer_failures(
     first_rank: int, first_exc: BaseException, runs: list[Any], rank_of: dict[Any, int]
-) -> tuple[dict[str, list[int]], list[BaseException]]:
+) -> tuple[dict[str, list[int]], list[BaseException], list[int]]:
     """The ranks that failed with `first_rank` (their `runs` refs), grouped by what they
-    said, and the causes. Peers fail within milliseconds of each other (a failed rank
+    said, the causes, and the ranks still silent then. Peers fail within milliseconds of each other (a failed rank
     cuts its links), so the wait ends once none more fails for _QUIET_S, at most 1 s:
     a rank on a node that vanished fails only once Ray sees the node dead, and must not
     hold recovery up."""
@@ -187,4 +191,4 @@ def peer_failures(
         except Exception as e:  # noqa: BLE001 - grouped for the report
             errors.setdefault(describe_failure(e), []).append(rank_of[ready[0]])
             causes.append(failure_cause(e))
-    return errors, causes
+    return errors, causes, sorted(rank_of[f] for f in pending)
