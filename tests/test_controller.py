@@ -334,7 +334,7 @@ class FakeStandby:
     def ready(self):
         return sum(1 for r in self.started if r["keeps"] >= self.ready_after)
 
-    def starting(self):
+    def starting(self, within_s):
         return len(self.started) - self.ready()
 
     def keep(self, room, limit, device, avoid):
@@ -1155,6 +1155,34 @@ def test_does_not_grow_when_the_restart_would_not_pay(tmp_path):
     res = ctl.run()
     assert res["state"] == "finished"
     assert [g.replicas for g in FakeGroup.instances] == [1]
+
+
+def test_free_capacity_a_grow_would_not_use_is_explained_once(tmp_path):
+    total = {"nodes": 1}
+    steps = {"train.steps": 400, "checkpoint.interval_steps": 50}
+    ctl, _ = make(tmp_path, capacity=_devices(total), **steps)
+    run_until(ctl, lambda: ctl.step_count >= 5)
+    total["nodes"] = 2
+    ctl.pace.sps[2] = 1e-3  # two replicas were measured slower than one
+    res = ctl.run()
+    assert res["state"] == "finished"
+    assert [g.replicas for g in FakeGroup.instances] == [1]
+    said = [e for e in ctl.status()["events"] if "growing does not pay" in e]
+    assert len(said) == 1, said
+    assert "capacity for 2 replica(s) is free, staying at 1" in said[0]
+    assert "0.00 at 2" in said[0]
+
+
+def test_a_replica_started_ahead_is_waited_for_only_so_long():
+    from spotline.runtime.standby import Standby, _Replica
+
+    sb = Standby(spec=None, store=None)
+    now = time.monotonic()
+    sb._replicas = [_Replica("a", "cpu", None, since=now - 200.0), _Replica("b", "cpu", None, now)]
+    assert sb.starting(within_s=300.0) == 2
+    assert sb.starting(within_s=120.0) == 1  # "a" is past the wait: a grow goes on
+    sb._replicas[1].ready = True
+    assert sb.starting(within_s=120.0) == 0
 
 
 def test_stop_commits_at_the_next_boundary_and_ends_stopped(tmp_path):

@@ -22,6 +22,9 @@ def _env_float(name: str, default: float) -> float:
 # How long a worker group may take to be placed and to rendezvous before the
 # start counts as a failure.
 SPOTLINE_WORKER_START_TIMEOUT_S = _env_float("SPOTLINE_WORKER_START_TIMEOUT_S", 300.0)
+# How long a grow that pays waits, training on, for replicas started ahead to be ready
+# (`runtime/standby.py`); past it, the grow starts its own processes instead.
+SPOTLINE_STANDBY_WAIT_S = _env_float("SPOTLINE_STANDBY_WAIT_S", 120.0)
 # The least time without a step, in a running group, before the controller declares a
 # hang (it is otherwise failure.hang_factor x the median step plus the longest save).
 SPOTLINE_HANG_FLOOR_S = _env_float("SPOTLINE_HANG_FLOOR_S", 20.0)

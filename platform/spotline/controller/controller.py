@@ -406,19 +406,23 @@ class Controller(ControllerParts):
         restart_s = pace.restart_cost_s()
         if restart_s is None:
             return None  # no start is measured yet
+        capacity = self.cluster.capacity(held_workers=group.world_size + ahead)
         decision = self.grow_policy.decide(
             replicas=group.replicas,
-            capacity=self.cluster.capacity(held_workers=group.world_size + ahead),
+            capacity=capacity,
             steps_left=self.spec.train.steps - self.step_count,
             steps_per_s=pace.sps.get(group.replicas, 0.0),
             restart_s=restart_s,
             running_s=now - pace.group_started,
             measured=pace.sps,
         )
+        if decision is None:
+            self._grow_declined(capacity, restart_s, now - pace.group_started)
+            return None
         sb = self.standby
-        if decision is not None and sb is not None and sb.starting():
+        if sb is not None and sb.starting(within_s=constants.SPOTLINE_STANDBY_WAIT_S):
             return None  # training on while the new replicas' processes start
-        return decision.replicas if decision is not None else None
+        return decision.replicas
 
     def _restart(self, why: str, detail: str) -> None:
         assert self.group is not None

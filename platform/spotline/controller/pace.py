@@ -31,6 +31,7 @@ class Pace:
     starting_since: float | None = None  # clock, while a new group has no step
     group_started: float = 0.0  # clock: when the live group was set running
     grow_checked: float = 0.0  # clock: the latest look at capacity for a grow
+    declined: tuple[str, int] | None = None  # (attempt, replicas): a grow said not to pay
 
     def note_rate(self, replicas: int, steps_per_s: float, warm: bool) -> None:
         """The steps per second this job runs at `replicas` replicas, as the grow and

@@ -279,6 +279,25 @@ class ControllerParts:
         standby.keep(self.cluster.capacity(), limit, group.device, avoid)
         return standby.devices()
 
+    def _grow_declined(self, capacity: int, restart_s: float, running_s: float) -> None:
+        """Free capacity the job does not grow onto says why, once per group and size, so
+        that nobody wonders at an idle node: the measured rates, or the dwell."""
+        group = self.group
+        assert group is not None
+        target = self.scaling_policy.fit(capacity) or 0
+        if target <= group.replicas or (group.attempt, target) == self.pace.declined:
+            return
+        if running_s < 2 * restart_s:
+            return  # the dwell: the decision comes once the group has run long enough
+        self.pace.declined = (group.attempt, target)
+        rates = self.pace.sps
+        at_target = f"{rates[target]:.2f}" if target in rates else "not measured"
+        self._event(
+            f"capacity for {target} replica(s) is free, staying at {group.replicas}: growing "
+            f"does not pay (measured steps/s: {rates.get(group.replicas, 0.0):.2f} at "
+            f"{group.replicas}, {at_target} at {target}; restart cost {restart_s:.1f}s)"
+        )
+
     def _forget(self, lost: set[str]) -> None:
         """Lost nodes: their notices and state keepers went with them, and the autoscaler
         is asked at once to replace them."""

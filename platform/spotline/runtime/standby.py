@@ -73,8 +73,12 @@ class Standby:
     def ready(self) -> int:
         return sum(1 for r in self._replicas if r.ready)
 
-    def starting(self) -> int:
-        return sum(1 for r in self._replicas if not r.ready)
+    def starting(self, within_s: float) -> int:
+        """Those not ready yet that were started less than `within_s` seconds ago: worth
+        waiting for. One slower than that (a slow node, a stuck start) is not; a grow
+        goes on without it, and `take` ends it."""
+        now = time.monotonic()
+        return sum(1 for r in self._replicas if not r.ready and now - r.since < within_s)
 
     # --- keeping them -----------------------------------------------------------------
 
