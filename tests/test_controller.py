@@ -327,6 +327,7 @@ class FakeStandby:
         self.wants: list[int] = []
         self.taken: list[dict] = []
         self.released = False
+        self.failures: list[str] = []
 
     def devices(self):
         return 0
@@ -334,7 +335,7 @@ class FakeStandby:
     def ready(self):
         return sum(1 for r in self.started if r["keeps"] >= self.ready_after)
 
-    def starting(self, within_s):
+    def starting(self):
         return len(self.started) - self.ready()
 
     def keep(self, room, limit, device, avoid):
@@ -1173,16 +1174,46 @@ def test_free_capacity_a_grow_would_not_use_is_explained_once(tmp_path):
     assert "0.00 at 2" in said[0]
 
 
-def test_a_replica_started_ahead_is_waited_for_only_so_long():
+def test_a_grow_waits_for_a_replica_started_ahead_only_so_long(tmp_path, monkeypatch):
+    """A replica started ahead that never gets ready (stuck, or failing and started
+    again) holds a grow back for SPOTLINE_STANDBY_WAIT_S at most; then the grow goes on
+    with processes of its own, and says so."""
+    from spotline import constants
+
+    monkeypatch.setattr(constants, "SPOTLINE_STANDBY_WAIT_S", 5.0)
+    total = {"nodes": 1}
+    standby = FakeStandby(ready_after=10**9)
+    steps = {"train.steps": 400, "checkpoint.interval_steps": 50}
+    ctl, _ = make(tmp_path, capacity=_devices(total), standby=standby, **steps)
+    run_until(ctl, lambda: ctl.step_count >= 5)
+    total["nodes"] = 2
+    run_until(ctl, lambda: standby.started)
+    due = ctl.clock()
+    standby.failures.append("replica standby-1 started ahead on node node-1 ended: boom")
+    run_until(ctl, lambda: len(FakeGroup.instances) == 2)
+    assert ctl.clock() - due >= 5.0
+    assert [g.replicas for g in FakeGroup.instances] == [1, 2]
+    assert not standby.taken  # never ready: the bigger group started its own
+    said = [e for e in ctl.status()["events"] if "started ahead not ready" in e]
+    assert len(said) == 1 and "growing with processes of its own" in said[0]
+    # What ended one on the way is said, once.
+    boom = [e for e in ctl.status()["events"] if e.endswith("ended: boom")]
+    assert boom == ["replica standby-1 started ahead on node node-1 ended: boom"]
+
+
+def test_a_replica_started_ahead_that_fails_is_named_with_its_node():
     from spotline.runtime.standby import Standby, _Replica
 
     sb = Standby(spec=None, store=None)
-    now = time.monotonic()
-    sb._replicas = [_Replica("a", "cpu", None, since=now - 200.0), _Replica("b", "cpu", None, now)]
-    assert sb.starting(within_s=300.0) == 2
-    assert sb.starting(within_s=120.0) == 1  # "a" is past the wait: a grow goes on
-    sb._replicas[1].ready = True
-    assert sb.starting(within_s=120.0) == 0
+    r = _Replica("standby-1", "cpu", None, since=0.0, phase="rehearsing")
+    r.infos = [{"node_id": "a" * 40}]
+    sb._replicas = [r]
+    sb._fail(r, "rehearsing failed: RuntimeError: boom")
+    assert sb.starting() == 0
+    assert sb.failures == [
+        f"replica standby-1 started ahead on node {'a' * 12} ended: "
+        "rehearsing failed: RuntimeError: boom"
+    ]
 
 
 def test_stop_commits_at_the_next_boundary_and_ends_stopped(tmp_path):

@@ -417,11 +417,22 @@ class Controller(ControllerParts):
             measured=pace.sps,
         )
         if decision is None:
+            pace.grow_wanted = None
             self._grow_declined(capacity, restart_s, now - pace.group_started)
             return None
+        # Training on while replicas started ahead get ready, but not for ever: one stuck
+        # in its start, or one failing and started again, must not hold the grow back.
+        pace.grow_wanted = pace.grow_wanted if pace.grow_wanted is not None else now
         sb = self.standby
-        if sb is not None and sb.starting(within_s=constants.SPOTLINE_STANDBY_WAIT_S):
-            return None  # training on while the new replicas' processes start
+        if sb is not None and sb.starting():
+            if now - pace.grow_wanted < constants.SPOTLINE_STANDBY_WAIT_S:
+                return None
+            self._event(
+                f"replica(s) started ahead not ready {now - pace.grow_wanted:.0f}s after the "
+                "grow was due: growing with processes of its own",
+                logging.WARNING,
+            )
+        pace.grow_wanted = None
         return decision.replicas
 
     def _restart(self, why: str, detail: str) -> None:

@@ -32,6 +32,7 @@ class Pace:
     group_started: float = 0.0  # clock: when the live group was set running
     grow_checked: float = 0.0  # clock: the latest look at capacity for a grow
     declined: tuple[str, int] | None = None  # (attempt, replicas): a grow said not to pay
+    grow_wanted: float | None = None  # clock: since a grow that pays waits for a standby
 
     def note_rate(self, replicas: int, steps_per_s: float, warm: bool) -> None:
         """The steps per second this job runs at `replicas` replicas, as the grow and

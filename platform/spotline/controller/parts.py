@@ -277,6 +277,8 @@ class ControllerParts:
         limit = (self.scaling_policy.fit(self.spec.elastic.max_replicas) or 0) - group.replicas
         avoid = set(self.health.cordoned) | set(self.inbox.doomed())
         standby.keep(self.cluster.capacity(), limit, group.device, avoid)
+        while standby.failures:  # the group starts its own processes instead
+            self._event(standby.failures.pop(0), logging.WARNING)
         return standby.devices()
 
     def _grow_declined(self, capacity: int, restart_s: float, running_s: float) -> None:

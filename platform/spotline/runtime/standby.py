@@ -63,6 +63,8 @@ class Standby:
         """Of each worker's GPU left to its sidecar, which the group starts (`start_worker`)."""
         self._replicas: list[_Replica] = []
         self._sealed: SealedJob | None = None  # held while any of them lives
+        self.failures: list[str] = []
+        """Why each one that failed or timed out ended, until the controller says it."""
 
     # --- what the controller reads ----------------------------------------------------
 
@@ -73,12 +75,8 @@ class Standby:
     def ready(self) -> int:
         return sum(1 for r in self._replicas if r.ready)
 
-    def starting(self, within_s: float) -> int:
-        """Those not ready yet that were started less than `within_s` seconds ago: worth
-        waiting for. One slower than that (a slow node, a stuck start) is not; a grow
-        goes on without it, and `take` ends it."""
-        now = time.monotonic()
-        return sum(1 for r in self._replicas if not r.ready and now - r.since < within_s)
+    def starting(self) -> int:
+        return sum(1 for r in self._replicas if not r.ready)
 
     # --- keeping them -----------------------------------------------------------------
 
@@ -142,6 +140,12 @@ class Standby:
         end(r.actors, [r.pg])
         self._replicas.remove(r)
 
+    def _fail(self, r: _Replica, why: str) -> None:
+        nodes = sorted({i["node_id"][:12] for i in r.infos if i.get("node_id")})
+        where = f" on node {', '.join(nodes)}" if nodes else ""
+        self.failures.append(f"replica {r.name} started ahead{where} ended: {why}")
+        self._end(r, why)
+
     def _advance(self) -> None:
         """Take each replica one phase on where its calls returned; never waits."""
         import ray
@@ -153,12 +157,12 @@ class Standby:
             if len(done) < len(r.pending):
                 limit = constants.SPOTLINE_WORKER_START_TIMEOUT_S
                 if time.monotonic() - r.since > limit:
-                    self._end(r, f"not started within {limit:.0f}s")
+                    self._fail(r, f"still {r.phase} after {limit:.0f}s")
                 continue
             try:
                 results = ray.get(r.pending)
             except Exception as e:  # noqa: BLE001 - it is ended; the group starts its own
-                self._end(r, f"its start failed: {type(e).__name__}: {e}")
+                self._fail(r, f"{r.phase} failed: {type(e).__name__}: {e}")
                 continue
             if r.phase == "placing":
                 r.placed = True
