@@ -280,7 +280,7 @@ class Controller(ControllerParts):
         if restored >= self.spec.train.steps:
             return Finishing()
         group.run(self.spec.train.steps, self.recovery.run_every())
-        self.pace.group_started = self.clock()
+        self.pace.group_running(self.clock())
         self.health.group_started(self.pace.group_started, restored)
         return Running(target=self.spec.train.steps)
 
@@ -422,7 +422,8 @@ class Controller(ControllerParts):
             return None
         # Training on while replicas started ahead get ready, but not for ever: one stuck
         # in its start, or one failing and started again, must not hold the grow back.
-        pace.grow_wanted = pace.grow_wanted if pace.grow_wanted is not None else now
+        if pace.grow_wanted is None:
+            pace.grow_wanted = now
         sb = self.standby
         if sb is not None and sb.starting():
             if now - pace.grow_wanted < constants.SPOTLINE_STANDBY_WAIT_S:

@@ -29,7 +29,7 @@ from spotline.controller.cordons import Cordons
 from spotline.controller.health import HangError, HealthBook
 from spotline.controller.inbox import EventLog, Inbox
 from spotline.controller.jit import JitBook, JitPolicy
-from spotline.controller.policies import FailurePolicy, GrowPolicy, ScalingPolicy
+from spotline.controller.policies import FailurePolicy, GrowPolicy, ScalingPolicy, dwelling
 from spotline.controller.recovery import PeerRecovery
 from spotline.controller.repartition import PartitionBook
 from spotline.controller.snapshot import (
@@ -287,11 +287,11 @@ class ControllerParts:
         group = self.group
         assert group is not None
         target = self.scaling_policy.fit(capacity) or 0
-        if target <= group.replicas or (group.attempt, target) == self.pace.declined:
+        if target <= group.replicas or target == self.pace.declined:
             return
-        if running_s < 2 * restart_s:
-            return  # the dwell: the decision comes once the group has run long enough
-        self.pace.declined = (group.attempt, target)
+        if dwelling(running_s, restart_s):
+            return  # the decision comes once the group has run long enough
+        self.pace.declined = target
         rates = self.pace.sps
         at_target = f"{rates[target]:.2f}" if target in rates else "not measured"
         self._event(

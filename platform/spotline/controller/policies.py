@@ -244,10 +244,16 @@ def restart_pays(
     group has run for 2 x restart_s (a minimum dwell, so flickering capacity or noisy
     figures cause no restart storm), and running the remaining steps at `faster` steps
     per second instead of `steps_per_s` saves more than twice the restart's cost."""
-    if steps_per_s <= 0 or faster <= steps_per_s or running_s < 2 * restart_s:
+    if steps_per_s <= 0 or faster <= steps_per_s or dwelling(running_s, restart_s):
         return False
     saved_s = steps_left / steps_per_s - steps_left / faster
     return saved_s > 2 * restart_s
+
+
+def dwelling(running_s: float, restart_s: float) -> bool:
+    """Whether a group that has run `running_s` is still within the minimum dwell of a
+    restart that makes the job faster: 2 x restart_s."""
+    return running_s < 2 * restart_s
 
 
 def next_boundary(step: int, interval: int, steps_per_s: float, last: int) -> int:

@@ -169,10 +169,10 @@ def peer_failures(
     first_rank: int, first_exc: BaseException, runs: list[Any], rank_of: dict[Any, int]
 ) -> tuple[dict[str, list[int]], list[BaseException], list[int]]:
     """The ranks that failed with `first_rank` (their `runs` refs), grouped by what they
-    said, the causes, and the ranks still silent then. Peers fail within milliseconds of each other (a failed rank
-    cuts its links), so the wait ends once none more fails for _QUIET_S, at most 1 s:
-    a rank on a node that vanished fails only once Ray sees the node dead, and must not
-    hold recovery up."""
+    said, the causes, and the ranks still silent then. Peers fail within milliseconds of
+    each other (a failed rank cuts its links), so the wait ends once none more fails for
+    _QUIET_S, at most 1 s: a rank on a node that vanished fails only once Ray sees the
+    node dead, and must not hold recovery up."""
     import time
 
     import ray
