@@ -168,3 +168,31 @@ def test_each_manifest_is_read_once_until_it_changes(
     _plant(store, 40, "manifest.json", b"{}")
     assert store.committed_steps() == [30]
     assert [p for p in reads if p.endswith("manifest.json")] == [store.manifest_path(40)]
+
+
+# --- a finished job's final step ---------------------------------------------------------
+
+
+def test_a_finished_job_whose_final_manifest_is_damaged_trains_it_again(tmp_path: Path) -> None:
+    from test_controller import FakeGroup, make
+
+    ctl, store = make(tmp_path)  # commits 10, 20, 25; keep_last 2
+    assert ctl.run()["state"] == "finished"
+    final = Path(store.manifest_path(25))
+    final.write_bytes(final.read_bytes()[:100])  # a copy that stopped short
+
+    again, _ = make(tmp_path)
+    res = again.run()
+    assert res["state"] == "finished" and res["steps"] == 25
+    (group,) = FakeGroup.instances  # a group was started: the job trained again
+    assert group.restored == [20]
+    assert sorted(res["losses"]) == list(range(21, 26))
+    events = again.status()["events"]
+    (said,) = [e for e in events if "already finished at step 25" in e]
+    assert "manifest.json" in said and "not valid JSON" in said and "from step 20" in said, said
+    assert not any("reporting it from its stored summary" in e for e in events)
+    # Step 25 was set aside for inspection, then committed again beside it.
+    assert store.committed_steps() == [20, 25]
+    record = json.loads(Path(store.quarantine_path(25)).read_text())
+    assert record["file"] == "manifest.json"
+    assert store.load_manifest(25).extra["attempt"] == group.attempt

@@ -557,8 +557,10 @@ class CommitCoordinator:
 
     def finished_summary(self) -> dict[str, Any] | None:
         """The summary this job stored when it finished, if nothing is left to train: its
-        last step is still the newest commit and reaches train.steps. None otherwise
-        (never finished, trained on since, or train.steps raised to train further)."""
+        last step is still the newest commit, its manifest verifies, and it reaches
+        train.steps. None otherwise (never finished, trained on since, train.steps raised
+        to train further, or the final step damaged: then it is said and quarantined, and
+        the job trains again from the newest good commit)."""
         raw = self.read_artifact(SUMMARY_ARTIFACT)
         try:
             saved = json.loads(raw) if raw is not None else None
@@ -566,9 +568,21 @@ class CommitCoordinator:
             return None
         if not isinstance(saved, dict) or saved.get("state") != "finished":
             return None
-        steps = self.store.committed_steps()
-        done = saved.get("committed_steps") or [None]
-        if not steps or steps[-1] < self.spec.train.steps or done[-1] != steps[-1]:
+        steps = self.store.list_steps()
+        good = steps.committed
+        final = (saved.get("committed_steps") or [None])[-1]
+        why = steps.damaged.get(final) if isinstance(final, int) else None
+        if why and good and final > good[-1] and final >= self.spec.train.steps:
+            # Set aside here, so that the restore that follows starts from the newest good
+            # commit without a word. With no good step, that restore refuses, saying why.
+            self._quarantine(
+                [(final, MANIFEST_NAME, why)],
+                said=f"job {self.spec.name} already finished at step {final}, but that "
+                f"checkpoint failed verification ({MANIFEST_NAME}: {why}); training steps "
+                f"{good[-1] + 1}..{final} again from step {good[-1]}. Step {final} is quarantined",
+            )
+            return None
+        if not good or good[-1] < self.spec.train.steps or final != good[-1]:
             return None
         return saved
 
