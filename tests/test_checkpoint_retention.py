@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from spotline.checkpoint import CheckpointStore
+from spotline.checkpoint.catalog import Steps
 from spotline.checkpoint.retention import apply_retention, plan_retention
 from test_checkpoint_store import make_staging, save_step
 
@@ -72,18 +73,14 @@ def test_retention_needs_keep_last_of_at_least_one(store: CheckpointStore) -> No
         apply_retention(store, 0)
 
 
-def test_the_plan_spares_in_flight_pinned_and_quarantined_steps() -> None:
-    steps = [100, 150, 200, 250, 300, 400, 500]
-    committed = [100, 200, 300, 400]
-    asked: list[int] = []
-
-    def quarantined(step: int) -> bool:
-        asked.append(step)
-        return step == 250
-
-    expired, abandoned = plan_retention(steps, committed, 2, {100}, quarantined)
-    assert (expired, abandoned) == ([200], [150])
-    assert asked == [150, 250]  # only uncommitted steps older than the newest commit
-    assert plan_retention([5], [], 1) == ([], [])
+def test_the_plan_spares_in_flight_pinned_damaged_and_quarantined_steps() -> None:
+    steps = Steps(
+        committed=[100, 200, 300, 400],
+        damaged={350: "manifest is not valid JSON", 900: "manifest is not signed"},
+        quarantined=[250],
+        uncommitted=[150, 500],
+    )
+    assert plan_retention(steps, 2, {100}) == ([200], [150])
+    assert plan_retention(Steps(uncommitted=[5], damaged={9: "bad"}), 1) == ([], [])
     with pytest.raises(ValueError, match="keep_last"):
-        plan_retention(steps, committed, 0)
+        plan_retention(steps, 0)

@@ -1,8 +1,8 @@
 """End-to-end training on a local Ray cluster with real DeepSpeed engines (gloo, CPU).
 
 One uninterrupted reference run is shared (conftest's `reference_run`): the loss
-test reads it, and the SIGKILL and corrupt-checkpoint tests compare their per-step
-losses to it.
+test reads it, and the SIGKILL, corrupt-checkpoint and damaged-final-manifest tests
+compare their per-step losses to it.
 """
 
 from __future__ import annotations
@@ -113,6 +113,39 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(reference, tmp_path, c
     for step, loss in attempt["losses"]:
         assert loss == ref.losses[step]
     assert result.steps == 30
+
+
+def test_a_finished_job_with_a_truncated_final_manifest_trains_it_again(
+    reference, tmp_path, capsys
+):
+    ref_spec, ref, ref_tmp = reference
+    shutil.copytree(ref_tmp / "ckpt", tmp_path / "ckpt")  # finished, with its summary
+    final = tmp_path / "ckpt" / "step_00000030" / "manifest.json"
+    final.write_bytes(final.read_bytes()[: final.stat().st_size // 2])
+
+    spec = tiny_spec(tmp_path, "reference")  # the job that owns these checkpoints
+    result = spotline.Job(spec).run(verbose=True)
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "already finished at step 30" in line]
+    assert said, out
+    for line in said:
+        assert "manifest.json" in line and "not valid JSON" in line, line
+        assert "again from step 20" in line and "quarantined" in line, line
+    assert "reporting it from its stored summary" not in out
+    # It fell back to step 20 and trained steps 21..30 again, as the reference did.
+    assert result.state == "finished" and result.steps == 30
+    (attempt,) = result.attempts
+    assert attempt["restored_from"] == 20
+    assert [s for s, _ in attempt["losses"]] == list(range(21, 31))
+    for step, loss in attempt["losses"]:
+        assert loss == ref.losses[step]
+    # Step 30 is committed again, beside the damaged manifest's record.
+    store = CheckpointStore(result.checkpoint_uri)
+    assert store.committed_steps() == [10, 20, 30]
+    record = json.loads((tmp_path / "ckpt" / "step_00000030" / "quarantine.json").read_text())
+    assert record["file"] == "manifest.json" and "not valid JSON" in record["reason"]
+    summary = json.loads(store.read_artifact(SUMMARY_ARTIFACT))
+    assert summary["state"] == "finished" and summary["committed_steps"][-1] == 30
 
 
 def test_resume_on_fewer_replicas_reshards(reference, tmp_path, capsys):

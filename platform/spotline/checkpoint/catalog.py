@@ -1,6 +1,14 @@
 """The catalog of checkpoint steps under a root: which steps exist and in what state
-(committed, uploading or abandoned, quarantined), the manifest commit, manifest reads,
-quarantine records and deletions.
+(committed, damaged, uploading or abandoned, quarantined), the manifest commit, manifest
+reads, quarantine records and deletions.
+
+A step is committed only when its ``manifest.json`` parses, names its own step and, when
+checkpoint.signing_key_env is set, its signature verifies: that is the one meaning of
+"committed" for retention, abandonment, commit-from-storage, restore and every reader. A
+manifest that does not (planted, truncated, signed with another key) makes its step
+damaged: neither committed nor an upload, so nothing counts it and nothing deletes it
+until the commit coordinator quarantines it. Each manifest is read once; later listings
+only look at its size and version (`StepStorage.verdicts`).
 
 A step directory without ``manifest.json`` is an upload in progress, an abandoned one or
 a quarantined one; it is never offered for restore. The manifest is written last (after
@@ -14,10 +22,13 @@ retention (`retention.py`). This module never deletes a step unless asked to.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import posixpath
 import re
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from spotline.checkpoint.errors import CorruptCheckpointError
 from spotline.checkpoint.manifest import Manifest, ManifestError, check_relpath
@@ -45,9 +56,74 @@ def step_dirs(storage: StepStorage) -> list[int]:
     return sorted(set(steps))
 
 
-def is_committed(storage: StepStorage, step: int) -> bool:
+@dataclass(frozen=True)
+class Steps:
+    """Every step directory under a root, by state, from one listing; each ascending."""
+
+    committed: list[int] = field(default_factory=list)
+    """Steps whose manifest parses, names the step and verifies (with a signing key)."""
+    damaged: dict[int, str] = field(default_factory=dict)
+    """Steps whose manifest does not: step -> what is wrong with it."""
+    quarantined: list[int] = field(default_factory=list)
+    """Steps set aside after they failed verification (see `quarantine`)."""
+    uncommitted: list[int] = field(default_factory=list)
+    """Steps with neither a manifest nor a quarantine record: uploads in flight or
+    abandoned."""
+
+
+def list_steps(storage: StepStorage) -> Steps:
+    """Every step under the root by state. A manifest is read and verified when it is
+    new or changed (by size and version) since this storage object last read it; other
+    steps cost one metadata request, and a step without a manifest a second one (its
+    quarantine record)."""
+    key = storage.signing_key()  # a key missing here is the job's error, not a damaged step
+    key_id = hashlib.sha256(b"spotline manifest key " + key).hexdigest() if key else None
+    out = Steps()
+    verdicts: dict[int, tuple[Any, str | None]] = {}
+    for step in step_dirs(storage):
+        stamp = _manifest_stamp(storage, step, key_id)
+        if stamp is not None:
+            verdict = storage.verdicts.get(step)
+            if verdict is None or verdict[0] != stamp:
+                try:
+                    verdict = (stamp, _damage(storage, step, key))
+                except FileNotFoundError:  # deleted since it was listed
+                    stamp = None
+            if stamp is not None:
+                verdicts[step] = verdict
+                if verdict[1] is None:
+                    out.committed.append(step)
+                else:
+                    out.damaged[step] = verdict[1]
+                continue
+        if holds_quarantine_record(storage, step):
+            out.quarantined.append(step)
+        else:
+            out.uncommitted.append(step)
+    storage.verdicts = verdicts  # the steps that are gone are forgotten
+    return out
+
+
+def _manifest_stamp(storage: StepStorage, step: int, key_id: str | None) -> tuple | None:
+    """What identifies the step's manifest as it is now (size, ETag or mtime, inode, and
+    the key it is judged with); None when the step has no manifest."""
     with storage.io(f"checking the manifest of step {step}"):
-        return bool(storage.fs.exists(storage.manifest_path(step)))
+        try:
+            info = storage.fs.info(storage.manifest_path(step))
+        except FileNotFoundError:
+            return None
+    version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+    return (info.get("size"), str(version), info.get("ino"), key_id)
+
+
+def _damage(storage: StepStorage, step: int, key: bytes | None) -> str | None:
+    """What is wrong with the step's manifest, or None when it verifies.
+    FileNotFoundError when it is gone."""
+    try:
+        _parse(storage, step, _read_manifest(storage, step), key)
+    except CorruptCheckpointError as e:
+        return e.reason
+    return None
 
 
 def holds_quarantine_record(storage: StepStorage, step: int) -> bool:
@@ -58,27 +134,19 @@ def holds_quarantine_record(storage: StepStorage, step: int) -> bool:
 
 
 def committed_steps(storage: StepStorage) -> list[int]:
-    """Steps with a manifest, ascending. Step directories without one are ignored."""
-    return [s for s in step_dirs(storage) if is_committed(storage, s)]
+    """Steps whose manifest verifies, ascending (see `list_steps`)."""
+    return list_steps(storage).committed
 
 
 def uncommitted_steps(storage: StepStorage) -> list[int]:
     """Step directories with neither a manifest nor a quarantine record, ascending
     (uploads in flight or abandoned)."""
-    return [
-        s
-        for s in step_dirs(storage)
-        if not is_committed(storage, s) and not holds_quarantine_record(storage, s)
-    ]
+    return list_steps(storage).uncommitted
 
 
 def quarantined_steps(storage: StepStorage) -> list[int]:
     """Steps set aside after they failed verification (see `quarantine`), ascending."""
-    return [
-        s
-        for s in step_dirs(storage)
-        if not is_committed(storage, s) and holds_quarantine_record(storage, s)
-    ]
+    return list_steps(storage).quarantined
 
 
 # --- manifests ------------------------------------------------------------------------
@@ -124,18 +192,27 @@ def load_manifest(storage: StepStorage, step: int) -> Manifest:
     """Read the manifest of a committed step.
 
     Raises FileNotFoundError if the step is not committed, CorruptCheckpointError
-    if its manifest cannot be parsed.
+    if its manifest cannot be parsed or verified.
     """
+    return _parse(storage, step, _read_manifest(storage, step), storage.signing_key())
+
+
+def _read_manifest(storage: StepStorage, step: int) -> bytes:
     path = storage.manifest_path(step)
     with storage.io(f"reading the manifest of step {step}", passthrough=(FileNotFoundError,)):
         try:
-            raw = storage.fs.cat_file(path)
+            return storage.fs.cat_file(path)
         except FileNotFoundError as e:
             raise FileNotFoundError(
                 f"checkpoint step {step} is not committed at {storage.uri} (no {MANIFEST_NAME})"
             ) from e
+
+
+def _parse(storage: StepStorage, step: int, raw: bytes, key: bytes | None) -> Manifest:
+    """The manifest of `step` from its bytes: CorruptCheckpointError when it does not
+    parse, does not verify with `key`, or names another step."""
     try:
-        manifest = Manifest.from_json(raw, storage.signing_key())
+        manifest = Manifest.from_json(raw, key)
     except ManifestError as e:
         raise CorruptCheckpointError(step, MANIFEST_NAME, str(e), uri=storage.uri) from e
     if manifest.step != step:
@@ -158,15 +235,16 @@ def latest_manifest(storage: StepStorage) -> Manifest | None:
 
 
 def quarantine(storage: StepStorage, step: int, path: str, reason: str) -> str:
-    """Set aside a committed step that failed verification; the URI of its record.
+    """Set aside a step that failed verification (its files, or its manifest itself);
+    the URI of its record.
 
     The record (which file failed, why, and the manifest as it was) is written
     first, then the manifest goes: from then on no listing offers the step, no
     restore reads it again and retention neither counts nor deletes it, and its
     files stay where they are for inspection. A marker rather than a move: on S3 a
     move is a copy of every file, and a crash halfway would tear the evidence. A
-    crash between the two writes leaves a step that is still committed, so the
-    next restore verifies it again and finishes the job.
+    crash between the two writes leaves the manifest where it was, so the next
+    commit or restore verifies it again and finishes the job.
     """
     record_path = storage.quarantine_path(step)
     with storage.io(f"quarantining step {step}"):

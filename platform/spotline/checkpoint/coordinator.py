@@ -5,6 +5,10 @@
   manifest lists exactly that group's files (they live under the attempt's own prefix,
   so a re-save by another group can never mix with them). It is written last, and
   commits the moment the last upload finishes.
+- A step counts as committed only while its manifest verifies (`catalog.list_steps`),
+  for retention, commit-from-storage, restore and a finished job alike. A damaged one
+  (planted, truncated, unsigned) is quarantined once a good step proves the key right,
+  and never deletes anything.
 - A restore goes through one fallback path: an unparsable or unsigned manifest, a
   missing file or a sha256 mismatch falls back to the previous committed step and says
   so; a load error that is not corruption is retried a bounded number of times, then
@@ -22,7 +26,6 @@ The controller talks to storage only through this class.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -38,6 +41,7 @@ from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.retention import apply_retention
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
+    MANIFEST_NAME,
     SUMMARY_ARTIFACT,
     CheckpointStore,
 )
@@ -154,8 +158,10 @@ class CommitCoordinator:
         resubmission with other data, seed or batch) is refused, and the step with it."""
         out = []
         try:
-            latest = max(self.store.committed_steps(), default=-1)
-            for step in self.store.uncommitted_steps():
+            # Verified commits only: a damaged manifest at a high step hides nothing.
+            steps = self.store.list_steps()
+            latest = max(steps.committed, default=-1)
+            for step in steps.uncommitted:
                 if step <= latest:
                     continue
                 scan = self.store.read_receipts(step)
@@ -280,7 +286,10 @@ class CommitCoordinator:
             self._holds = {s: t for s, t in self._holds.items() if t > now}
             pinned = set(self.pinned()) | set(self._holds)
         try:
-            deleted = apply_retention(self.store, self.spec.checkpoint.keep_last, pinned)
+            steps = self.store.list_steps()
+            if steps.committed:  # a good step shows the key is right: the damaged go aside
+                self._quarantine([(s, MANIFEST_NAME, why) for s, why in steps.damaged.items()])
+            deleted = apply_retention(self.store, self.spec.checkpoint.keep_last, pinned, steps)
         except StorageError as e:
             self._event(f"retention deferred: {e}", logging.WARNING)
             return
@@ -352,19 +361,24 @@ class CommitCoordinator:
         verify it, the restore falls back to the commits and says so."""
         self._recovered += self.commit_from_storage()
         self._load_holds()
-        steps = sorted(self.store.committed_steps(), reverse=True)
-        self.committed = sorted(steps)
-        self._list_quarantined()
-        if peer is not None and peer.step >= (steps[0] if steps else 0):
+        listing = self.store.list_steps()
+        self.committed = list(listing.committed)
+        self.quarantined = list(listing.quarantined)
+        good = listing.committed
+        if peer is not None and peer.step >= (good[-1] if good else 0):
             try:
                 return self._load(group, peer.manifest, sleep, "peer"), peer.manifest
             except CorruptCheckpointError as e:
-                newest = f"the newest commit (step {steps[0]})" if steps else "the start"
+                newest = f"the newest commit (step {good[-1]})" if good else "the start"
                 self._event(
                     f"peer copy of step {peer.step} could not be restored ({e.path}: "
                     f"{e.reason}); restoring from {newest} instead",
                     logging.WARNING,
                 )
+        # Damaged manifests are tried in turn too, so that each one newer than the step
+        # that loads is said where the restore falls back past it.
+        damaged = listing.damaged
+        steps = sorted([*good, *damaged], reverse=True)
         if not steps and self.spec.checkpoint.resume_from is not None:
             return self._restore_resume_from(group, sleep)
         failed: list[tuple[int, str, str]] = []
@@ -372,6 +386,10 @@ class CommitCoordinator:
             older = steps[i + 1] if i + 1 < len(steps) else None
             then = f"falling back to step {older}" if older is not None else "no older step to try"
             try:
+                if step in damaged:
+                    raise CorruptCheckpointError(
+                        step, MANIFEST_NAME, damaged[step], uri=self.store.uri
+                    )
                 manifest = self.store.load_manifest(step)
                 self._check_compatible(manifest)
                 restored = self._load(group, manifest, sleep)
@@ -388,7 +406,10 @@ class CommitCoordinator:
                 continue
             # Only once an older step loaded: when every step fails, the cause may be
             # the job's own (a wrong signing key), and the steps must stay as they are.
-            self._quarantine(failed)
+            # Damaged manifests older than it go too: they would never load either.
+            self._quarantine(
+                failed + [(s, MANIFEST_NAME, why) for s, why in damaged.items() if s < step]
+            )
             return restored, manifest
         if steps:
             raise CorruptCheckpointError(
@@ -402,33 +423,30 @@ class CommitCoordinator:
             )
         return 0, None
 
-    def _quarantine(self, failed: list[tuple[int, str, str]]) -> None:
+    def _quarantine(self, failed: list[tuple[int, str, str]], said: str = "") -> None:
         """Set aside the steps that failed verification, so that no later restore reads
-        them first and keep_last never counts them in place of good steps."""
+        them first and keep_last never counts them in place of good steps. `said`: the
+        start of the line, when the caller says which step and what is wrong."""
         for step, path, reason in failed:
             try:
                 record = self.store.quarantine(step, path, reason)
             except StorageError as e:
                 self._event(
-                    f"could not quarantine checkpoint step {step} ({e}); the next restore "
-                    "verifies it again",
+                    f"could not quarantine checkpoint step {step} ({e}); the next commit or "
+                    "restore tries again",
                     logging.WARNING,
                 )
                 continue
             self.committed = [s for s in self.committed if s != step]
             self.quarantined = sorted(set(self.quarantined) | {step})
+            what = said or f"quarantined checkpoint step {step} ({path}: {reason})"
             self._event(
-                f"quarantined checkpoint step {step} ({path}: {reason}): no restore reads it "
+                f"{what}: no restore reads it "
                 f"again and checkpoint.keep_last does not count it. Its files stay at "
                 f"{self.store.step_uri(step)} for inspection ({record} says what failed); "
                 "delete that folder once you are done with it",
                 logging.WARNING,
             )
-
-    def _list_quarantined(self) -> None:
-        # Only shown in the status: an outage is reported by the restore that follows.
-        with contextlib.suppress(StorageError):
-            self.quarantined = self.store.quarantined_steps()
 
     def _restore_resume_from(
         self, group: Restorable, sleep: Callable[[float], None]
@@ -539,8 +557,10 @@ class CommitCoordinator:
 
     def finished_summary(self) -> dict[str, Any] | None:
         """The summary this job stored when it finished, if nothing is left to train: its
-        last step is still the newest commit and reaches train.steps. None otherwise
-        (never finished, trained on since, or train.steps raised to train further)."""
+        last step is still the newest commit, its manifest verifies, and it reaches
+        train.steps. None otherwise (never finished, trained on since, train.steps raised
+        to train further, or the final step damaged: then it is said and quarantined, and
+        the job trains again from the newest good commit)."""
         raw = self.read_artifact(SUMMARY_ARTIFACT)
         try:
             saved = json.loads(raw) if raw is not None else None
@@ -548,9 +568,21 @@ class CommitCoordinator:
             return None
         if not isinstance(saved, dict) or saved.get("state") != "finished":
             return None
-        steps = self.store.committed_steps()
-        done = saved.get("committed_steps") or [None]
-        if not steps or steps[-1] < self.spec.train.steps or done[-1] != steps[-1]:
+        steps = self.store.list_steps()
+        good = steps.committed
+        final = (saved.get("committed_steps") or [None])[-1]
+        why = steps.damaged.get(final) if isinstance(final, int) else None
+        if why and good and final > good[-1] and final >= self.spec.train.steps:
+            # Set aside here, so that the restore that follows starts from the newest good
+            # commit without a word. With no good step, that restore refuses, saying why.
+            self._quarantine(
+                [(final, MANIFEST_NAME, why)],
+                said=f"job {self.spec.name} already finished at step {final}, but that "
+                f"checkpoint failed verification ({MANIFEST_NAME}: {why}); training steps "
+                f"{good[-1] + 1}..{final} again from step {good[-1]}. Step {final} is quarantined",
+            )
+            return None
+        if not good or good[-1] < self.spec.train.steps or final != good[-1]:
             return None
         return saved
 

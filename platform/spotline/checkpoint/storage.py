@@ -118,6 +118,9 @@ class StepStorage:
         self.signing_key_env = signing_key_env
         self._fs: Any = None
         self._fs_lock = threading.Lock()
+        self.verdicts: dict[int, tuple[Any, str | None]] = {}
+        """What the catalog made of each step's manifest the last time it read it: step ->
+        (what identified the manifest, what is wrong with it or None). Never pickled."""
 
     # Pickling sends the arguments and rebuilds the client lazily on the other side;
     # the normalized URI goes, so a relative file:// path keeps meaning the same place.

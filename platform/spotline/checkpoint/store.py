@@ -163,8 +163,14 @@ class CheckpointStore(StepStorage):
         """Hash every file of ``manifest`` in storage (streamed); raise CorruptCheckpointError."""
         reads.verify_remote(self, manifest)
 
+    def list_steps(self) -> catalog.Steps:
+        """Every step under the root by state: committed (its manifest verifies), damaged,
+        quarantined, uncommitted. See `catalog.list_steps`."""
+        return catalog.list_steps(self)
+
     def committed_steps(self) -> list[int]:
-        """Steps with a manifest, ascending. Step directories without one are ignored."""
+        """Steps whose manifest verifies, ascending. Step directories without one, and
+        those whose manifest does not, are ignored."""
         return catalog.committed_steps(self)
 
     def uncommitted_steps(self) -> list[int]:
