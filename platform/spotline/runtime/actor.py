@@ -53,9 +53,10 @@ from spotline.runtime.faults import Faults
 from spotline.runtime.keeper import PeerReader, PeerSender
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
-from spotline.train.links import Links
+from spotline.train.comms import Comms, comms_for
 from spotline.train.process import (
     Topology,
+    backend_for,
     import_deepspeed,
     init_distributed,
     leave_distributed,
@@ -147,7 +148,7 @@ class TrainWorker:
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
         self._own_keeper: str | None = None  # this node's state keeper (`set_peers`)
         self._store: Any = None  # rank 0: the rendezvous store, listening (`host_store`)
-        self._links = Links()  # this rank's gloo connections to its peers (`setup`)
+        self._comms: Comms | None = None  # what cuts this rank's communicators (`setup`)
 
     def reform(self, topo: Topology, attempt: str) -> dict[str, Any]:
         """Take rank `topo` of the next group (`attempt`) in this same process, after the
@@ -269,7 +270,8 @@ class TrainWorker:
         if not rehearsal:
             self._clean_staging()
         store, self._store = self._store, None  # the process group owns it from here
-        self._links.begin()
+        self._comms = comms_for(backend_for(self.device), self.topo.rank)
+        self._comms.begin()
         backend = init_distributed(
             self.topo,
             master_addr,
@@ -297,11 +299,11 @@ class TrainWorker:
             init=init,
             engine_hook=self.faults.wrap_engine if self.faults is not None else None,
         )
-        if backend == "gloo" and self.topo.world_size > 1:
-            from torch.distributed.distributed_c10d import _get_default_store
+        if self.topo.world_size > 1:  # what the cut needs known (gloo: every rank's listeners)
+            from spotline.compat.torch import default_store
 
             timeout = self.spec.failure.collective_timeout_s
-            self._links.agree(_get_default_store(), self.topo.rank, self.topo.world_size, timeout)
+            self._comms.agree(default_store(), self.topo.world_size, timeout)
         if self.metrics is None:  # one per process: a re-formed rank keeps its series
             self.metrics = Metrics(self.spec.name)
         return {"backend": backend, "device": name, "peak_flops": peak}
@@ -417,11 +419,19 @@ class TrainWorker:
             return self._train(tr, target, interval, saved_through)
         except BaseException:
             # This group is over: a peer still waiting on this rank fails now, not at
-            # the collective timeout, and stays good to re-form (`spotline.train.links`).
-            cut = self._links.cut()
-            if cut:
-                log.warning("rank %d: step failed; cut its %d gloo link(s)", self.topo.rank, cut)
+            # the collective timeout, and stays good to re-form (`spotline.train.comms`).
+            # The cut never raises: the error reported and classified is the step's.
+            self.abort_comms(self.attempt)
             raise
+
+    @ray.method(concurrency_group="control")
+    def abort_comms(self, attempt: str) -> int:
+        """Abort this rank's communicators in group `attempt` (over) now, so that a
+        collective blocked in it or in a peer fails at once; `hand_over` asks every
+        rank it may keep. Returns how many were cut; never raises."""
+        if self._comms is None or attempt != self.attempt:  # already in a later group
+            return 0
+        return self._comms.abort()
 
     def _train(self, tr: Trainer, target: int, interval: int, saved_through: int) -> dict[str, Any]:
         while tr.step < target:

@@ -142,6 +142,11 @@ def use_device(device: str, local_rank: int, rank: int) -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
+def backend_for(device: str) -> str:
+    """The process-group backend of a group on `device`: nccl on 'gpu', else gloo."""
+    return "nccl" if device == "gpu" else "gloo"
+
+
 def init_distributed(
     topo: Topology,
     master_addr: str,
@@ -179,7 +184,7 @@ def init_distributed(
     use_device(device, local_rank, topo.rank)
     if device == "gpu" and topo.world_size > 1:  # binds the communicator to this rank's GPU
         kwargs["device_id"] = torch.device("cuda", local_rank)
-    backend = "nccl" if device == "gpu" else "gloo"
+    backend = backend_for(device)
     if store is None:
         store = dist.TCPStore(
             master_addr,
