@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from spotline.controller.policies import classify
+from spotline.runtime.group import why_not_kept
 from spotline.train.comms import GlooLinks, NcclAbort, comms_for
 
 pytestmark = pytest.mark.unit
@@ -164,3 +165,14 @@ def test_an_nccl_abort_that_raises_is_reported_not_raised():
     exits = []
     assert NcclAbort(1, abort_groups=abort, exit_process=exits.append).abort() == 0
     assert exits == []
+
+
+def test_hand_overs_other_reasons():
+    assert why_not_kept(True, True, None, 2.0) == "its node goes"
+    assert why_not_kept(False, False, None, 2.0).startswith("still in its step")
+    assert why_not_kept(False, True, None, 2.0) is None
+
+    class ActorDiedError(Exception):
+        pass
+
+    assert why_not_kept(False, True, ActorDiedError(), 2.0) == "its process died"

@@ -163,7 +163,12 @@ def init_distributed(
     TCPStore, already listening (it took its port from the kernel, so no other process
     can have taken it in between); the other ranks connect to master_addr:master_port.
     `timeout_s`: how long one collective or rendezvous wait may take before the rank
-    raises (failure.collective_timeout_s, the backstop behind hang detection)."""
+    raises (failure.collective_timeout_s, the backstop behind hang detection).
+
+    On NCCL, torch's watchdog is told to abort a failed or timed-out communicator and
+    let the error reach the step (TORCH_NCCL_ASYNC_ERROR_HANDLING=2), not to end the
+    process (its default): a survivor keeps its process to re-form in. A value the user
+    set is kept."""
     deepspeed = import_deepspeed()
     os.environ.update(
         RANK=str(topo.rank),
@@ -185,6 +190,8 @@ def init_distributed(
     if device == "gpu" and topo.world_size > 1:  # binds the communicator to this rank's GPU
         kwargs["device_id"] = torch.device("cuda", local_rank)
     backend = backend_for(device)
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if store is None:
         store = dist.TCPStore(
             master_addr,
