@@ -1,6 +1,7 @@
 """Cutting a rank's communicators (`spotline.train.comms`), in one process: the gloo cut
 shuts only the connections it listed, a failing connection listing never replaces the
-step's error, and the NCCL abort ends the process rather than hang.
+step's error, the NCCL abort ends the process rather than hang, and a rank whose GPU hit
+a sticky CUDA error is never kept for the next group.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import pytest
 
 from spotline.controller.policies import classify
 from spotline.runtime.group import why_not_kept
+from spotline.runtime.progress import describe_failure
 from spotline.train.comms import GlooLinks, NcclAbort, comms_for
+from spotline.train.process import sticky_cuda_error
 
 pytestmark = pytest.mark.unit
 
@@ -165,6 +168,63 @@ def test_an_nccl_abort_that_raises_is_reported_not_raised():
     exits = []
     assert NcclAbort(1, abort_groups=abort, exit_process=exits.append).abort() == 0
     assert exits == []
+
+
+_CUDA_HINTS = (
+    "\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.\nFor debugging consider passing "
+    "CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side "
+    "assertions.\n"
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "CUDA error: an illegal memory access was encountered" + _CUDA_HINTS,
+        "CUDA error: misaligned address" + _CUDA_HINTS,
+        "CUDA error: unspecified launch failure" + _CUDA_HINTS,
+        "CUDA error: device-side assert triggered" + _CUDA_HINTS,
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with "
+        "NCCL_DEBUG=INFO for details), NCCL version 2.27.3\nncclUnhandledCudaError: Call "
+        "to CUDA function failed.\nLast error:\nCuda failure 'an illegal memory access was "
+        "encountered'",
+    ],
+)
+def test_sticky_cuda_errors_are_recognised_and_never_kept(text):
+    error = RuntimeError(text)
+    assert sticky_cuda_error(text) is not None
+    why = why_not_kept(node_goes=False, returned=True, error=error, grace_s=2.0)
+    assert why is not None and "sticky CUDA error" in why
+    assert "CUDA error" in describe_failure(error)  # not torch's last debugging hint
+
+
+class _RayTaskError(Exception):
+    """How Ray hands back a rank's error: the rank's own as `cause`."""
+
+    def __init__(self, cause):
+        super().__init__("ray task failed")
+        self.cause = cause
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "CUDA error: invalid argument",
+        "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:4242",
+        "NCCL communicator was aborted on rank 3.",
+    ],
+)
+def test_other_errors_leave_the_rank_kept(text):
+    assert sticky_cuda_error(text) is None
+    error = _RayTaskError(RuntimeError(text))
+    assert why_not_kept(node_goes=False, returned=True, error=error, grace_s=2.0) is None
+
+
+def test_a_sticky_error_behind_rays_wrapper_is_not_kept():
+    error = _RayTaskError(RuntimeError("CUDA error: misaligned address" + _CUDA_HINTS))
+    assert "misaligned address" in why_not_kept(False, True, error, 2.0)
 
 
 def test_hand_overs_other_reasons():

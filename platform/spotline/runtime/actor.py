@@ -60,6 +60,7 @@ from spotline.train.process import (
     import_deepspeed,
     init_distributed,
     leave_distributed,
+    sticky_cuda_error,
     use_device,
 )
 from spotline.train.trainer import Trainer
@@ -107,6 +108,7 @@ class TrainWorker:
         self.local_rank = 0
         self._sigterm = None
         self._sigterm_reported = False
+        self._sticky: str | None = None  # a sticky CUDA error this process hit (`run`)
         sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
         if sigterm:
             # Actor construction runs on the process's main thread, where Python
@@ -158,6 +160,11 @@ class TrainWorker:
         build again: the imports, the device and its context, the bound environment.
         The group then sets this rank up as a new one (`setup`) and restores it, from
         its own node's keeper where a peer copy is complete. Returns `info`."""
+        if self._sticky is not None:  # the group never keeps such a rank: a guard
+            raise RuntimeError(
+                f"rank {self.topo.rank} cannot re-form in its process: its GPU hit a "
+                f"sticky CUDA error ({self._sticky}) that only a new process clears"
+            )
         trainer, self.trainer = self.trainer, None
         if trainer is not None:
             trainer.close()
@@ -417,11 +424,15 @@ class TrainWorker:
         saved_through = tr.step  # the same on every rank: it follows agreed decisions
         try:
             return self._train(tr, target, interval, saved_through)
-        except BaseException:
+        except BaseException as e:
             # This group is over: a peer still waiting on this rank fails now, not at
             # the collective timeout, and stays good to re-form (`spotline.train.comms`).
             # The cut never raises: the error reported and classified is the step's.
             self.abort_comms(self.attempt)
+            self._sticky = sticky_cuda_error(str(e)) or self._sticky
+            if self._sticky is not None:  # never kept: the group ends it (`hand_over`)
+                msg = "rank %d: sticky CUDA error (%s); its process ends with this group"
+                log.error(msg, self.topo.rank, self._sticky)
             raise
 
     @ray.method(concurrency_group="control")

@@ -37,6 +37,7 @@ from spotline.runtime.progress import (
     RankBeat,
     WorkerFailure,
     describe_failure,
+    failure_cause,
     peer_failures,
 )
 from spotline.runtime.rendezvous import (
@@ -48,7 +49,7 @@ from spotline.runtime.rendezvous import (
 from spotline.runtime.sealed import SealedJob
 from spotline.runtime.spawn import start_worker
 from spotline.runtime.survivors import Survivor, Survivors, adopt, end
-from spotline.train.process import Topology
+from spotline.train.process import Topology, sticky_cuda_error
 
 log = logging.getLogger("spotline.group")
 
@@ -596,7 +597,8 @@ def why_not_kept(
 ) -> str | None:
     """Why `hand_over` cannot keep a rank of an ended group, or None when it can: its
     run `returned` within `grace_s`, with `error` (None: it returned a result). A
-    collective's error leaves the process good to re-form in."""
+    collective's error leaves the process good to re-form in; a sticky CUDA error does
+    not, and such a rank's process ends with its group."""
     if node_goes:
         return "its node goes"
     if not returned:
@@ -605,4 +607,7 @@ def why_not_kept(
         return None
     if describe_failure(error) == PROCESS_DIED:
         return "its process died"
+    sticky = sticky_cuda_error(f"{error} {failure_cause(error)}")
+    if sticky:
+        return f"its GPU hit a sticky CUDA error ({sticky}), which only a new process clears"
     return None

@@ -1,6 +1,7 @@
 """A rank's process: where it sits in the job (`Topology`), DeepSpeed imported the
-way a worker should, its device (CUDA or the host, TF32 on a GPU) and its process
-group. No Ray here, and nothing of the training loop (`spotline.train.trainer`).
+way a worker should, its device (CUDA or the host, TF32 on a GPU), whether a CUDA error
+left that device unusable to the process (`sticky_cuda_error`), and its process group.
+No Ray here, and nothing of the training loop (`spotline.train.trainer`).
 """
 
 from __future__ import annotations
@@ -140,6 +141,32 @@ def use_device(device: str, local_rank: int, rank: int) -> None:
     torch.cuda.set_device(local_rank)
     torch.set_float32_matmul_precision(float32_matmul_precision(device))
     torch.backends.cudnn.allow_tf32 = True
+
+
+_STICKY_CUDA = (
+    "an illegal memory access was encountered",
+    "the launch timed out and was terminated",
+    "device-side assert triggered",
+    "hardware stack error",
+    "an illegal instruction was encountered",
+    "misaligned address",
+    "operation not supported on global/shared address space",
+    "invalid program counter",
+    "unspecified launch failure",
+    "uncorrectable ecc error encountered",
+)
+"""CUDA's texts (cudaGetErrorString) for the errors that leave the process's CUDA
+context unusable: any further CUDA work fails the same way, and only a new process
+clears it (CUDA documents this for 700, 702, 710, 714-719; an uncorrectable ECC error,
+214, is counted with them). Their texts reach Python unchanged, inside torch's and
+NCCL's messages alike."""
+
+
+def sticky_cuda_error(text: str) -> str | None:
+    """The sticky CUDA error `text` (an error's message) reports, or None: a rank whose
+    step failed with one cannot train again in its process."""
+    low = text.lower()
+    return next((m for m in _STICKY_CUDA if m in low), None)
 
 
 def backend_for(device: str) -> str:
