@@ -80,14 +80,19 @@ def _tcp() -> list[Any]:
     return psutil.Process().net_connections(kind="tcp")
 
 
+def _ip(text: str) -> Any:
+    """An address as one value however it is written (an IPv4-mapped IPv6 one as IPv4)."""
+    ip = ipaddress.ip_address(text.split("%")[0])
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
 def _same_end(sock_addr: Any, listed: Any) -> bool:
     """Whether a socket's own address (getsockname/getpeername) is the (ip, port) psutil
     listed."""
     if not isinstance(sock_addr, tuple) or len(sock_addr) < 2 or not listed:
         return False
     try:
-        ip = ipaddress.ip_address(str(sock_addr[0]).split("%")[0])
-        return ip == ipaddress.ip_address(listed.ip.split("%")[0]) and (sock_addr[1] == listed.port)
+        return _ip(str(sock_addr[0])) == _ip(listed.ip) and sock_addr[1] == listed.port
     except ValueError:
         return False
 
