@@ -28,18 +28,18 @@ def _rank(rank: int, port: int, cut: bool, out, survivors_done) -> None:
     import torch
     import torch.distributed as dist
 
-    from spotline.train.links import Links
+    from spotline.train.comms import comms_for
 
     torch.set_num_threads(1)
     store = dist.TCPStore(
         "127.0.0.1", port, _WORLD, is_master=rank == 0, timeout=timedelta(seconds=60)
     )
-    links = Links()
+    links = comms_for("gloo", rank)
     links.begin()  # after the store, as a rank does: its listener is not a link
     timeout = timedelta(seconds=_TIMEOUT_S)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=_WORLD, timeout=timeout)
     side = dist.new_group(list(range(_WORLD)), timeout=timeout)  # a group made later, too
-    links.agree(store, rank, _WORLD, 60)
+    links.agree(store, _WORLD, 60)
     out.put(("listeners", rank, len(links.listeners)))
     t = torch.ones(2_000_000)
     dist.all_reduce(t)
@@ -53,7 +53,7 @@ def _rank(rank: int, port: int, cut: bool, out, survivors_done) -> None:
             dist.all_reduce(t)
         out.put(("no error", rank, ""))
     except Exception as e:  # noqa: BLE001 - what the test reads
-        n = links.cut() if cut else 0
+        n = links.abort() if cut else 0
         out.put(("error", rank, f"{n} {e}"))
     survivors_done.wait(90)  # alive until every survivor reported
     out.put(("alive", rank, ""))

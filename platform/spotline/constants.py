@@ -64,6 +64,10 @@ SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_WATCHER_STO
 # answers no connection, so it is seen at the first check; the wait covers a node whose
 # processes die a moment before its raylet.
 SPOTLINE_NODE_LOSS_WAIT_S = _env_float("SPOTLINE_NODE_LOSS_WAIT_S", 1.0)
+# How long a rank's abort of its NCCL communicators may take before the rank ends its
+# own process instead (`spotline.train.comms`): an abort that hangs would hold the rank,
+# and the peers and the next group waiting on it. A healthy abort takes about a second.
+SPOTLINE_COMM_ABORT_TIMEOUT_S = _env_float("SPOTLINE_COMM_ABORT_TIMEOUT_S", 30.0)
 # After a group is torn down, how long the controller waits for its devices to show as
 # free again before sizing the next group from what it sees (Ray frees them a moment
 # after the actors die).

@@ -53,12 +53,14 @@ from spotline.runtime.faults import Faults
 from spotline.runtime.keeper import PeerReader, PeerSender
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
-from spotline.train.links import Links
+from spotline.train.comms import Comms, comms_for
 from spotline.train.process import (
     Topology,
+    backend_for,
     import_deepspeed,
     init_distributed,
     leave_distributed,
+    sticky_cuda_error,
     use_device,
 )
 from spotline.train.trainer import Trainer
@@ -106,6 +108,7 @@ class TrainWorker:
         self.local_rank = 0
         self._sigterm = None
         self._sigterm_reported = False
+        self._sticky: str | None = None  # a sticky CUDA error this process hit (`run`)
         sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
         if sigterm:
             # Actor construction runs on the process's main thread, where Python
@@ -147,7 +150,7 @@ class TrainWorker:
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
         self._own_keeper: str | None = None  # this node's state keeper (`set_peers`)
         self._store: Any = None  # rank 0: the rendezvous store, listening (`host_store`)
-        self._links = Links()  # this rank's gloo connections to its peers (`setup`)
+        self._comms: Comms | None = None  # what cuts this rank's communicators (`setup`)
 
     def reform(self, topo: Topology, attempt: str) -> dict[str, Any]:
         """Take rank `topo` of the next group (`attempt`) in this same process, after the
@@ -157,6 +160,11 @@ class TrainWorker:
         build again: the imports, the device and its context, the bound environment.
         The group then sets this rank up as a new one (`setup`) and restores it, from
         its own node's keeper where a peer copy is complete. Returns `info`."""
+        if self._sticky is not None:  # the group never keeps such a rank: a guard
+            raise RuntimeError(
+                f"rank {self.topo.rank} cannot re-form in its process: its GPU hit a "
+                f"sticky CUDA error ({self._sticky}) that only a new process clears"
+            )
         trainer, self.trainer = self.trainer, None
         if trainer is not None:
             trainer.close()
@@ -269,7 +277,8 @@ class TrainWorker:
         if not rehearsal:
             self._clean_staging()
         store, self._store = self._store, None  # the process group owns it from here
-        self._links.begin()
+        self._comms = comms_for(backend_for(self.device), self.topo.rank)
+        self._comms.begin()
         backend = init_distributed(
             self.topo,
             master_addr,
@@ -297,11 +306,11 @@ class TrainWorker:
             init=init,
             engine_hook=self.faults.wrap_engine if self.faults is not None else None,
         )
-        if backend == "gloo" and self.topo.world_size > 1:
-            from torch.distributed.distributed_c10d import _get_default_store
+        if self.topo.world_size > 1:  # what the cut needs known (gloo: every rank's listeners)
+            from spotline.compat.torch import default_store
 
             timeout = self.spec.failure.collective_timeout_s
-            self._links.agree(_get_default_store(), self.topo.rank, self.topo.world_size, timeout)
+            self._comms.agree(default_store(), self.topo.world_size, timeout)
         if self.metrics is None:  # one per process: a re-formed rank keeps its series
             self.metrics = Metrics(self.spec.name)
         return {"backend": backend, "device": name, "peak_flops": peak}
@@ -415,13 +424,25 @@ class TrainWorker:
         saved_through = tr.step  # the same on every rank: it follows agreed decisions
         try:
             return self._train(tr, target, interval, saved_through)
-        except BaseException:
+        except BaseException as e:
             # This group is over: a peer still waiting on this rank fails now, not at
-            # the collective timeout, and stays good to re-form (`spotline.train.links`).
-            cut = self._links.cut()
-            if cut:
-                log.warning("rank %d: step failed; cut its %d gloo link(s)", self.topo.rank, cut)
+            # the collective timeout, and stays good to re-form (`spotline.train.comms`).
+            # The cut never raises: the error reported and classified is the step's.
+            self.abort_comms(self.attempt)
+            self._sticky = sticky_cuda_error(str(e)) or self._sticky
+            if self._sticky is not None:  # never kept: the group ends it (`hand_over`)
+                msg = "rank %d: sticky CUDA error (%s); its process ends with this group"
+                log.error(msg, self.topo.rank, self._sticky)
             raise
+
+    @ray.method(concurrency_group="control")
+    def abort_comms(self, attempt: str) -> int:
+        """Abort this rank's communicators in group `attempt` (over) now, so that a
+        collective blocked in it or in a peer fails at once; `hand_over` asks every
+        rank it may keep. Returns how many were cut; never raises."""
+        if self._comms is None or attempt != self.attempt:  # already in a later group
+            return 0
+        return self._comms.abort()
 
     def _train(self, tr: Trainer, target: int, interval: int, saved_through: int) -> dict[str, Any]:
         while tr.step < target:

@@ -20,6 +20,7 @@ bundle (the backfill executors): the runtime does not know what it is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -36,6 +37,7 @@ from spotline.runtime.progress import (
     RankBeat,
     WorkerFailure,
     describe_failure,
+    failure_cause,
     peer_failures,
 )
 from spotline.runtime.rendezvous import (
@@ -47,7 +49,7 @@ from spotline.runtime.rendezvous import (
 from spotline.runtime.sealed import SealedJob
 from spotline.runtime.spawn import start_worker
 from spotline.runtime.survivors import Survivor, Survivors, adopt, end
-from spotline.train.process import Topology
+from spotline.train.process import Topology, sticky_cuda_error
 
 log = logging.getLogger("spotline.group")
 
@@ -315,22 +317,24 @@ class RayWorkerGroup:
         out = Survivors()
         if not self._runs or len(self._info) != len(self.actors):
             return out  # the group never ran: nothing in it is known to be good
-        staying = [
-            ref for k, ref in enumerate(self._runs) if self._info[k]["node_id"] not in leaving
-        ]
-        done = set(ray.wait(staying, num_returns=len(staying), timeout=grace_s)[0])
+        stays = [k for k in range(len(self._runs)) if self._info[k]["node_id"] not in leaving]
+        # A rank blocked in a collective fails now, on gloo and NCCL alike.
+        cuts = [self.actors[k].abort_comms.remote(self.attempt) for k in stays]
+        waited = [self._runs[k] for k in stays] + cuts
+        done = set(ray.wait(waited, num_returns=len(waited), timeout=grace_s)[0])
+        for ref in done.intersection(cuts):  # read, so that Ray reports no unread error
+            with contextlib.suppress(Exception):
+                ray.get(ref)
 
         def why_not(rank: int) -> str | None:
-            if self._info[rank]["node_id"] in leaving:
-                return "its node goes"
-            if self._runs[rank] not in done:
-                return f"still in its step {grace_s:.0f}s after the failure"
-            try:
-                ray.get(self._runs[rank])
-            except Exception as e:  # noqa: BLE001 - a collective error leaves the process good
-                if describe_failure(e) == PROCESS_DIED:
-                    return "its process died"
-            return None
+            error = None
+            if self._runs[rank] in done:
+                try:
+                    ray.get(self._runs[rank])
+                except Exception as e:  # noqa: BLE001 - judged by why_not_kept
+                    error = e
+            goes = self._info[rank]["node_id"] in leaving
+            return why_not_kept(goes, self._runs[rank] in done, error, grace_s)
 
         self.left_behind = {}
         for r in range(self.replicas):
@@ -586,3 +590,24 @@ class RayWorkerGroup:
         self._drained = set()
         self._final_polls = set()
         self._heard = {}
+
+
+def why_not_kept(
+    node_goes: bool, returned: bool, error: BaseException | None, grace_s: float
+) -> str | None:
+    """Why `hand_over` cannot keep a rank of an ended group, or None when it can: its
+    run `returned` within `grace_s`, with `error` (None: it returned a result). A
+    collective's error leaves the process good to re-form in; a sticky CUDA error does
+    not, and such a rank's process ends with its group."""
+    if node_goes:
+        return "its node goes"
+    if not returned:
+        return f"still in its step {grace_s:.0f}s after the failure"
+    if error is None:
+        return None
+    if describe_failure(error) == PROCESS_DIED:
+        return "its process died"
+    sticky = sticky_cuda_error(f"{error} {failure_cause(error)}")
+    if sticky:
+        return f"its GPU hit a sticky CUDA error ({sticky}), which only a new process clears"
+    return None

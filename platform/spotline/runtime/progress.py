@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from spotline.checkpoint import Manifest
 from spotline.config.redact import redact
+from spotline.train.process import sticky_cuda_error
 
 PROCESS_DIED = "worker process died (killed, out of memory, or its node was lost)"
 
@@ -150,11 +151,15 @@ def failure_cause(e: BaseException) -> BaseException:
 
 
 def describe_failure(e: BaseException) -> str:
-    """One line for what ended a rank's call: PROCESS_DIED, or the error's type and last line."""
+    """One line for what ended a rank's call: PROCESS_DIED, or the error's type and last
+    line (a sticky CUDA error's own line, which torch follows with debugging hints)."""
     name = type(e).__name__
     if "ActorDied" in name or "ActorUnavailable" in name or "RayActorError" in name:
         return PROCESS_DIED
     cause = getattr(e, "cause", None)
+    sticky = sticky_cuda_error(str(cause if cause is not None else e))
+    if sticky is not None:
+        return f"{type(cause if cause is not None else e).__name__}: CUDA error: {sticky}"
     if cause is not None:
         return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
     text = str(e).strip().splitlines()

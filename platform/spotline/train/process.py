@@ -1,6 +1,7 @@
 """A rank's process: where it sits in the job (`Topology`), DeepSpeed imported the
-way a worker should, its device (CUDA or the host, TF32 on a GPU) and its process
-group. No Ray here, and nothing of the training loop (`spotline.train.trainer`).
+way a worker should, its device (CUDA or the host, TF32 on a GPU), whether a CUDA error
+left that device unusable to the process (`sticky_cuda_error`), and its process group.
+No Ray here, and nothing of the training loop (`spotline.train.trainer`).
 """
 
 from __future__ import annotations
@@ -142,6 +143,37 @@ def use_device(device: str, local_rank: int, rank: int) -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
+_STICKY_CUDA = (
+    "an illegal memory access was encountered",
+    "the launch timed out and was terminated",
+    "device-side assert triggered",
+    "hardware stack error",
+    "an illegal instruction was encountered",
+    "misaligned address",
+    "operation not supported on global/shared address space",
+    "invalid program counter",
+    "unspecified launch failure",
+    "uncorrectable ecc error encountered",
+)
+"""CUDA's texts (cudaGetErrorString) for the errors that leave the process's CUDA
+context unusable: any further CUDA work fails the same way, and only a new process
+clears it (CUDA documents this for 700, 702, 710, 714-719; an uncorrectable ECC error,
+214, is counted with them). Their texts reach Python unchanged, inside torch's and
+NCCL's messages alike."""
+
+
+def sticky_cuda_error(text: str) -> str | None:
+    """The sticky CUDA error `text` (an error's message) reports, or None: a rank whose
+    step failed with one cannot train again in its process."""
+    low = text.lower()
+    return next((m for m in _STICKY_CUDA if m in low), None)
+
+
+def backend_for(device: str) -> str:
+    """The process-group backend of a group on `device`: nccl on 'gpu', else gloo."""
+    return "nccl" if device == "gpu" else "gloo"
+
+
 def init_distributed(
     topo: Topology,
     master_addr: str,
@@ -158,7 +190,12 @@ def init_distributed(
     TCPStore, already listening (it took its port from the kernel, so no other process
     can have taken it in between); the other ranks connect to master_addr:master_port.
     `timeout_s`: how long one collective or rendezvous wait may take before the rank
-    raises (failure.collective_timeout_s, the backstop behind hang detection)."""
+    raises (failure.collective_timeout_s, the backstop behind hang detection).
+
+    On NCCL, torch's watchdog is told to abort a failed or timed-out communicator and
+    let the error reach the step (TORCH_NCCL_ASYNC_ERROR_HANDLING=2), not to end the
+    process (its default): a survivor keeps its process to re-form in. A value the user
+    set is kept."""
     deepspeed = import_deepspeed()
     os.environ.update(
         RANK=str(topo.rank),
@@ -179,7 +216,9 @@ def init_distributed(
     use_device(device, local_rank, topo.rank)
     if device == "gpu" and topo.world_size > 1:  # binds the communicator to this rank's GPU
         kwargs["device_id"] = torch.device("cuda", local_rank)
-    backend = "nccl" if device == "gpu" else "gloo"
+    backend = backend_for(device)
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if store is None:
         store = dist.TCPStore(
             master_addr,
