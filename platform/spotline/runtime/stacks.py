@@ -35,7 +35,8 @@ from typing import Any
 
 from spotline import constants
 
-# The training loop's own frame (`TrainWorker.run`): the thread it is on trains.
+# The training loop's own frame (`TrainWorker.run`, function and file): the thread it
+# is on trains.
 _TRAINING_FRAME = ("run", "spotline/runtime/actor.py")
 _STATES = {
     "R": "running",
@@ -52,7 +53,9 @@ _PTRACE_FIX = (
     "Kubernetes), or set kernel.yama.ptrace_scope=0"
 )
 # Frames kept per thread in a stored stack (innermost first).
-_FRAMES_KEPT = 60
+_FRAMES_KEPT = 100
+# Readings of a process that py-spy found torn (it moved while read) before giving up.
+_READS = 3
 
 
 # --- on the rank's node ------------------------------------------------------------------
@@ -93,7 +96,8 @@ def training_frame(threads: list[dict[str, Any]]) -> str | None:
     training loop; else the main thread's; None when there is no stack."""
     name, path = _TRAINING_FRAME
     for t in threads:
-        if any(f.startswith(f"{name} (") and path in f for f in t["frames"]) and t["frames"]:
+        # py-spy names a method with its class (`TrainWorker.run`).
+        if any(f.split(" (")[0].split(".")[-1] == name and path in f for f in t["frames"]):
             return t["frames"][0]
     for t in threads:
         if t["name"] == "MainThread" and t["frames"]:
@@ -103,9 +107,11 @@ def training_frame(threads: list[dict[str, Any]]) -> str | None:
 
 def dump_pid(pid: int, timeout_s: float) -> dict[str, Any]:
     """One process's state and stack (py-spy, without pausing it); an `error` instead of
-    the stack when it could not be read."""
+    the stack when it could not be read. A process that moves while it is read can
+    give a torn reading, which py-spy refuses: it is read again, up to _READS times."""
     state = process_state(pid)
-    out: dict[str, Any] = {"pid": pid, "state": state, "threads": [], "error": None}
+    out: dict[str, Any] = {"pid": pid, "state": state, "threads": [], "frame": None}
+    out["error"] = None
     exe = py_spy()
     if exe is None:
         out["error"] = "py-spy is not installed on this node (it ships with ray[default])"
@@ -114,26 +120,33 @@ def dump_pid(pid: int, timeout_s: float) -> dict[str, Any]:
         out["error"] = "the process is gone"
         return out
     cmd = [exe, "dump", "--pid", str(pid), "--nonblocking", "--json"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        out["error"] = f"py-spy gave no answer within {timeout_s:.0f}s"
-        return out
-    if done.returncode != 0:
+    deadline = time.monotonic() + timeout_s
+    for _ in range(_READS):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            out["error"] = f"py-spy gave no answer within {timeout_s:.0f}s"
+            return out
+        if done.returncode == 0:
+            try:
+                threads = threads_of(json.loads(done.stdout))
+            except ValueError:
+                out["error"] = "py-spy's output was not JSON"
+                return out
+            out["frame"] = training_frame(threads)
+            for t in threads:
+                t["frames"] = t["frames"][:_FRAMES_KEPT]
+            out["threads"], out["error"] = threads, None
+            return out
         why = (done.stderr or done.stdout).strip().splitlines()
         first = next((w for w in why if w.strip() and not w.startswith("Process ")), "")
         denied = "permission" in done.stderr.lower() or "operation not permitted" in done.stderr
         out["error"] = f"py-spy failed: {first.strip()}" + (f". {_PTRACE_FIX}" if denied else "")
-        return out
-    try:
-        threads = threads_of(json.loads(done.stdout))
-    except ValueError:
-        out["error"] = "py-spy's output was not JSON"
-        return out
-    for t in threads:
-        t["frames"] = t["frames"][:_FRAMES_KEPT]
-    out["threads"] = threads
-    out["frame"] = training_frame(threads)
+        if denied:
+            return out
     return out
 
 
