@@ -374,6 +374,16 @@ def test_hang_counts_decay_so_only_hangs_within_the_ttl_cordon_a_node():
     assert room.expire() == [] and room.nodes == {"node-1"}
 
 
+def test_a_collective_timeout_during_a_data_stall_blames_no_node():
+    room, events, _ = _cordons(cordon_after_hangs=1)
+    waiting = (replace(beat(0, step=6, phase=DATA_PHASE), phase_s=500.0),)
+    room.health.stall = DataStall(500.0, waiting, 540.0)
+    timeout = RuntimeError("Timed out waiting 600000ms for recv operation to complete")
+    room.after_hang([timeout], 6, lambda nodes: 2)
+    assert room.nodes == set() and room.hangs_on() == {} and room.health.hangs == []
+    assert "waited for data: not counted against their node(s)" in events[-1]
+
+
 def test_cordons_expire_after_their_ttl_with_an_event():
     room, events, wall = _cordons(cordon_ttl_s=7200)
     room.cordon("node-1", "a rank there hung 2 times", lambda nodes: 2)

@@ -154,6 +154,16 @@ class Cordons:
         first), and cordon a node that reached failure.cordon_after_hangs within
         failure.hang_count_ttl_s."""
         declared = [c for c in causes if isinstance(c, HangError)]
+        stall = self.health.stall
+        if not declared and stall is not None:
+            # The peers' collective timed out while ranks waited for their batches:
+            # storage held the group up, not a node.
+            self._event(
+                f"the collective timeout fired while rank(s) "
+                f"{', '.join(str(b.rank) for b in stall.behind)} waited for data: not "
+                "counted against their node(s)"
+            )
+            return
         nodes = declared[0].nodes if declared else self.health.behind_nodes()
         self.health.record_hang(nodes, step)
         self._decay(self.wall(), add=nodes)
