@@ -210,7 +210,7 @@ def test_a_hangs_stacks_are_taken_before_the_teardown_kept_and_shown(tmp_path):
     said = [e for e in ctl.events.since(0)[0] if e.startswith("stacks taken before the teardown")]
     assert said == [
         "stacks taken before the teardown: rank 1: Faults.maybe_freeze "
-        f"(spotline/runtime/faults.py:118) (stopped), every rank's at {taken['uri']}"
+        f"(spotline/runtime/faults.py:118) (stopped); the stacks taken are at {taken['uri']}"
     ]
     rows = dict(status_rows(ctl.status()))
     assert rows["rank 1 stack"].startswith("Faults.maybe_freeze")

@@ -230,7 +230,7 @@ class ControllerParts:
             f"rank {r}: {s['frame'] or s['error']}" + (f" ({s['state']})" if s["state"] else "")
             for r, s in summary["ranks"].items()
         )
-        kept = f", every rank's at {uri}" if uri else ""
+        kept = f"; the stacks taken are at {uri}" if uri else ""
         self._event(f"stacks taken before the teardown: {where}{kept}", logging.WARNING)
 
     def take_stacks(self) -> dict[str, Any]:
