@@ -33,7 +33,9 @@ from spotline.controller.state import (
     Waiting,
 )
 from spotline.report import status_rows
+from spotline.runtime.cluster import CordonList
 from spotline.runtime.progress import PROCESS_DIED, Progress, RankBeat, WorkerFailure
+from spotline.train.health import DATA_PHASE
 
 pytestmark = pytest.mark.unit
 
@@ -73,6 +75,7 @@ class FakeGroup:
         self.requests: list[tuple[int, int, str]] = []
         self.shut = False
         self.frozen_since = None  # the script's freeze: no step since then
+        self.stalled_since = None  # the script's data stall: no step since then
         # Replica r runs on the r-th node that is not drained (nodes are replica-sized).
         free = sorted(cluster.nodes - set(cluster.drained) - cluster.cordoned)
         self.nodes = [free[r % len(free)] for r in range(replicas)] if free else ["none"]
@@ -150,6 +153,17 @@ class FakeGroup:
             self.clock.now += 1.0  # the poll waited for answers that did not come
             out.ranks = self._beats(frozen=freeze["rank"])
             return out
+        stall = self.script.get("stall")  # {"at": step, "rank": r, "for_s": s, "times": n}
+        due = stall and self.running and self.step == stall["at"] and stall["times"] > 0
+        if due and self.stalled_since is None:
+            stall["times"] -= 1
+            self.stalled_since = self.clock.now
+        if self.stalled_since is not None:
+            if self.clock.now - self.stalled_since < stall["for_s"]:
+                self.clock.now += 1.0  # every rank answers; one waits for its batches
+                out.ranks = self._beats(data=stall["rank"])
+                return out
+            self.stalled_since = None  # its batches came
         for _ in range(self.script.get("steps_per_poll", 5)):
             if not self.running:
                 break
@@ -200,15 +214,19 @@ class FakeGroup:
             out.finished = self.finished
         return out
 
-    def _beats(self, frozen=None):
+    def _beats(self, frozen=None, data=None):
         """Every rank's heartbeat: a frozen rank stopped answering when it froze, its
-        peers wait for it in a collective."""
+        peers wait for it in a collective; a rank waiting for data (`data`) answers."""
         now = self.clock.now
         out = []
         for rank in range(self.world_size):
             silent = now - self.frozen_since if rank == frozen else 0.0
             slow = self.script.get("slow_nodes", {}).get(self.node_of(rank), 1.0)
             phase = "forward micro-batch 1" if rank == frozen else "step agreement (collective)"
+            phase_s = silent
+            if data is not None:
+                phase = DATA_PHASE if rank == data else "step agreement (collective)"
+                phase_s = now - self.stalled_since
             out.append(
                 RankBeat(
                     rank,
@@ -216,8 +234,8 @@ class FakeGroup:
                     rank % self.replicas,
                     self.node_of(rank),
                     self.step + 1,
-                    phase if frozen is not None else "forward micro-batch 1",
-                    silent,
+                    phase if frozen is not None or data is not None else "forward micro-batch 1",
+                    phase_s,
                     silent,
                     self.running,
                     5,
@@ -364,10 +382,10 @@ class FakeCluster:
         self._capacity = capacity
         self.nodes = {"node-0", "node-1", "node-2", "node-3"}
         self.drained: list[str] = []
-        self.cordoned: set[str] = set()
+        self.cordoned = CordonList()
         self.closed = False
 
-    def capacity(self, held_workers=0, exclude=frozenset()):
+    def capacity(self, held_workers=0, exclude=frozenset(), lifted=frozenset()):
         cap = self._capacity
         return cap(held_workers, self) if callable(cap) else cap
 
@@ -380,9 +398,6 @@ class FakeCluster:
 
     def watch(self):
         pass
-
-    def cordon(self, node_id):
-        self.cordoned.add(node_id)
 
     def close(self):
         self.closed = True
@@ -1465,18 +1480,19 @@ def test_a_frozen_rank_is_declared_hung_named_and_its_node_cordoned_after_two(tm
     assert second.restored_from == third.restored_from == 10
     assert ctl.rec.failures == 2  # hangs count against failure.max_failures
     # Twice on node-1: cordoned, kept beside the checkpoints, and out of the capacity.
-    assert set(ctl.health.cordoned) == {"node-1"} and ctl.fake_cluster.cordoned == {"node-1"}
-    assert "hung 2 times" in ctl.health.cordoned["node-1"]
+    assert ctl.fake_cluster.cordoned == {"node-1"}
+    assert "hung 2 times within 1.0h" in ctl.fake_cluster.cordoned.get("node-1").why
     saved = json.loads(store.read_artifact("cordon.json"))
-    assert saved["cordoned"] == ctl.health.cordoned and saved["hangs_on"] == {"node-1": 2}
+    assert list(saved["cordoned"]) == ["node-1"] and len(saved["hangs"]["node-1"]) == 2
     rows = dict(status_rows(ctl.status()))
     assert rows["cordoned"].startswith("node node-1") and rows["hangs"] == "2"
+    assert "expires in 6.0h" in rows["cordoned"]
 
     # A new controller of the same job keeps node-1 out before it places anything.
     again, _ = make(tmp_path, **{"train.steps": 30})
     again.step()  # pending
     assert again.fake_cluster.cordoned == {"node-1"}
-    assert again.health.cordoned == ctl.health.cordoned
+    assert again.cordons.view()["cordoned"] == ctl.cordons.view()["cordoned"]
 
 
 def test_a_third_hang_fails_the_job_when_max_failures_is_two(tmp_path):
@@ -1486,7 +1502,7 @@ def test_a_third_hang_fails_the_job_when_max_failures_is_two(tmp_path):
     run_until(ctl, lambda: ctl.state.terminal)
     assert isinstance(ctl.state, Failed)
     assert "3 transient worker failures" in ctl.rec.error and "hang" in ctl.rec.error
-    assert ctl.health.cordoned == {}  # failure.cordon: false
+    assert ctl.fake_cluster.cordoned == set()  # failure.cordon: false
 
 
 def test_a_node_is_not_cordoned_when_the_job_could_not_run_without_it(tmp_path):
@@ -1504,7 +1520,7 @@ def test_a_node_is_not_cordoned_when_the_job_could_not_run_without_it(tmp_path):
     )
     run_until(ctl, lambda: ctl.state.terminal)
     assert isinstance(ctl.state, Finished)
-    assert ctl.health.cordoned == {} and ctl.fake_cluster.cordoned == set()
+    assert ctl.fake_cluster.cordoned == set()
     assert any(
         "not cordoned, as without it the cluster holds 0 replica(s)" in e
         for e in ctl.events.since(0)[0]
@@ -1524,8 +1540,8 @@ def test_a_straggler_is_reported_and_its_node_left_at_the_next_boundary(tmp_path
     events = ctl.events.since(0)[0]
     straggled = [e for e in events if e.startswith("straggler: rank 1 (stage 0, replica 1)")]
     assert straggled and "node node-1 computes 200% slower than its peers" in straggled[0]
-    assert set(ctl.health.cordoned) == {"node-1"}
-    assert "computed 200% slower" in ctl.health.cordoned["node-1"]
+    assert ctl.fake_cluster.cordoned == {"node-1"}
+    assert "computed 200% slower" in ctl.fake_cluster.cordoned.get("node-1").why
     # Left at a checkpoint boundary, and the next group runs on node-0 and node-2.
     second = FakeGroup.instances[-1]
     assert second.restored[-1] % 10 == 0 and second.restored[-1] == first.losses[-1][0]

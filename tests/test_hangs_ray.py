@@ -15,7 +15,7 @@ import pytest
 
 import spotline
 from conftest import inject_faults, tiny_spec
-from spotline.report import status_rows
+from spotline.report import health_rows, status_rows
 
 pytestmark = pytest.mark.ray
 
@@ -90,6 +90,61 @@ def test_ranks_frozen_mid_step_and_inside_a_save_are_named_and_nothing_committed
     assert ranks[0]["heartbeat_age_s"] < ranks[1]["heartbeat_age_s"]
     rows = dict(status_rows(st))
     assert "hang watch" in rows and "heartbeat" in rows["rank 1"] and "stage 0" in rows["rank 1"]
+
+
+def test_a_frozen_ranks_stack_is_taken_while_it_is_stopped_and_stacks_come_on_demand(
+    ray_session, tmp_path
+):
+    """Rank 1 freezes (SIGSTOP) in its forward of step 14. The hang path reads every
+    rank's stack from a task on the node before it tears the group down: rank 1's
+    process is still stopped then, and its training thread sits in the freeze. Once the
+    next group trains, `spotline stacks NAME` reads every rank's stack on demand."""
+    import json
+
+    import ray
+
+    from spotline.cli import main
+
+    spec = tiny_spec(tmp_path, "stacks", **{"failure.cordon": False, "train.steps": 60})
+    inject_faults(spec.name, [{"kind": "freeze", "rank": 1, "step": 14, "phase": "forward"}])
+    run = spotline.Job(spec).start()
+    out = tmp_path / "stacks.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not out.exists():
+        st = run.status()
+        if st["state"] in ("finished", "failed"):
+            break
+        if st["failures"] >= 1 and st["state"] == "running" and st["step"] >= 12:
+            address = ray.get_runtime_context().gcs_address
+            assert main(["stacks", spec.name, "--address", address, "--out", str(out)]) == 0
+        time.sleep(0.5)
+    result = run.wait(verbose=False)
+    assert result.state == "finished", result.error
+    assert result.attempts[0]["ended_by"] == "hang"
+
+    # At the hang: the named rank's frame, read while its process was still stopped
+    # (the teardown ends it after). It stopped inside the forward the freeze wraps.
+    (taken,) = result.health["stacks"]
+    assert list(taken["ranks"]) == ["1"] and taken["ranks"]["1"]["state"] == "stopped"
+    (path,) = (tmp_path / "ckpt" / "artifacts" / "stacks").glob("hang-*/stacks.json")
+    stored = json.loads(path.read_text())
+    assert set(stored["ranks"]) == {"0", "1", "2", "3"}  # every rank of a small group
+    frozen = stored["ranks"]["1"]
+    assert frozen["frame"] == taken["ranks"]["1"]["frame"]
+    (training,) = [t for t in frozen["threads"] if t["frames"][:1] == [frozen["frame"]]]
+    assert any("TrainWorker.run (" in f for f in training["frames"])
+    assert any("faulty (spotline/runtime/faults.py" in f for f in training["frames"])
+    for rank in ("0", "2", "3"):  # its peers, blocked behind it, answered with stacks
+        assert stored["ranks"][rank]["frame"] and stored["ranks"][rank]["state"] != "stopped"
+    rows = dict(health_rows(result.health))
+    assert rows["rank 1 stack"] == f"{frozen['frame']} (process stopped)"
+
+    # On demand, from the group that trained after the hang.
+    assert out.exists(), "the job ended before `spotline stacks` could be asked"
+    record = json.loads(out.read_text())
+    assert set(record["ranks"]) == {"0", "1", "2", "3"}
+    for r in record["ranks"].values():
+        assert r["error"] is None and r["frame"] and r["state"] != "stopped", r
 
 
 def test_a_slowed_rank_is_reported_as_a_straggler_with_its_slowdown(ray_session, tmp_path):

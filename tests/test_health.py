@@ -1,15 +1,24 @@
-"""Hang, straggler and cordon policies as pure functions, and the ranks' signals
-(heartbeat, compute meter, injected faults) without Ray."""
+"""Hang, data-stall, straggler and cordon policies as pure functions, the health book
+and the cordons room on injected clocks, and the ranks' signals (heartbeat, compute
+meter, injected faults) without Ray."""
 
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from spotline import constants
 from spotline.config import load_spec
 from spotline.config.loader import SpecError
+from spotline.controller.cordons import Cordons
 from spotline.controller.health import (
+    DataStall,
+    Hang,
+    HangError,
     HealthBook,
     behind_ranks,
     find_hang,
@@ -19,9 +28,10 @@ from spotline.controller.health import (
 )
 from spotline.controller.policies import classify
 from spotline.metrics.export import Metrics
+from spotline.runtime.cluster import CordonList
 from spotline.runtime.faults import Faults
 from spotline.runtime.progress import RankBeat
-from spotline.train.health import ComputeMeter, Heartbeat
+from spotline.train.health import DATA_PHASE, ComputeMeter, Heartbeat
 
 pytestmark = pytest.mark.unit
 
@@ -133,20 +143,26 @@ def _book(**failure):
     return book, events
 
 
-def test_the_book_reports_a_straggler_once_its_window_is_full_and_exports_per_rank():
+def _poll(book, step, ranks_s, stage_of=lambda r: 0):
+    """One poll of 5 steps: rank r computed `ranks_s[r]` seconds per step."""
+    ranks = [
+        beat(r, stage=stage_of(r), replica=r, compute_steps=5, compute_s=5 * t)
+        for r, t in enumerate(ranks_s)
+    ]
+    book.take(ranks, step, float(step))
+
+
+def test_the_book_reports_a_straggler_once_it_stayed_slow_past_a_window_and_exports_per_rank():
     book, events = _book()
     book.group_started(0.0, 0)
     step = 1
-    for _ in range(4):  # 4 polls of 5 steps: steps 1-5 warm up, then windows fill
+    for _ in range(4):  # steps 1-5 warm up, then the windows fill: not reported yet
         step += 5
-        book.take(
-            [
-                beat(0, stage=0, replica=0, compute_steps=5, compute_s=5 * 0.10),
-                beat(1, stage=0, replica=1, compute_steps=5, compute_s=5 * 0.15),
-            ],
-            step,
-            float(step),
-        )
+        _poll(book, step, [0.10, 0.15])
+    assert book.stragglers == {} and events == []
+    for _ in range(3):  # slower by 50% for more than another window (10 steps)
+        step += 5
+        _poll(book, step, [0.10, 0.15])
     assert list(book.stragglers) == [1]
     assert [e for e in events if e.startswith("straggler: rank 1")]
     assert book.metrics.seen[("spotline_rank_slowdown", ("replica", 1), ("stage", 0))] == (
@@ -154,22 +170,271 @@ def test_the_book_reports_a_straggler_once_its_window_is_full_and_exports_per_ra
     )
     assert book.metrics.seen[("spotline_stragglers_total",)] == 1
     # Past the cordon threshold (0.5)? Not quite: 50% is not more than 50%.
-    assert book.cordon_due(float(step)) == []
+    assert book.cordon_due(float(step), set()) == []
     view = book.view(float(step))
     assert view["stragglers"][0]["rank"] == 1 and view["ranks"][1]["compute_s"] == 0.15
 
 
-def test_the_book_counts_hangs_per_node_and_keeps_its_cordons_across_a_restart():
-    book, _ = _book(cordon_after_hangs=2)
-    assert book.hung(["node-1"], 14) == []
-    assert book.hung(["node-1", "node-2"], 30) == ["node-1"]
-    book.cordon("node-1", "a rank there hung 2 times")
-    again, _ = _book()
-    again.load(book.to_json())
-    assert again.cordoned == {"node-1": "a rank there hung 2 times"}
-    assert again.hangs_on == {"node-1": 2, "node-2": 1}
-    off, _ = _book(cordon=False)
-    assert off.hung(["n"], 1) == [] and off.hung(["n"], 2) == []
+def test_a_rank_hovering_around_the_straggler_threshold_is_reported_once_not_flapping():
+    # The threshold is 20%. Rank 1 is 25% slower for a while: reported once. Then, as on
+    # a busy host, it hovers around the threshold for 60 polls (its windowed slowdown
+    # crosses 20% again and again): nothing more is said. Only once it stayed below 10%
+    # for more than a window is it well again, said once.
+    book, events = _book()
+    book.group_started(0.0, 0)
+    step = 1
+
+    def measured():
+        ranks = book.view(float(step))["ranks"]
+        return ranks[1]["compute_s"] / ranks[0]["compute_s"] - 1
+
+    for _ in range(8):
+        step += 5
+        _poll(book, step, [0.10, 0.125])
+    assert list(book.stragglers) == [1] and len(events) == 1
+    assert events[0].startswith("straggler: rank 1")
+    crossings, above = 0, True
+    for i in range(60):
+        step += 5
+        _poll(book, step, [0.10, 0.10 * [1.26, 1.14, 1.27, 1.13, 1.25, 1.12][i % 6]])
+        if (measured() > 0.2) != above:
+            crossings, above = crossings + 1, not above
+    assert crossings >= 10  # it flapped across the threshold ...
+    assert list(book.stragglers) == [1] and len(events) == 1  # ... and nobody was told
+    for _ in range(6):
+        step += 5
+        _poll(book, step, [0.10, 0.10])
+    assert book.stragglers == {} and len(events) == 2
+    assert events[-1] == (
+        "rank 1 is no longer a straggler (below 10% slower than its peers for 10 steps)"
+    )
+
+
+def test_the_straggler_watch_holds_each_verdict_for_more_than_a_window():
+    from spotline.controller.health import Straggler, StragglerWatch
+
+    watch = StragglerWatch(threshold=0.2, clear=0.1, hold=10)
+
+    def measured(slowdown):
+        return {1: Straggler(1, 0, 1, "n", 1.0 + slowdown, 1.0)}
+
+    assert watch.judge(measured(0.3), 10) == ([], [])
+    assert watch.judge(measured(0.3), 20) == ([], [])  # 10 steps: not more than the window
+    assert watch.judge(measured(0.15), 21) == ([], [])  # dipped: the run starts again
+    assert watch.judge(measured(0.3), 22) == ([], [])
+    raised, _ = watch.judge(measured(0.3), 33)
+    assert [s.rank for s in raised] == [1]
+    assert watch.judge(measured(0.05), 34) == ([], [])
+    assert watch.judge(measured(0.05), 45) == ([], [1])
+
+
+# --- data stalls ----------------------------------------------------------------------------
+
+
+def test_a_rank_waiting_for_data_past_the_bound_with_its_peers_in_a_collective_is_a_stall():
+    beats = [
+        beat(0, step=8, phase=DATA_PHASE),
+        beat(1, step=8, phase="step agreement (collective)"),
+        beat(2, step=8, phase="gradient all-reduce (collective)"),
+    ]
+    verdict = find_hang(30.0, 20.0, beats)
+    assert isinstance(verdict, DataStall) and not isinstance(verdict, Hang)
+    assert [b.rank for b in verdict.behind] == [0]
+    msg = replace(verdict, limit_s=300).message()
+    assert msg.startswith("data stall: rank 0 (stage 0, replica 0, node node-0)")
+    assert "no rank is hung" in msg and "300s" in msg
+    # Frozen in the data phase (silent): that is a hang, not storage.
+    beats[0] = beat(0, step=8, phase=DATA_PHASE, silent=15.0)
+    assert isinstance(find_hang(30.0, 20.0, beats), Hang)
+    # One rank waits for data, another one computes at the same step: a hang.
+    beats[0] = beat(0, step=8, phase=DATA_PHASE)
+    beats[2] = beat(2, step=8, phase="backward micro-batch 1")
+    assert isinstance(find_hang(30.0, 20.0, beats), Hang)
+
+
+def test_the_book_says_a_data_stall_once_never_declares_a_hang_and_fails_past_its_limit(
+    monkeypatch,
+):
+    monkeypatch.setattr(constants, "SPOTLINE_DATA_STALL_LIMIT_S", 100.0)
+    book, events = _book(collective_timeout_s=600)
+    book.group_started(0.0, 0)
+    book.take([beat(0, step=5), beat(1, step=5)], 5, 0.0)
+    step_s, saves = [0.05] * 10, []
+
+    def stalled(now):
+        waiting = [
+            replace(beat(0, step=6, phase=DATA_PHASE), phase_s=now),
+            beat(1, step=6, phase="step agreement (collective)"),
+        ]
+        book.take(waiting, 5, now)
+        return book.hang(now, step_s, saves)
+
+    for now in range(1, 100):  # the floor (20 s) passes: a stall, not a hang
+        assert stalled(float(now)) is None
+    stalls = [e for e in events if e.startswith("data stall:")]
+    assert len(stalls) == 1 and "rank 0 (stage 0, replica 0, node node-0)" in stalls[0]
+    assert book.view(99.0)["data_stall"]["ranks"] == [0]
+    over = stalled(100.0)
+    assert isinstance(over, DataStall)
+    err = over.error()
+    assert (
+        "past SPOTLINE_DATA_STALL_LIMIT_S (100s)" in str(err) and "not a hang" in str(err).lower()
+    )
+    kind = classify([err], str(err))
+    assert kind.name != "hang" and kind.retryable  # a restart may help; no node is blamed
+
+
+def test_a_data_stall_that_ends_restarts_the_hang_clock():
+    book, events = _book()
+    book.group_started(0.0, 0)
+    book.take([beat(0, step=5), beat(1, step=5)], 5, 0.0)
+    waiting = [
+        replace(beat(0, step=6, phase=DATA_PHASE), phase_s=30.0),
+        beat(1, step=6, phase="step agreement (collective)"),
+    ]
+    book.take(waiting, 5, 30.0)
+    assert book.hang(30.0, [0.05] * 10, []) is None
+    # The batches came at 31 s; rank 0 computes (slowly) in its forward: no hang yet, as
+    # the clock runs from the end of the stall, not from the last step.
+    working = [beat(0, step=6), beat(1, step=6, phase="step agreement (collective)")]
+    book.take(working, 5, 31.0)
+    assert book.hang(31.0, [0.05] * 10, []) is None
+    assert events[-1].startswith("data stall over: rank(s) 0 got their batches after 31s")
+    assert book.hang(45.0, [0.05] * 10, []) is None
+    assert isinstance(book.hang(52.0, [0.05] * 10, []), Hang)  # 21 s after the stall
+
+
+# --- cordons --------------------------------------------------------------------------------
+
+
+class _Store:
+    """The commit coordinator's artifacts, in memory."""
+
+    def __init__(self, saved=None):
+        self.files = {} if saved is None else {"cordon.json": json.dumps(saved).encode()}
+
+    def read_artifact(self, path):
+        return self.files.get(path)
+
+    def write_artifact(self, path, data):
+        self.files[path] = data
+        return f"file:///ckpt/artifacts/{path}"
+
+
+class _Cluster:
+    """Replica-sized nodes; capacity counts the free ones that are not cordoned."""
+
+    def __init__(self, free):
+        self.free = set(free)
+        self.cordoned = CordonList()
+
+    def capacity(self, held_workers=0, exclude=frozenset(), lifted=frozenset()):
+        usable = {n for n in self.free if n not in self.cordoned or n in lifted}
+        return len(usable - set(exclude))
+
+
+def _cordons(free=("node-0", "node-1", "node-2"), saved=None, **failure):
+    spec = load_spec(
+        {"elastic": {"min_replicas": 2, "max_replicas": 4}, "failure": failure},
+    )
+    events: list[str] = []
+    book = HealthBook(spec, lambda *a, **k: None, _Recorded())
+    wall, clock = [1_000_000.0], [0.0]
+    room = Cordons(
+        spec,
+        book,
+        _Cluster(free),
+        _Store(saved),
+        SimpleNamespace(owned=True),
+        None,
+        lambda text, *a, **k: events.append(text),
+        lambda: clock[0],
+        wall=lambda: wall[0],
+    )
+    return room, events, wall
+
+
+def _hang_on(room, node, step=10):
+    room.after_hang([HangError("hang", [node])], step, lambda nodes: 2)
+
+
+def test_hang_counts_decay_so_only_hangs_within_the_ttl_cordon_a_node():
+    room, events, wall = _cordons(cordon_after_hangs=2, hang_count_ttl_s=3600)
+    _hang_on(room, "node-1")
+    wall[0] += 3601  # an hour later the first hang no longer counts
+    _hang_on(room, "node-1")
+    assert room.nodes == set() and room.hangs_on() == {"node-1": 1}
+    wall[0] += 600
+    _hang_on(room, "node-1")  # two within the hour
+    assert room.nodes == {"node-1"}
+    assert "a rank there hung 2 times within 1.0h" in room.nodes.get("node-1").why
+    assert any(e.startswith("cordoned node node-1 for 6.0h (failure.cordon_ttl_s)") for e in events)
+    wall[0] += 3600
+    assert room.hangs_on() == {}  # the count decays; the cordon stands for its own ttl
+    assert room.expire() == [] and room.nodes == {"node-1"}
+
+
+def test_a_collective_timeout_during_a_data_stall_blames_no_node():
+    room, events, _ = _cordons(cordon_after_hangs=1)
+    waiting = (replace(beat(0, step=6, phase=DATA_PHASE), phase_s=500.0),)
+    room.health.stall = DataStall(500.0, waiting, 540.0)
+    timeout = RuntimeError("Timed out waiting 600000ms for recv operation to complete")
+    room.after_hang([timeout], 6, lambda nodes: 2)
+    assert room.nodes == set() and room.hangs_on() == {} and room.health.hangs == []
+    assert "waited for data: not counted against their node(s)" in events[-1]
+
+
+def test_cordons_expire_after_their_ttl_with_an_event():
+    room, events, wall = _cordons(cordon_ttl_s=7200)
+    room.cordon("node-1", "a rank there hung 2 times", lambda nodes: 2)
+    wall[0] += 7199
+    assert room.expire() == []
+    wall[0] += 1
+    assert room.expire() == ["node-1"] and room.nodes == set()
+    assert "expired after 2.0h (failure.cordon_ttl_s)" in events[-1]
+    saved = json.loads(room.coordinator.files["cordon.json"])
+    assert saved["cordoned"] == {}
+
+
+def test_a_cordon_is_lifted_when_the_job_could_not_otherwise_reach_min_replicas():
+    room, events, wall = _cordons(free=("node-0", "node-1", "node-2"))
+    cluster = room.cluster
+    room.cordon("node-1", "a rank there hung 2 times", lambda nodes: 2)
+    assert room.make_room(lambda lifted: cluster.capacity(lifted=lifted)) == []  # 2 left
+    wall[0] += 60
+    room.cordon("node-2", "rank 3 there computed 80% slower than its peers", lambda nodes: 2)
+    # node-0 alone holds 1 replica, below min_replicas 2: lifting the older cordon
+    # (node-1) is enough, and the newer one stays.
+    wall[0] += 60
+    lifted = room.make_room(lambda lifted: cluster.capacity(lifted=lifted))
+    assert lifted == ["node-1"] and room.nodes == {"node-2"}
+    said = events[-1]
+    assert said.startswith("lifted the cordon on node node-1 (a rank there hung 2 times, made")
+    assert "elastic.min_replicas (2)" in said
+    assert "Cordoned node(s) not counted: node-2 (rank 3 there" in room.waiting_note()
+    # Short even with every cordon lifted: capacity, not the cordons, is what it waits on.
+    cluster.free = {"node-2"}
+    assert room.make_room(lambda lifted: cluster.capacity(lifted=lifted)) == []
+    assert room.nodes == {"node-2"}
+
+
+def test_a_resubmitted_job_applies_only_the_cordons_from_cordon_json_that_have_not_expired():
+    now = 1_000_000.0
+    saved = {
+        "cordoned": {
+            "node-1": {"why": "a rank there hung 2 times", "at": now - 3600},
+            "node-2": {"why": "rank 3 there computed 80% slower", "at": now - 7 * 3600},
+            "node-3": "a rank there hung 2 times",  # an older version's: no time
+        },
+        "hangs": {"node-1": [now - 600, now - 7200]},
+    }
+    room, events, _ = _cordons(saved=saved, hang_count_ttl_s=3600)
+    room.keep()
+    assert room.nodes == {"node-1"}
+    assert room.hangs_on() == {"node-1": 1}
+    assert any("node node-1 stays cordoned" in e and "for 5.0h more" in e for e in events)
+    expired = [e for e in events if "expired (failure.cordon_ttl_s 6.0h): not applied" in e]
+    assert len(expired) == 2 and "node-2" in expired[0] + expired[1]
 
 
 def test_the_failure_section_checks_its_thresholds():
@@ -244,3 +509,92 @@ def test_faults_are_read_per_rank_and_a_freeze_fires_once(tmp_path, monkeypatch)
     assert len(stops) == 1
     monkeypatch.delenv("SPOTLINE_TEST_FAULTS")
     assert Faults.for_rank("job", 1, "n1") is None  # production: nothing is read
+
+
+# --- through the controller (a fake group, an injected clock) --------------------------------
+
+
+def test_a_data_stall_in_a_running_job_is_said_once_and_costs_no_failure_or_cordon(tmp_path):
+    from test_controller import make, run_until
+
+    # Rank 0 waits 60 s for its batches at step 15 in two groups' worth of tries; its
+    # peers wait for it in a collective. The hang floor is 20 s.
+    ctl, store = make(
+        tmp_path,
+        {"stall": {"at": 15, "rank": 0, "for_s": 60, "times": 2}},
+        **{"failure.cordon_after_hangs": 1},
+    )
+    run_until(ctl, lambda: ctl.state.terminal)
+    assert ctl.state.name == "finished" and len(ctl.rec.attempts) == 1
+    assert ctl.rec.failures == 0 and ctl.health.hangs == []
+    assert ctl.fake_cluster.cordoned == set()
+    events = ctl.events.since(0)[0]
+    stalls = [e for e in events if e.startswith("data stall:")]
+    assert len(stalls) == 1 and "rank 0 (stage 0, replica 0, node node-" in stalls[0]
+    assert len([e for e in events if e.startswith("data stall over")]) == 1
+
+
+def test_a_data_stall_past_its_limit_restarts_as_a_data_failure_not_a_hang(tmp_path, monkeypatch):
+    from test_controller import make, run_until
+
+    monkeypatch.setattr(constants, "SPOTLINE_DATA_STALL_LIMIT_S", 40.0)
+    ctl, _ = make(
+        tmp_path,
+        {"stall": {"at": 15, "rank": 0, "for_s": 1000, "times": 1}},
+        **{"failure.cordon_after_hangs": 1},
+    )
+    run_until(ctl, lambda: ctl.state.terminal)
+    assert ctl.state.name == "finished"
+    first, second = ctl.rec.attempts
+    assert first.ended_by == "failure" and "data stall: rank 0" in first.error
+    assert "SPOTLINE_DATA_STALL_LIMIT_S (40s)" in first.error
+    assert second.restored_from == 10
+    assert ctl.health.hangs == [] and ctl.fake_cluster.cordoned == set()
+    assert ctl.rec.failures == 1  # the restart it took counts; no node is blamed
+
+
+def _cordoned_before(tmp_path, node):
+    """An earlier run of the job cordoned `node` a minute ago (its cordon.json)."""
+    (tmp_path / "ckpt" / "artifacts").mkdir(parents=True)
+    made = {"why": "a rank there hung 2 times", "at": time.time() - 60}
+    (tmp_path / "ckpt" / "artifacts" / "cordon.json").write_text(
+        json.dumps({"cordoned": {node: made}})
+    )
+
+
+def test_a_placement_lifts_a_cordon_that_keeps_the_job_below_min_replicas(tmp_path):
+    """A resubmitted job whose earlier run cordoned node-1: the cluster now holds only
+    node-0 and node-1, and min_replicas is 2. It lifts the cordon (saying so) rather than
+    waiting on capacity that is there."""
+    from test_controller import make, run_until
+
+    _cordoned_before(tmp_path, "node-1")
+    ctl, _ = make(tmp_path, **{"elastic.min_replicas": 2})
+    cluster = ctl.fake_cluster
+
+    def capacity(held_workers=0, exclude=frozenset(), lifted=frozenset()):
+        return len({"node-0", "node-1"} - (set(cluster.cordoned) - set(lifted)))
+
+    cluster.capacity = capacity
+    run_until(ctl, lambda: len(ctl.rec.attempts) == 1)
+    events = ctl.events.since(0)[0]
+    assert any(e.startswith("node node-1 stays cordoned") for e in events)
+    lifted = [e for e in events if e.startswith("lifted the cordon on node node-1")]
+    assert lifted and "elastic.min_replicas (2)" in lifted[0]
+    assert ctl.fake_cluster.cordoned == set() and ctl.rec.attempts[0].replicas == 2
+    assert not any("Waiting up to" in e for e in events)
+
+
+def test_the_wait_for_capacity_names_the_cordoned_nodes(tmp_path):
+    from test_controller import make
+
+    _cordoned_before(tmp_path, "node-1")
+    # Nothing fits, with or without node-1: the cordon is not what the job waits on.
+    ctl, _ = make(tmp_path, capacity=0)
+    ctl.step()  # pending
+    ctl.step()  # scheduling: waits
+    assert ctl.state.name == "waiting" and ctl.fake_cluster.cordoned == {"node-1"}
+    waits = [e for e in ctl.events.since(0)[0] if "Waiting up to" in e]
+    assert (
+        "Cordoned node(s) not counted: node-1 (a rank there hung 2 times; expires in" in (waits[0])
+    )

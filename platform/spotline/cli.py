@@ -1,4 +1,5 @@
-"""`spotline` command line: run, validate, plan, submit, sweep, status, report, trace.
+"""`spotline` command line: run, validate, plan, submit, sweep, status, report, trace,
+stacks.
 
 Every way a command can fail ends in one line on stderr that says what happened and
 what to do, and a non-zero exit: 2 for bad input (spec, URI, file, arguments), 1 for a
@@ -175,6 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("--out", default="spotline-trace.json", help="where to write the JSON")
     trace.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
 
+    stacks = sub.add_parser(
+        "stacks", help="take the stacks of a running job's ranks now (py-spy, from each node)"
+    )
+    stacks.add_argument(
+        "job", nargs="?", help="a running job's name (default: the one running job on the cluster)"
+    )
+    stacks.add_argument("--address", default="auto", help="Ray cluster the job runs on")
+    stacks.add_argument("--out", metavar="PATH", help="also write every rank's threads as JSON")
+
     prep = sub.add_parser(
         "prepare", help="tokenize text, JSONL or Parquet into a sharded token dataset"
     )
@@ -302,7 +312,7 @@ def _no_cluster(e: Exception, args: argparse.Namespace | None) -> str:
     which job it looked for and how to point at its cluster."""
     why = f"{type(e).__name__}: {e}"
     cmd = getattr(args, "cmd", None)
-    if cmd in ("status", "report", "trace"):
+    if cmd in ("status", "report", "trace", "stacks"):
         job = f"the running job {args.job!r}" if args.job else "the running job"
         where = os.environ.get("RAY_ADDRESS") or args.address
         return (
@@ -358,6 +368,34 @@ def _sweep(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2, default=str)
     return 0 if not grid.errors else 1
+
+
+def _stacks(args) -> int:
+    """Every rank's stack from the running job's controller, which reads them from a task
+    on each rank's node (a hung rank answers no call of its own)."""
+    import ray
+
+    from spotline import constants
+    from spotline.locate import live_controller, running_job
+    from spotline.report import stacks_lines
+
+    controller = live_controller(args.job or running_job(args.address), args.address)
+    wait = constants.SPOTLINE_STACKS_TIMEOUT_S + 30
+    record = ray.get(controller.stacks.remote(), timeout=wait)
+    if record.get("error"):
+        raise SpecError(record["error"])
+    for line in stacks_lines(record):
+        print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2, default=_text)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _text(value) -> str:
+    """JSON for what json cannot write itself (a flight record's bytes are JSON text)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _trial_row(result, metric: str) -> dict:
@@ -456,6 +494,8 @@ def _dispatch(args) -> int:
             json.dump(trace, f)
         print(f"wrote {args.out}: open it at https://ui.perfetto.dev or chrome://tracing")
         return 0
+    if args.cmd == "stacks":
+        return _stacks(args)
     if args.cmd == "prepare":
         from spotline.data import load_tokenizer_at
         from spotline.data.prepare import prepare

@@ -28,6 +28,18 @@ SPOTLINE_STANDBY_WAIT_S = _env_float("SPOTLINE_STANDBY_WAIT_S", 120.0)
 # The least time without a step, in a running group, before the controller declares a
 # hang (it is otherwise failure.hang_factor x the median step plus the longest save).
 SPOTLINE_HANG_FLOOR_S = _env_float("SPOTLINE_HANG_FLOOR_S", 20.0)
+# How long ranks may wait for their step's batches (a data stall: storage or the data
+# source not answering) before the controller ends the group as a data failure; it is
+# never a hang. At most 0.9 x failure.collective_timeout_s, so that the controller
+# names the stall before the peers' collective timeout fires.
+SPOTLINE_DATA_STALL_LIMIT_S = _env_float("SPOTLINE_DATA_STALL_LIMIT_S", 300.0)
+# How long taking the ranks' stacks (py-spy, from a task on each rank's node) and NCCL
+# flight records may take at a hang or on `spotline stacks`: past it, what came back
+# is kept and recovery goes on.
+SPOTLINE_STACKS_TIMEOUT_S = _env_float("SPOTLINE_STACKS_TIMEOUT_S", 20.0)
+# A hung group of at most this many ranks has every rank's stack taken (the ranks of a
+# node are read in parallel by one task there); a larger one, the named ranks' only.
+SPOTLINE_STACKS_ALL_RANKS = int(_env_float("SPOTLINE_STACKS_ALL_RANKS", 64))
 # How often the controller collects the ranks' progress (losses, finished uploads,
 # failures). Training never waits for it; a step commits at most this long after its
 # last upload finished.

@@ -1,4 +1,5 @@
-"""A job's figures for people: the `spotline status` table and `spotline report` PNGs.
+"""A job's figures for people: the `spotline status` table, `spotline report` PNGs (with
+the stacks of its hangs), and `spotline stacks` lines.
 
 Both read one summary dict: a running controller's `summary()`, or the copy the
 controller keeps beside the checkpoints (`artifacts/summary.json`, rewritten at
@@ -125,10 +126,43 @@ def health_rows(h: dict[str, Any]) -> list[tuple[str, str]]:
                 f"({st['compute_s'] * 1e3:.1f} ms vs {st['peers_s'] * 1e3:.1f} ms)",
             )
         )
+    stall = h.get("data_stall")
+    if stall:
+        rows.append(
+            (
+                "data stall now",
+                f"rank(s) {', '.join(map(str, stall['ranks']))} waiting for their batches for "
+                f"{stall['waited_s']:.0f}s (a data failure at {stall['limit_s']:.0f}s): "
+                "storage, not a hang",
+            )
+        )
+    left = {c["node"]: c.get("expires_in_s") for c in h.get("cordons") or []}
     for node, why in (h.get("cordoned") or {}).items():
-        rows.append(("cordoned", f"node {node[:12]}: {why}"))
+        expires = left.get(node)
+        until = f" (expires in {expires / 3600:.1f}h)" if expires is not None else ""
+        rows.append(("cordoned", f"node {node[:12]}: {why}{until}"))
     if h.get("hangs"):
         rows.append(("hangs", str(len(h["hangs"]))))
+    stacks = h.get("stacks") or []
+    if stacks:
+        rows += stack_rows(stacks[-1])
+    return rows
+
+
+def stack_rows(taken: dict[str, Any]) -> list[tuple[str, str]]:
+    """The frame each named rank was in when a hang's stacks were taken, and where the
+    whole stacks are."""
+    rows = [
+        (
+            "stacks",
+            f"{taken.get('why', 'hang')} at step {taken.get('step')}"
+            + (f": {taken['uri']}" if taken.get("uri") else ""),
+        )
+    ]
+    for rank, r in (taken.get("ranks") or {}).items():
+        state = f" (process {r['state']})" if r.get("state") else ""
+        where = r.get("frame") or f"no stack: {r.get('error')}"
+        rows.append((f"rank {rank} stack", f"{where}{state}"))
     return rows
 
 
@@ -239,7 +273,43 @@ def write_report(s: dict[str, Any], trace: dict[str, Any] | None, out: Path) -> 
     }
     if trace:
         figures["bubbles.png"] = timeline_figure(trace)
-    return [_save(fig, out / name) for name, fig in figures.items()]
+    written = [_save(fig, out / name) for name, fig in figures.items()]
+    stacks = (s.get("health") or {}).get("stacks") or []
+    if stacks:
+        path = out / "stacks.txt"
+        path.write_text(stacks_text(stacks))
+        written.append(path)
+    return written
+
+
+def stacks_lines(record: dict[str, Any], frames: int = 12) -> list[str]:
+    """`spotline stacks`: each rank's process state and its training thread's stack,
+    innermost frame first (`frames` of them)."""
+    lines = [f"job {record.get('job')}, step {record.get('step')}, group {record.get('attempt')}"]
+    ranks = record.get("ranks") or {}
+    for key in sorted(ranks, key=int):
+        r = ranks[key]
+        head = f"rank {key} (node {str(r.get('node'))[:12]}, pid {r.get('pid')}"
+        lines.append(head + (f", {r['state']})" if r.get("state") else ")"))
+        if r.get("error"):
+            lines.append(f"    no stack: {r['error']}")
+            continue
+        threads = r.get("threads") or []
+        frame = r.get("frame")
+        training = next((t for t in threads if frame and t["frames"][:1] == [frame]), None)
+        shown = training["frames"] if training else [frame or "no training thread found"]
+        lines += [f"    {f}" for f in shown[:frames]]
+    return lines
+
+
+def stacks_text(stacks: list[dict[str, Any]]) -> str:
+    """Each hang's stacks, as the report's stacks.txt: where each named rank was."""
+    lines = []
+    for taken in stacks:
+        for key, value in stack_rows(taken):
+            lines.append(f"{key}: {value}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _figure(width: float, height: float):

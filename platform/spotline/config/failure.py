@@ -4,8 +4,11 @@ controller finds ranks that hang or straggle and keeps bad nodes out.
 A hang (no rank's step advances) is found from the ranks' heartbeats, within
 `hang_factor` x the median step time (at least SPOTLINE_HANG_FLOOR_S); the
 torch.distributed timeout (`collective_timeout_s`) is only the backstop behind it.
-A straggler is a rank whose own compute per step is slower than its peers' by more
-than `straggler_threshold` over `straggler_window_steps` steps.
+A rank waiting for its step's batches is waiting on storage, not hung: that is a data
+stall, reported and never counted against the node. A straggler is a rank whose own
+compute per step is slower than its peers' by more than `straggler_threshold` over
+`straggler_window_steps` steps. Hangs on a node count for `hang_count_ttl_s`, and a
+cordon lasts `cordon_ttl_s`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ class FailureSpec(BaseModel):
     hang."""
     straggler_threshold: float = Field(0.2, gt=0.0)
     """A rank whose own compute per step is this much slower than its peers' (0.2: 20%)
-    over a window is reported as a straggler."""
+    over a window, and stays so for more than another window, is reported as a
+    straggler; it is reported well again once it stayed below half of this for more
+    than a window (no report flapping around the threshold)."""
     straggler_window_steps: int = Field(20, ge=2)
     """Steps a rank's compute time is compared over."""
     cordon: bool = True
@@ -38,7 +43,16 @@ class FailureSpec(BaseModel):
     `cordon_after_hangs` times, or straggled past `cordon_straggler_threshold`. Only
     when the job can still run at elastic.min_replicas without it."""
     cordon_after_hangs: int = Field(2, ge=1)
-    """Hangs of a rank on the same node before that node is cordoned."""
+    """Hangs of a rank on the same node, within `hang_count_ttl_s`, before that node is
+    cordoned."""
+    hang_count_ttl_s: float = Field(3600.0, gt=0.0)
+    """How long a hang counts against its node (default 1 h): two hangs on a node within
+    an hour cordon it; a hang a day does not."""
+    cordon_ttl_s: float = Field(21600.0, gt=0.0)
+    """How long a cordon lasts (default 6 h), in this controller and in a resubmitted
+    job; then new groups may use the node again (a node that hangs again is cordoned
+    again). A cordon is lifted earlier, oldest first and with an event, when the job
+    could not otherwise reach elastic.min_replicas."""
     cordon_straggler_threshold: float = Field(0.5, gt=0.0)
     """A straggler this much slower than its peers (0.5: 50%) gets its node cordoned;
     the job restarts without it at the next checkpoint boundary when that pays."""

@@ -6,17 +6,19 @@ What lives here:
 - `policies.py`, `jit.py`, `repartition.py`, `recovery.py`, `cordons.py`: policies
   that return decisions (restart or fail, how many replicas, when to grow, at which
   step to take a just-in-time checkpoint, when to re-partition the pipeline, every how
-  many steps to take peer copies and which copy to restore, which node to cordon and
-  when to leave it), tested without Ray.
-- `health.py`: hang bounds and stragglers read from the ranks' heartbeats.
+  many steps to take peer copies and which copy to restore, which node to cordon, when
+  a cordon expires or gives way to min_replicas, and when to leave it), tested
+  without Ray.
+- `health.py`: hang bounds, data stalls and stragglers read from the ranks'
+  heartbeats, and the summaries of the stacks taken at hangs.
 - `pace.py`, `capacity.py`: the measured pace the decisions weigh; patient reads of
   the cluster's capacity and losses.
 - `telemetry.py`: progress ingest, the goodput ledger, metrics and trackers.
 - `snapshot.py`: the job's typed record and snapshot; status, result and summary are
   projections of it.
 - `inbox.py`: what other threads tell the controller, under a lock, and its events.
-- `artifacts.py`, `backfill_api.py`: what the job keeps beside its checkpoints; the
-  backfill pool's door for the SDK.
+- `artifacts.py`, `backfill_api.py`: what the job keeps beside its checkpoints (hang
+  stacks included); the backfill pool's door for the SDK.
 - `actor.py`: the controller as a named Ray actor on the head node.
 
 What it must never do: talk to storage except through the commit coordinator, make

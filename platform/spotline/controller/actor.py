@@ -58,6 +58,7 @@ class ControllerActor:
         from spotline.runtime.demand import RayDemand
         from spotline.runtime.group import RayWorkerGroup
         from spotline.runtime.keeper import PeerMemory
+        from spotline.runtime.stacks import RayStacks
         from spotline.runtime.standby import Standby
 
         # Events also go to this actor's log, which the Ray dashboard shows: redacted.
@@ -97,6 +98,7 @@ class ControllerActor:
             demand=RayDemand(spec, device, cordoned=cluster.cordoned),
             peers=self.peers,
             standby=Standby(spec, store, spec.backfill.gpu_fraction if sidecar else 0.0),
+            stacks=RayStacks(),
         )
 
     def run(self) -> dict[str, Any]:
@@ -136,6 +138,10 @@ class ControllerActor:
 
     def summary(self) -> dict[str, Any]:
         return self.controller.summary()
+
+    def stacks(self) -> dict[str, Any]:
+        """Every rank's stack now (`spotline stacks`)."""
+        return self.controller.take_stacks()
 
 
 def uploaded_runtime_env(spec: JobSpec) -> dict | None:

@@ -1,8 +1,10 @@
 """What a job keeps beside its checkpoints for readers outside it.
 
 The summary and the goodput ledger (for `spotline status/report` on a finished job and
-for a restarted controller), the Chrome trace of the pipeline's latest steps, and the
-job's tokenizer files (so an export carries the tokenizer the model was trained with).
+for a restarted controller), the Chrome trace of the pipeline's latest steps, the
+job's tokenizer files (so an export carries the tokenizer the model was trained with),
+and the evidence of each hang: the ranks' stacks and, on NCCL, their flight records
+(`stacks/NAME/`).
 Everything goes through the commit coordinator, the only owner of storage, and never
 into a URI this job does not own: another job's artifacts stay intact.
 """
@@ -14,6 +16,11 @@ import logging
 from typing import Any
 
 from spotline.checkpoint import TRACE_ARTIFACT
+
+STACKS_ARTIFACTS = "stacks"
+"""Where the evidence of each hang goes: `stacks/NAME/stacks.json` (every rank's threads
+and frames, innermost first) and `stacks/NAME/flight-rank-NNNNN.json` (torch's NCCL
+flight record of that rank, as torch wrote it)."""
 
 
 class Artifacts:
@@ -51,6 +58,25 @@ class Artifacts:
             out = trace()
             if out is not None:
                 self.coordinator.write_artifact(TRACE_ARTIFACT, json.dumps(out).encode())
+
+    def store_stacks(self, name: str, record: dict[str, Any]) -> str | None:
+        """Keep a hang's stacks (`RayStacks.take`'s record) under `stacks/NAME/`; the URI
+        of its stacks.json, None when nothing was written (a URI this job does not own,
+        or storage refused: the coordinator said so)."""
+        if not self.owned:
+            return None
+        record = dict(record)
+        flights = {}
+        for rank, got in (record.pop("flight", None) or {}).items():
+            data = got.get("json")
+            if isinstance(data, bytes):
+                path = f"{STACKS_ARTIFACTS}/{name}/flight-rank-{int(rank):05d}.json"
+                flights[rank] = {"uri": self.coordinator.write_artifact(path, data)}
+            else:
+                flights[rank] = {k: v for k, v in got.items() if k != "json"}
+        record["flight"] = flights
+        data = json.dumps(record, default=str).encode()
+        return self.coordinator.write_artifact(f"{STACKS_ARTIFACTS}/{name}/stacks.json", data)
 
 
 def trace(

@@ -45,7 +45,7 @@ from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError,
 from spotline.checkpoint.peer import PEER_KEY
 from spotline.config.loader import SpecError
 from spotline.config.redact import redact
-from spotline.controller.capacity import lost_nodes, settled_capacity
+from spotline.controller.capacity import lost_nodes
 from spotline.controller.parts import ControllerParts
 from spotline.controller.policies import Fail, Resize, Wait, classify
 from spotline.controller.recovery import restored_what
@@ -181,8 +181,7 @@ class Controller(ControllerParts):
 
     def _scheduling(self, state: Scheduling) -> State:
         self.cluster.watch()
-        capacity = settled_capacity(self.cluster, state.want, self.clock, self.sleep, self._held())
-        decision = self.scaling_policy.decide(capacity)
+        decision = self._placement(state.want)  # cordons in the way of min_replicas lifted
         if isinstance(decision, Wait):
             self._event(
                 f"{decision.reason} Waiting up to {self.spec.elastic.wait_for_capacity_s:.0f}s "
@@ -193,8 +192,7 @@ class Controller(ControllerParts):
         return self._start_group(decision.replicas)
 
     def _waiting(self, state: Waiting) -> State:
-        capacity = self.cluster.capacity(held_workers=self._held())
-        decision = self.scaling_policy.decide(capacity)
+        decision = self._placement()
         now = self.clock()
         if isinstance(decision, Resize):
             self.rec.waited_s += now - state.since
@@ -383,7 +381,7 @@ class Controller(ControllerParts):
             detail = self.partitions.restarting(state.partition, stopped)
         elif state.why == "cordon":
             nodes = sorted(
-                set(self.health.cordoned) & (self.group.node_ids() if self.group else set())
+                set(self.cluster.cordoned) & (self.group.node_ids() if self.group else set())
             )
             detail = f"leaving cordoned node(s) {', '.join(n[:12] for n in nodes)}"
         else:

@@ -1,32 +1,58 @@
-"""Cordons: keeping a bad node out of the job, and leaving it when that pays.
+"""Cordons: keeping a bad node out of the job for a while, and letting it back.
 
-A node is cordoned when a rank there hung `failure.cordon_after_hangs` times, or
-straggled past `failure.cordon_straggler_threshold` (the health book judges both),
-but only when the job could still run at `elastic.min_replicas` without it. A
-cordoned node gets no part of a new group, the autoscaler is asked for a replacement,
-and the list is kept beside the checkpoints so that a resubmitted job keeps it. A
+A node is cordoned when ranks there hung `failure.cordon_after_hangs` times within
+`failure.hang_count_ttl_s`, or straggled past `failure.cordon_straggler_threshold`
+(the health book judges both), but only when the job could still run at
+`elastic.min_replicas` without it. A cordoned node gets no part of a new group and the
+autoscaler is asked for a replacement. A cordon lasts `failure.cordon_ttl_s`; before
+every placement, when the job could not reach `elastic.min_replicas` without its
+cordoned nodes but could with them, the oldest cordons are lifted, with an event,
+rather than waiting for capacity that exists. The list (with when each cordon was
+made) and the recent hangs per node are kept beside the checkpoints, so that a
+resubmitted job keeps the cordons that have not expired.
+
+The list itself lives in the cluster view (`runtime.cluster.CordonList`), which
+placement, capacity and demand read; this room is the only one that changes it. A
 running group leaves a cordoned node at its next checkpoint boundary when the restart
-pays (`policies.restart_pays`). This room decides and carries out cordons; it never
-starts, stops or restarts a group: `leave_at` answers, the controller leaves.
+pays (`policies.restart_pays`). This room never starts, stops or restarts a group:
+`leave_at` answers, the controller leaves; it writes only through the commit
+coordinator.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from spotline.config.schema import JobSpec
-from spotline.controller.health import CORDON_ARTIFACT, HangError, HealthBook
+from spotline.controller.health import HangError, HealthBook
 from spotline.controller.policies import next_boundary, restart_pays
+
+CORDON_ARTIFACT = "cordon.json"
+"""The cordons (node, why, when made) and the recent hangs per node, beside the
+checkpoints: a controller that starts again for the same job keeps the same nodes out
+until their cordons expire."""
 
 # How often a running job weighs leaving a cordoned node.
 CHECK_S = 2.0
 
 
+def _age(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f}h"
+    if seconds >= 60:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds:.0f}s"
+
+
 class Cordons:
-    """The job's cordons (see the module). `replicas_without(nodes)` counts the replicas
-    the cluster holds for the job without `nodes`."""
+    """The job's cordons and hang counts (see the module). `replicas_without(nodes)`
+    counts the replicas the cluster holds for the job without `nodes`. `clock` is the
+    controller's; `wall` stamps cordons and hangs in seconds since the epoch, which a
+    later controller of the job can compare."""
 
     def __init__(
         self,
@@ -38,8 +64,10 @@ class Cordons:
         demand: Any,
         event: Callable[..., None],
         clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
     ):
         self.spec = spec
+        self.f = spec.failure
         self.health = health
         self.cluster = cluster
         self.coordinator = coordinator
@@ -47,36 +75,124 @@ class Cordons:
         self.demand = demand
         self._event = event
         self.clock = clock
+        self.wall = wall
         self.checked = 0.0
+        self.hangs: dict[str, list[float]] = {}  # node -> when its ranks hung (wall)
+
+    @property
+    def nodes(self):
+        """The cordoned nodes (the cluster view's list, read only here)."""
+        return self.cluster.cordoned
+
+    # --- kept beside the checkpoints ---------------------------------------------------
 
     def keep(self) -> None:
-        """A job started again keeps the nodes its earlier controllers cordoned out."""
-        self.health.load(self.coordinator.read_artifact(CORDON_ARTIFACT))
-        for node, why in self.health.cordoned.items():
-            self.cluster.cordon(node)
-            self._event(f"node {node[:12]} stays cordoned ({why})")
+        """A job started again keeps the cordons its earlier controllers made that have
+        not expired, and the hangs that still count."""
+        raw = self.coordinator.read_artifact(CORDON_ARTIFACT)
+        if raw is None:
+            return
+        try:
+            saved = json.loads(raw)
+        except ValueError:
+            self._event(f"{CORDON_ARTIFACT} beside the checkpoints is not JSON: ignored")
+            return
+        now, ttl = self.wall(), self.f.cordon_ttl_s
+        for node, c in (saved.get("cordoned") or {}).items():
+            # An entry of an older version carries no time: its age is unknown.
+            why, at = (c.get("why", ""), float(c.get("at", 0.0))) if isinstance(c, dict) else (c, 0)
+            if now - at >= ttl:
+                self._event(
+                    f"node {node[:12]} was cordoned by an earlier run of this job ({why}); "
+                    f"that cordon expired (failure.cordon_ttl_s {_age(ttl)}): not applied"
+                )
+                continue
+            self.nodes.add(node, why, at)
+            self._event(
+                f"node {node[:12]} stays cordoned ({why}) for {_age(ttl - (now - at))} more "
+                "(failure.cordon_ttl_s)"
+            )
+        for node, times in (saved.get("hangs") or {}).items():
+            self.hangs[node] = [float(t) for t in times]
+        self._decay(now)
+        self._export()
+
+    def _store(self) -> None:
+        if not self.artifacts.owned:
+            return
+        out = {
+            "cordoned": {c.node: {"why": c.why, "at": c.at} for c in self.nodes.oldest_first()},
+            "hangs": self.hangs,
+        }
+        self.coordinator.write_artifact(CORDON_ARTIFACT, json.dumps(out).encode())
+
+    def _export(self) -> None:
+        self.health.metrics.set("spotline_cordoned_nodes", len(self.nodes))
+
+    # --- hangs count for a while --------------------------------------------------------
+
+    def _decay(self, now: float, add: list[str] = ()) -> None:
+        """Forget the hangs older than failure.hang_count_ttl_s; count one now on each
+        node of `add`. The mapping is replaced whole: status reads it."""
+        ttl = self.f.hang_count_ttl_s
+        kept = {n: [t for t in ts if now - t < ttl] for n, ts in self.hangs.items()}
+        for node in add:
+            kept[node] = [*kept.get(node, []), now]
+        self.hangs = {n: ts for n, ts in kept.items() if ts}
+
+    def hangs_on(self) -> dict[str, int]:
+        """node -> hangs of its ranks that still count (within failure.hang_count_ttl_s)."""
+        now, ttl = self.wall(), self.f.hang_count_ttl_s
+        counts = {n: sum(1 for t in ts if now - t < ttl) for n, ts in self.hangs.items()}
+        return {n: k for n, k in counts.items() if k}
 
     def after_hang(
         self, causes: list[BaseException], step: int, replicas_without: Callable[[set[str]], int]
     ) -> None:
         """Count a hang against the nodes of the ranks that held the group up (named by
         the hang watch, or by the heartbeats when a rank's collective timeout fired
-        first), and cordon a node that reached failure.cordon_after_hangs."""
+        first), and cordon a node that reached failure.cordon_after_hangs within
+        failure.hang_count_ttl_s."""
         declared = [c for c in causes if isinstance(c, HangError)]
+        stall = self.health.stall
+        if not declared and stall is not None:
+            # The peers' collective timed out while ranks waited for their batches:
+            # storage held the group up, not a node.
+            self._event(
+                f"the collective timeout fired while rank(s) "
+                f"{', '.join(str(b.rank) for b in stall.behind)} waited for data: not "
+                "counted against their node(s)"
+            )
+            return
         nodes = declared[0].nodes if declared else self.health.behind_nodes()
-        for node in self.health.hung(nodes, step):
-            n = self.health.hangs_on[node]
-            self.cordon(node, f"a rank there hung {n} times", replicas_without)
+        self.health.record_hang(nodes, step)
+        self._decay(self.wall(), add=nodes)
+        due = [
+            n
+            for n in nodes
+            if len(self.hangs[n]) >= self.f.cordon_after_hangs and n not in self.nodes
+        ]
+        if not self.f.cordon or not due:
+            self._store()  # the count, for a controller started again
+            return
+        within = _age(self.f.hang_count_ttl_s)
+        for node in due:
+            n = len(self.hangs[node])
+            self.cordon(node, f"a rank there hung {n} times within {within}", replicas_without)
+
+    # --- cordons ------------------------------------------------------------------------
 
     def stragglers(self, replicas_without: Callable[[set[str]], int]) -> None:
-        """Cordon the node of each rank straggling past the threshold for long enough."""
-        for s in self.health.cordon_due(self.clock()):
+        """Cordon the node of each rank straggling past the threshold for long enough;
+        let cordons that expired go."""
+        self.expire()
+        for s in self.health.cordon_due(self.clock(), self.nodes):
             why = f"rank {s.rank} there computed {s.slowdown:.0%} slower than its peers"
             self.cordon(s.node, why, replicas_without)
 
     def cordon(self, node: str, why: str, replicas_without: Callable[[set[str]], int]) -> bool:
-        """Keep `node` out of every new group of this job, when the job can still run at
-        elastic.min_replicas without it; True once cordoned."""
+        """Keep `node` out of every new group of this job for failure.cordon_ttl_s, when
+        the job can still run at elastic.min_replicas without it; True once cordoned."""
         least = self.spec.elastic.min_replicas
         left = replicas_without({node})
         if left < least:
@@ -86,20 +202,98 @@ class Cordons:
                 f"{left} replica(s), below elastic.min_replicas ({least})",
                 logging.WARNING,
             )
+            self._store()
             return False
-        self.health.cordon(node, why)
-        self.cluster.cordon(node)
+        self.nodes.add(node, why, self.wall())
+        self._export()
         if self.demand is not None:
             self.demand.keep(force=True)  # a replacement for it, now
-        if self.artifacts.owned:
-            self.coordinator.write_artifact(CORDON_ARTIFACT, self.health.to_json())
+        self._store()
         self._event(
-            f"cordoned node {node[:12]} for the rest of the job: {why}. No new group is "
-            "placed there (the list is kept beside the checkpoints)",
+            f"cordoned node {node[:12]} for {_age(self.f.cordon_ttl_s)} "
+            f"(failure.cordon_ttl_s): {why}. No new group is placed there (the list is kept "
+            "beside the checkpoints)",
             logging.WARNING,
             track="cordon",
         )
         return True
+
+    def expire(self) -> list[str]:
+        """Lift the cordons older than failure.cordon_ttl_s; the nodes let back."""
+        now, ttl = self.wall(), self.f.cordon_ttl_s
+        gone = [c for c in self.nodes.oldest_first() if now - c.at >= ttl]
+        for c in gone:
+            self.nodes.lift(c.node)
+            self._event(
+                f"the cordon on node {c.node[:12]} ({c.why}) expired after {_age(ttl)} "
+                "(failure.cordon_ttl_s): new groups may be placed there again"
+            )
+        if gone:
+            self._export()
+            self._store()
+        return [c.node for c in gone]
+
+    def make_room(self, capacity: Callable[[set[str]], int]) -> list[str]:
+        """Before a placement: when the job cannot reach elastic.min_replicas without its
+        cordoned nodes but can with some of them, lift the oldest cordons until it can,
+        and say so. `capacity(lifted)`: whole replicas the cluster holds with the
+        cordons of `lifted` lifted. Returns the nodes let back (none when the cordons
+        are not what the job waits on)."""
+        least = self.spec.elastic.min_replicas
+        if not len(self.nodes) or capacity(set()) >= least:
+            return []
+        lifted: list[str] = []
+        for c in self.nodes.oldest_first():
+            lifted.append(c.node)
+            if capacity(set(lifted)) >= least:
+                break
+        else:
+            return []  # short even with every cordon lifted: capacity is what it waits on
+        now = self.wall()
+        for node in lifted:
+            c = self.nodes.lift(node)
+            assert c is not None
+            self._event(
+                f"lifted the cordon on node {node[:12]} ({c.why}, made {_age(now - c.at)} "
+                f"ago): without it the cluster cannot hold elastic.min_replicas ({least}) "
+                "replica(s). The job uses it again; it is cordoned again if it fails again",
+                logging.WARNING,
+                track="cordon",
+            )
+        self._export()
+        self._store()
+        return lifted
+
+    def waiting_note(self) -> str:
+        """What a wait for capacity says about the cordoned nodes ('' with none)."""
+        if not len(self.nodes):
+            return ""
+        now, ttl = self.wall(), self.f.cordon_ttl_s
+        named = "; ".join(
+            f"{c.node[:12]} ({c.why}; expires in {_age(max(0.0, ttl - (now - c.at)))})"
+            for c in self.nodes.oldest_first()
+        )
+        return f" Cordoned node(s) not counted: {named}."
+
+    def view(self) -> dict[str, Any]:
+        """For status: node -> why, each cordon's age and time left, the hang counts."""
+        now, ttl = self.wall(), self.f.cordon_ttl_s
+        cordons = self.nodes.oldest_first()
+        return {
+            "cordoned": {c.node: c.why for c in cordons},
+            "cordons": [
+                {
+                    "node": c.node,
+                    "why": c.why,
+                    "age_s": now - c.at,
+                    "expires_in_s": max(0.0, ttl - (now - c.at)),
+                }
+                for c in cordons
+            ],
+            "hangs_on": self.hangs_on(),
+        }
+
+    # --- leaving a cordoned node --------------------------------------------------------
 
     def leave_at(
         self, group: Any, pace: Any, step: int, replicas_left: int
@@ -108,7 +302,7 @@ class Cordons:
         nodes, with why; None while it has none, or the restart does not pay (the grow
         rule's cost test: the remaining steps at the pace without the straggler save
         more than twice the measured restart)."""
-        bad = set(self.health.cordoned) & group.node_ids()
+        bad = set(self.nodes) & group.node_ids()
         now = self.clock()
         if not bad or now - self.checked < CHECK_S:
             return None

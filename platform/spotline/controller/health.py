@@ -1,41 +1,46 @@
-"""Ranks that hang or straggle, and nodes kept out of new groups.
+"""Ranks that hang, wait for data or straggle: the signals, judged.
 
 Policies first, as pure functions of what the ranks reported (unit-tested without
-Ray): `hang_bound` (how long without a step is a hang), `find_hang` (and who holds
-the others up), `find_stragglers` (a rank slower than its peers that do the same
-work). `HealthBook` keeps their inputs between polls (every rank's latest heartbeat,
-each rank's compute over a window of steps, the hang count per node, the cordon
-list), publishes them (status, metrics, events), and says which node should be
-cordoned; the controller decides whether the job can afford it and acts.
+Ray): `hang_bound` (how long without a step is a hang), `find_hang` (who holds the
+others up, and whether that is a hang or a data stall), `find_stragglers` (a rank
+slower than its peers that do the same work) and `StragglerWatch` (when a straggler
+is reported and when it is well again). `HealthBook` keeps their inputs between polls
+(every rank's latest heartbeat, each rank's compute over a window of steps), publishes
+them (status, metrics, events), and keeps the evidence of each hang (the stacks'
+summary). Which node is cordoned, and for how long, is `cordons.py`'s business.
+
+A rank in the data phase is waiting on storage, not hung: when only such ranks hold
+the group up, that is a data stall, said once, never counted against a node; past
+SPOTLINE_DATA_STALL_LIMIT_S the group ends as a data failure that names storage.
 
 A straggler is judged against the ranks of its own pipeline stage on the other
 replicas: they run the same layers on the same batch size. A single-replica
 pipeline has no such peers; its stages' imbalance is the stage re-partition's
 business (`repartition.py`), measured against the partition's prediction there.
+This room reads signals and says what they mean; it never stops a group, takes a
+stack or writes to storage.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spotline import constants
 from spotline.config.schema import JobSpec
 from spotline.runtime.progress import RankBeat
+from spotline.train.health import DATA_PHASE
 
-CORDON_ARTIFACT = "cordon.json"
-"""The cordon list and the hang count per node, beside the checkpoints: a controller
-that starts again for the same job keeps the same nodes out."""
-
-# A straggler's node that could not be cordoned (the job needed it) is asked about
-# again this much later: capacity may have joined.
-_RETRY_CORDON_S = 30.0
 # Pipeline and collective waits: a rank in one of these is held up by another.
 _WAITING = ("(collective)", "(p2p)")
+# A straggler is well again once its slowdown stayed below this share of
+# failure.straggler_threshold for more than a window.
+_CLEAR_SHARE = 0.5
+# Stack summaries kept for status and report (the stacks themselves are artifacts).
+_STACKS_KEPT = 10
 
 
 class HangError(RuntimeError):
@@ -45,6 +50,11 @@ class HangError(RuntimeError):
     def __init__(self, message: str, nodes: list[str] | None = None):
         super().__init__(message)
         self.nodes = list(nodes or [])
+
+
+class DataStallError(RuntimeError):
+    """Ranks waited for their step's batches past SPOTLINE_DATA_STALL_LIMIT_S: storage
+    or the data source, not a hang (no node is blamed)."""
 
 
 # Words of torch.distributed's own timeout errors (gloo, NCCL's watchdog, the store):
@@ -100,6 +110,60 @@ class Hang:
             "restarts from the newest committed step"
         )
 
+    def error(self) -> HangError:
+        return HangError(self.message(), self.nodes)
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({b.node for b in self.behind if b.node})
+
+
+@dataclass(frozen=True)
+class DataStall:
+    """Only ranks waiting for their step's batches hold the group up: storage or the data
+    source is slow; no rank is hung."""
+
+    quiet_s: float
+    """Seconds since the group's step last advanced."""
+    behind: tuple[RankBeat, ...]
+    """The ranks waiting for data."""
+    limit_s: float = float("inf")
+    """How long a stall may last before the group ends as a data failure."""
+
+    @property
+    def waited_s(self) -> float:
+        """How long the longest-waiting rank has waited for its batches."""
+        return max((b.phase_s for b in self.behind), default=0.0)
+
+    def _named(self) -> str:
+        return "; ".join(
+            f"rank {b.rank} (stage {b.stage}, replica {b.replica}, node {b.node[:12]}) for "
+            f"{b.phase_s:.0f}s in step {b.step}"
+            for b in self.behind
+        )
+
+    def message(self) -> str:
+        """The event, said once per stall."""
+        return (
+            f"data stall: {self._named()} waiting for its step's batches; its peers wait "
+            f"for it. Storage or the data source is slow, no rank is hung: nothing is "
+            f"restarted, counted or cordoned. If it lasts {self.limit_s:.0f}s "
+            "(SPOTLINE_DATA_STALL_LIMIT_S) the group restarts as a data failure; check the "
+            "storage the spec's data section reads"
+        )
+
+    def failure(self) -> str:
+        return (
+            f"data stall: {self._named()} waiting for its step's batches, past "
+            f"SPOTLINE_DATA_STALL_LIMIT_S ({self.limit_s:.0f}s): the storage or data source "
+            "the spec's data section reads is not answering. Not a hang: no node is "
+            "cordoned. The group restarts from the newest committed step; check that "
+            "storage, or raise SPOTLINE_DATA_STALL_LIMIT_S if reads this slow are expected"
+        )
+
+    def error(self) -> DataStallError:
+        return DataStallError(self.failure())
+
     @property
     def nodes(self) -> list[str]:
         return sorted({b.node for b in self.behind if b.node})
@@ -129,11 +193,16 @@ def behind_ranks(beats: list[RankBeat], silent_after_s: float) -> list[RankBeat]
     return working or lowest
 
 
-def find_hang(quiet_s: float, bound_s: float, beats: list[RankBeat]) -> Hang | None:
-    """A hang when some rank still runs and no step advanced for longer than the bound."""
+def find_hang(quiet_s: float, bound_s: float, beats: list[RankBeat]) -> Hang | DataStall | None:
+    """When some rank still runs and no step advanced for longer than the bound: a data
+    stall when every rank holding the others up answers and waits for its batches, else
+    a hang."""
     if quiet_s <= bound_s or not any(b.running for b in beats):
         return None
-    return Hang(quiet_s, bound_s, tuple(behind_ranks(beats, bound_s / 2)))
+    behind = tuple(behind_ranks(beats, bound_s / 2))
+    if behind and all(b.phase == DATA_PHASE and b.silent_s < bound_s / 2 for b in behind):
+        return DataStall(quiet_s, behind)
+    return Hang(quiet_s, bound_s, behind)
 
 
 @dataclass(frozen=True)
@@ -159,13 +228,11 @@ class Straggler:
         )
 
 
-def find_stragglers(
-    per_step: dict[int, float], beats: list[RankBeat], threshold: float
-) -> list[Straggler]:
-    """The ranks whose compute per step (`per_step`, over a full window) is more than
-    `threshold` slower than the median of their stage's other ranks."""
+def rank_slowdowns(per_step: dict[int, float], beats: list[RankBeat]) -> dict[int, Straggler]:
+    """Every rank's compute per step (`per_step`, over a full window) against the median
+    of its stage's other ranks; a rank with no such peers is left out."""
     by_rank = {b.rank: b for b in beats}
-    out = []
+    out = {}
     for rank, mine in per_step.items():
         b = by_rank.get(rank)
         if b is None:
@@ -175,12 +242,55 @@ def find_stragglers(
             for r, v in per_step.items()
             if r != rank and r in by_rank and by_rank[r].stage == b.stage
         ]
-        if not peers:
-            continue
-        s = Straggler(rank, b.stage, b.replica, b.node, mine, statistics.median(peers))
-        if s.slowdown > threshold:
-            out.append(s)
+        if peers:
+            out[rank] = Straggler(rank, b.stage, b.replica, b.node, mine, statistics.median(peers))
     return out
+
+
+def find_stragglers(
+    per_step: dict[int, float], beats: list[RankBeat], threshold: float
+) -> list[Straggler]:
+    """The ranks whose compute per step is more than `threshold` slower than the median
+    of their stage's other ranks."""
+    return [s for s in rank_slowdowns(per_step, beats).values() if s.slowdown > threshold]
+
+
+class StragglerWatch:
+    """Straggler verdicts with hysteresis, so that a rank hovering around the threshold
+    is reported once, not every few seconds: a rank becomes a straggler once its
+    slowdown stayed above `threshold` for more than `hold` steps, and is well again once
+    it stayed below `clear` for more than `hold` steps. In between nothing changes."""
+
+    def __init__(self, threshold: float, clear: float, hold: int):
+        self.threshold, self.clear, self.hold = threshold, clear, hold
+        self.flagged: dict[int, Straggler] = {}
+        self._since: dict[int, int] = {}  # rank -> first step of its current run across
+
+    def judge(self, measured: dict[int, Straggler], step: int) -> tuple[list[Straggler], list[int]]:
+        """`measured`: every rank's slowdown now; returns (newly raised, newly cleared)."""
+        raised: list[Straggler] = []
+        cleared: list[int] = []
+        flagged = dict(self.flagged)
+        for rank, s in measured.items():
+            was = rank in flagged
+            if was:
+                flagged[rank] = s  # its latest figures
+            crossing = s.slowdown < self.clear if was else s.slowdown > self.threshold
+            if not crossing:
+                self._since.pop(rank, None)
+                continue
+            since = self._since.setdefault(rank, step)
+            if step - since <= self.hold:
+                continue
+            del self._since[rank]
+            if was:
+                del flagged[rank]
+                cleared.append(rank)
+            else:
+                flagged[rank] = s
+                raised.append(s)
+        self.flagged = flagged  # replaced whole: status reads it
+        return raised, cleared
 
 
 # --- the book ----------------------------------------------------------------------------
@@ -207,8 +317,13 @@ class _Window:
         return statistics.median(s / n for n, s in self.chunks if n)
 
 
+# A straggler's node that could not be cordoned (the job needed it) is asked about
+# again this much later: capacity may have joined.
+_RETRY_CORDON_S = 30.0
+
+
 class HealthBook:
-    """Heartbeats, compute windows, stragglers, hang counts and the cordon list."""
+    """Heartbeats, compute windows, stragglers, data stalls, hangs and their stacks."""
 
     def __init__(self, spec: JobSpec, event, metrics):
         self.spec = spec
@@ -220,12 +335,26 @@ class HealthBook:
         self._step = -1
         self._first_step = 0  # a group's first step warms up: not its pace
         self._windows: dict[int, _Window] = {}
-        self.stragglers: dict[int, Straggler] = {}
+        self._watch = self._new_watch()
         self.hangs: list[dict[str, Any]] = []
-        self.hangs_on: dict[str, int] = {}  # node -> hangs of a rank there
-        self.cordoned: dict[str, str] = {}  # node -> why
+        self.stacks: list[dict[str, Any]] = []
+        """Summaries of the stacks taken at hangs, latest last (`_STACKS_KEPT`)."""
+        self.stall: DataStall | None = None
+        """The data stall going on, as last seen."""
+        self._stall_since = 0.0
         self.refused: dict[str, float] = {}  # node -> when the job could not do without it
         self.bound_s: float | None = None
+
+    def _new_watch(self) -> StragglerWatch:
+        f = self.f
+        return StragglerWatch(
+            f.straggler_threshold, f.straggler_threshold * _CLEAR_SHARE, f.straggler_window_steps
+        )
+
+    @property
+    def stragglers(self) -> dict[int, Straggler]:
+        """The ranks reported as stragglers now, with their latest figures."""
+        return self._watch.flagged
 
     # --- a group's life ------------------------------------------------------------
 
@@ -235,8 +364,9 @@ class HealthBook:
         self._step = start_step
         self._first_step = start_step + 1
         self._windows = {}
-        self.stragglers = {}
+        self._watch = self._new_watch()
         self.refused = {}
+        self.stall = None
 
     def take(self, ranks: list[RankBeat], step: int, now: float) -> None:
         """A poll's heartbeats and compute; `step` is the group's latest step."""
@@ -244,6 +374,8 @@ class HealthBook:
             self.beats = ranks
         if step > self._step:
             self._step, self.last_advance = step, now
+            if self.stall is not None:
+                self._stall_over(now)
         keep = self.f.straggler_window_steps
         for b in ranks:
             if b.compute_steps and step > self._first_step:
@@ -253,20 +385,24 @@ class HealthBook:
 
     def _judge_stragglers(self, keep: int) -> None:
         full = {r: w.per_step() for r, w in self._windows.items() if w.steps >= keep}
-        now = {s.rank: s for s in find_stragglers(full, self.beats, self.f.straggler_threshold)}
-        for rank, s in now.items():
-            if rank not in self.stragglers:
-                self._event(
-                    f"{s.message()} over the last {keep} steps", logging.WARNING, track="straggler"
-                )
-                self.metrics.inc("spotline_stragglers_total")
-        for rank in set(self.stragglers) - set(now):
-            self._event(f"rank {rank} is no longer a straggler")
-        self.stragglers = now
+        raised, cleared = self._watch.judge(rank_slowdowns(full, self.beats), self._step)
+        for s in raised:
+            self._event(
+                f"{s.message()} over the last {keep} steps", logging.WARNING, track="straggler"
+            )
+            self.metrics.inc("spotline_stragglers_total")
+        for rank in cleared:
+            clear = self.f.straggler_threshold * _CLEAR_SHARE
+            self._event(
+                f"rank {rank} is no longer a straggler (below {clear:.0%} slower than its "
+                f"peers for {keep} steps)"
+            )
 
     def hang(
         self, now: float, step_seconds: list[float], save_blocked_s: list[float]
-    ) -> Hang | None:
+    ) -> Hang | DataStall | None:
+        """A hang to end the group for; a data stall only once it lasted past its limit
+        (before that it is said once, and the hang clock starts again when it ends)."""
         if not self.beats:
             return None
         started = self._step >= self._first_step
@@ -277,52 +413,61 @@ class HealthBook:
             constants.SPOTLINE_HANG_FLOOR_S,
             constants.SPOTLINE_WORKER_START_TIMEOUT_S,
         )
-        return find_hang(now - self.last_advance, self.bound_s, self.beats)
+        verdict = find_hang(now - self.last_advance, self.bound_s, self.beats)
+        if isinstance(verdict, DataStall):
+            stall = replace(verdict, limit_s=self._stall_limit())
+            if self.stall is None:
+                self._stall_since = now - stall.waited_s
+                self._event(stall.message(), logging.WARNING, track="data_stall")
+            self.stall = stall
+            return stall if stall.waited_s >= stall.limit_s else None
+        if self.stall is not None:
+            # The batches came: the hang clock runs from here, not from the last step.
+            self._stall_over(now)
+            return None
+        return verdict
 
-    # --- hangs and cordons ---------------------------------------------------------
+    def _stall_limit(self) -> float:
+        limit = min(constants.SPOTLINE_DATA_STALL_LIMIT_S, 0.9 * self.f.collective_timeout_s)
+        return max(limit, self.bound_s or 0.0)
 
-    def hung(self, nodes: list[str], step: int) -> list[str]:
-        """Count a hang on `nodes`; the nodes that reached failure.cordon_after_hangs."""
+    def _stall_over(self, now: float) -> None:
+        assert self.stall is not None
+        ranks = ", ".join(str(b.rank) for b in self.stall.behind)
+        self._event(
+            f"data stall over: rank(s) {ranks} got their batches after "
+            f"{now - self._stall_since:.0f}s; training goes on"
+        )
+        self.stall = None
+        self.last_advance = max(self.last_advance, now)
+
+    # --- hangs, their stacks, and cordon candidates -----------------------------------
+
+    def record_hang(self, nodes: list[str], step: int) -> None:
         self.hangs.append({"step": step, "nodes": nodes})
         self.metrics.inc("spotline_hangs_total")
-        due = []
-        for node in nodes:
-            self.hangs_on[node] = self.hangs_on.get(node, 0) + 1
-            if self.hangs_on[node] >= self.f.cordon_after_hangs and node not in self.cordoned:
-                due.append(node)
-        return due if self.f.cordon else []
+
+    def took_stacks(self, summary: dict[str, Any]) -> None:
+        """Keep the summary of stacks taken at a hang (status and report show it)."""
+        self.stacks = [*self.stacks, summary][-_STACKS_KEPT:]  # replaced whole: status
 
     def behind_nodes(self) -> list[str]:
         """The nodes of the ranks holding the group up, from the latest heartbeats."""
         return sorted({b.node for b in behind_ranks(self.beats, 1.0) if b.node})
 
-    def cordon_due(self, now: float) -> list[Straggler]:
-        """Stragglers past failure.cordon_straggler_threshold whose node is not cordoned
-        (nor refused in the last _RETRY_CORDON_S: capacity may have joined since)."""
+    def cordon_due(self, now: float, cordoned) -> list[Straggler]:
+        """Stragglers past failure.cordon_straggler_threshold whose node is not in
+        `cordoned` (nor refused in the last _RETRY_CORDON_S: capacity may have joined
+        since)."""
         if not self.f.cordon:
             return []
         return [
             s
             for s in self.stragglers.values()
             if s.slowdown > self.f.cordon_straggler_threshold
-            and s.node not in self.cordoned
+            and s.node not in cordoned
             and now - self.refused.get(s.node, -_RETRY_CORDON_S) >= _RETRY_CORDON_S
         ]
-
-    def cordon(self, node: str, why: str) -> None:
-        self.cordoned = {**self.cordoned, node: why}  # replaced whole: status reads it
-        self.metrics.set("spotline_cordoned_nodes", len(self.cordoned))
-
-    def to_json(self) -> bytes:
-        return json.dumps({"cordoned": self.cordoned, "hangs_on": self.hangs_on}).encode()
-
-    def load(self, raw: bytes | None) -> None:
-        if raw is None:
-            return
-        saved = json.loads(raw)
-        self.cordoned = {str(k): str(v) for k, v in saved.get("cordoned", {}).items()}
-        self.hangs_on = {str(k): int(v) for k, v in saved.get("hangs_on", {}).items()}
-        self.metrics.set("spotline_cordoned_nodes", len(self.cordoned))
 
     # --- what the user sees --------------------------------------------------------
 
@@ -339,11 +484,12 @@ class HealthBook:
 
     def view(self, now: float) -> dict[str, Any]:
         """For status: every rank's heartbeat and compute, the stragglers, the hang
-        watch, and the cordoned nodes."""
+        watch, a data stall going on, and the hangs with their stacks."""
         ranks = []
+        stragglers = self.stragglers
         for b in self.beats:
             w = self._windows.get(b.rank)
-            s = self.stragglers.get(b.rank)
+            s = stragglers.get(b.rank)
             ranks.append(
                 {
                     "rank": b.rank,
@@ -359,10 +505,19 @@ class HealthBook:
                     "slowdown": s.slowdown if s else None,
                 }
             )
+        stall = self.stall
         return {
             "ranks": ranks,
             "quiet_s": max(0.0, now - self.last_advance) if self.beats else None,
             "hang_bound_s": self.bound_s,
+            "data_stall": None
+            if stall is None
+            else {
+                "ranks": [b.rank for b in stall.behind],
+                "nodes": stall.nodes,
+                "waited_s": stall.waited_s,
+                "limit_s": stall.limit_s,
+            },
             "stragglers": [
                 {
                     "rank": s.rank,
@@ -373,8 +528,8 @@ class HealthBook:
                     "compute_s": s.compute_s,
                     "peers_s": s.peers_s,
                 }
-                for s in self.stragglers.values()
+                for s in stragglers.values()
             ],
             "hangs": list(self.hangs),
-            "cordoned": dict(self.cordoned),
+            "stacks": list(self.stacks),
         }

@@ -4,9 +4,11 @@
 pace, the inbox and event log, the JIT and partition books, health and cordons, peer
 recovery, the artifacts, the backfill door, the commit coordinator) and answers the
 queries and requests that come from other threads: status, result, summary and trace
-(projections of one `Snapshot`), notices, stop, re-partition and hold requests. It also carries a poll
-of the live group to telemetry and the coordinator. It takes no decision and moves
-no state: the loop and its transitions are `controller.Controller`'s.
+(projections of one `Snapshot`), the ranks' stacks, notices, stop, re-partition and
+hold requests. It also carries a poll of the live group to telemetry and the
+coordinator, and the evidence of a hang (the ranks' stacks, taken before the group is
+torn down) to the artifacts. It takes no decision and moves no state: the loop and its
+transitions are `controller.Controller`'s.
 """
 
 from __future__ import annotations
@@ -24,12 +26,19 @@ from spotline.config.redact import redact
 from spotline.config.schema import JobSpec
 from spotline.controller.artifacts import Artifacts, trace
 from spotline.controller.backfill_api import BackfillAPI
-from spotline.controller.capacity import replicas_left
+from spotline.controller.capacity import replicas_left, settled_capacity
 from spotline.controller.cordons import Cordons
-from spotline.controller.health import HangError, HealthBook
+from spotline.controller.health import Hang, HealthBook
 from spotline.controller.inbox import EventLog, Inbox
 from spotline.controller.jit import JitBook, JitPolicy
-from spotline.controller.policies import FailurePolicy, GrowPolicy, ScalingPolicy, dwelling
+from spotline.controller.policies import (
+    FailurePolicy,
+    GrowPolicy,
+    Resize,
+    ScalingPolicy,
+    Wait,
+    dwelling,
+)
 from spotline.controller.recovery import PeerRecovery
 from spotline.controller.repartition import PartitionBook
 from spotline.controller.snapshot import (
@@ -46,6 +55,7 @@ from spotline.controller.telemetry import Telemetry
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.demand import Demand
 from spotline.runtime.progress import Progress, WorkerFailure, WorkerGroup
+from spotline.runtime.stacks import summarise
 
 log = logging.getLogger("spotline.controller")
 
@@ -65,6 +75,7 @@ class ControllerParts:
         demand: Demand | None = None,
         peers: Any = None,
         standby: Any = None,
+        stacks: Any = None,
     ):
         self.spec = spec
         self.demand = demand  # what the job asks the autoscaler for, while it lives
@@ -119,6 +130,9 @@ class ControllerParts:
         """Replicas started ahead on free capacity (`spotline.runtime.standby.Standby`)."""
         self.step_count = 0  # the latest step the live group reported
         self.plan_view = PlanView(spec)
+        self.stacks = stacks
+        """Takes the live group's stacks (`spotline.runtime.stacks.RayStacks`); None:
+        hangs come without them."""
 
     @property
     def store(self) -> CheckpointStore:
@@ -176,12 +190,62 @@ class ControllerParts:
         hang = self.health.hang(self.clock(), list(self.rec.step_seconds), self.rec.blocked_s)
         if hang is not None:
             # Torn down now, not after failure.collective_timeout_s: the ranks holding
-            # the others up are named, with the phase each was last seen in.
-            what = hang.message()
+            # the others up are named, with the phase each was last seen in (a data
+            # stall past its limit: the ranks waiting for data), and a hang's stacks
+            # are taken first, while the stuck ranks are as they were.
+            error = hang.error()
             ranks = [b.rank for b in hang.behind]
+            if isinstance(hang, Hang):
+                self._take_evidence(ranks)
             nodes = {b.rank: b.node for b in hang.behind}
-            raise WorkerFailure("training", {what: ranks}, nodes, [HangError(what, hang.nodes)])
+            raise WorkerFailure("training", {str(error): ranks}, nodes, [error])
         return progress
+
+    def _take_evidence(self, named: list[int]) -> None:
+        """The stacks of the hung group's ranks (every rank of a group of at most
+        SPOTLINE_STACKS_ALL_RANKS, else the named ones), and on NCCL their flight
+        records, stored beside the checkpoints and summarised for status. Bounded by
+        SPOTLINE_STACKS_TIMEOUT_S; it never fails the hang path."""
+        group = self.group
+        if self.stacks is None or group is None:
+            return
+        every = group.world_size <= constants.SPOTLINE_STACKS_ALL_RANKS
+        try:
+            record = self.stacks.take(group, None if every else named)
+        except Exception as e:  # noqa: BLE001 - evidence is best effort
+            self._event(f"could not take the hung ranks' stacks: {e}", logging.WARNING)
+            return
+        record.update(step=self.step_count, attempt=group.attempt, named=named)
+        uri = self.artifacts.store_stacks(f"hang-{group.attempt}-step{self.step_count}", record)
+        summary = {
+            "why": "hang",
+            "step": self.step_count,
+            "attempt": group.attempt,
+            "taken_at": record.get("taken_at"),
+            "uri": uri,
+            "ranks": summarise(record, named),
+        }
+        self.health.took_stacks(summary)
+        where = "; ".join(
+            f"rank {r}: {s['frame'] or s['error']}" + (f" ({s['state']})" if s["state"] else "")
+            for r, s in summary["ranks"].items()
+        )
+        kept = f"; the stacks taken are at {uri}" if uri else ""
+        self._event(f"stacks taken before the teardown: {where}{kept}", logging.WARNING)
+
+    def take_stacks(self) -> dict[str, Any]:
+        """Every rank's stack now (`spotline stacks`), with the innermost frame of each
+        training thread. Thread-safe: it reads the live group and changes nothing."""
+        group = self.group
+        if group is None or self.stacks is None:
+            return {
+                "job": self.spec.name,
+                "error": f"job {self.spec.name} has no group running to take stacks of (it is "
+                f"{self.state.name}); try again once it trains",
+            }
+        record = self.stacks.take(group, None)
+        record.update(step=self.step_count, attempt=group.attempt, job=self.spec.name)
+        return record
 
     def _ingest(self, p: Progress, elapsed: float) -> None:
         """A poll of the live group: its figures to telemetry, its saves and finished
@@ -220,9 +284,32 @@ class ControllerParts:
         do not count)."""
         if self.group is None:
             return 0
-        gone = set(self._doomed_here()) | set(exclude) | set(self.health.cordoned)
+        gone = set(self._doomed_here()) | set(exclude) | set(self.cluster.cordoned)
         ahead = self.standby.devices() if self.standby is not None else 0
         return replicas_left(self.cluster, self.group.worker_info(), gone, ahead)
+
+    def _placement(self, want: int | None = None) -> Resize | Wait:
+        """The size of the next group from what the cluster holds (`want`: read again
+        for a while when short of it, as after a teardown). Cordons that expired go first;
+        when the cordoned nodes alone keep the job below elastic.min_replicas, the oldest
+        are lifted (`Cordons.make_room`); a wait names the nodes still cordoned."""
+        self.cordons.expire()
+        held = self._held()
+
+        def capacity() -> int:
+            if want is None:
+                return self.cluster.capacity(held_workers=held)
+            return settled_capacity(self.cluster, want, self.clock, self.sleep, held)
+
+        free = capacity()
+        if free < self.spec.elastic.min_replicas and self.cordons.make_room(
+            lambda lifted: self.cluster.capacity(held_workers=held, lifted=lifted)
+        ):
+            free = capacity()
+        decision = self.scaling_policy.decide(free)
+        if isinstance(decision, Wait):
+            return Wait(decision.reason + self.cordons.waiting_note())
+        return decision
 
     def _doomed_here(self) -> list[str]:
         group = self.group
@@ -238,7 +325,7 @@ class ControllerParts:
         if self.group is not None:
             self.coordinator.abandon(self.group.attempt)
             if leaving is not None and self.spec.recovery.in_place:
-                gone = set(leaving) | set(self.health.cordoned) | set(self.inbox.doomed())
+                gone = set(leaving) | set(self.cluster.cordoned) | set(self.inbox.doomed())
                 self._release_survivors()
                 self.survivors = self.group.hand_over(gone, self.spec.recovery.reform_grace_s)
                 if self.standby is not None:
@@ -275,7 +362,7 @@ class ControllerParts:
         if standby is None or group is None:
             return 0
         limit = (self.scaling_policy.fit(self.spec.elastic.max_replicas) or 0) - group.replicas
-        avoid = set(self.health.cordoned) | set(self.inbox.doomed())
+        avoid = set(self.cluster.cordoned) | set(self.inbox.doomed())
         standby.keep(self.cluster.capacity(), limit, group.device, avoid)
         while standby.failures:  # the group starts its own processes instead
             self._event(standby.failures.pop(0), logging.WARNING)

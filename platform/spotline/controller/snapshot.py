@@ -155,7 +155,9 @@ class Snapshot:
     checkpoint_bytes: list[int] | None = None
     backfill: dict[str, Any] | None = None
     health: dict[str, Any] | None = None
-    """Every rank's heartbeat and compute, the stragglers, hangs and cordoned nodes."""
+    """Every rank's heartbeat and compute, the stragglers, a data stall going on, the
+    hangs with the frame each named rank was in (their stacks), and the cordoned nodes
+    with when their cordons expire."""
     peer_memory: dict[str, Any] | None = None
     """Peer copies: every how many steps, their cost, the newest, restores from them."""
     checkpoint_uri: str | None = None
@@ -338,7 +340,7 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
         backfill=(
             {"tasks": ctl.backfill.results(), **ctl.backfill.summary()} if ctl.backfill else None
         ),
-        health=ctl.health.view(ctl.clock()),
+        health={**ctl.health.view(ctl.clock()), **ctl.cordons.view()},
         peer_memory=ctl.recovery.summary(list(r.step_seconds)),
         checkpoint_uri=ctl.store.uri,
         wall_s=(r.finished_at or time.time()) - r.started_at,

@@ -5,6 +5,10 @@ answers from the live Ray cluster: capacity in whole replicas of the real worker
 bundle, fitted node by node, which nodes are alive,
 draining a doomed node so Ray places nothing new on it, and one notice watcher actor
 per node.
+
+The job's cordon list lives here, once (`CordonList`, the view's `cordoned`): capacity,
+the groups' placement and the autoscaler demand read it. Only the controller's
+`Cordons` room changes it (cordon, lift, expire) and keeps it beside the checkpoints.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Iterator, Set
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from spotline import constants
@@ -114,11 +120,78 @@ def check_reachable(address: str | None) -> None:
     raise ConnectionError(f"nothing answers at {host}:{port} ({why})")
 
 
+@dataclass(frozen=True)
+class Cordon:
+    """One node kept out of the job's new groups: why, and when (wall-clock seconds, so
+    that a controller started again for the same job can tell its age)."""
+
+    node: str
+    why: str
+    at: float
+
+
+class CordonList(Set):
+    """The nodes the job keeps out of new groups, each with why and since when: a set of
+    node IDs to its readers (`node in cordoned`, `set(cordoned)`).
+
+    Changed by one owner only (`controller.cordons.Cordons`); every change replaces the
+    mapping whole, so a reader on another thread (status) never sees it half-changed."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[str, Cordon] = {}
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._by_node
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._by_node))
+
+    def __len__(self) -> int:
+        return len(self._by_node)
+
+    def __repr__(self) -> str:
+        return f"CordonList({sorted(self._by_node)})"
+
+    @classmethod
+    def _from_iterable(cls, nodes) -> set[str]:
+        """What set operations on the list return: a plain set of node IDs."""
+        return set(nodes)
+
+    def add(self, node: str, why: str, at: float) -> None:
+        self._by_node = {**self._by_node, node: Cordon(node, why, at)}
+
+    def lift(self, node: str) -> Cordon | None:
+        by_node = dict(self._by_node)
+        out = by_node.pop(node, None)
+        self._by_node = by_node
+        return out
+
+    def get(self, node: str) -> Cordon | None:
+        return self._by_node.get(node)
+
+    def oldest_first(self) -> list[Cordon]:
+        return sorted(self._by_node.values(), key=lambda c: (c.at, c.node))
+
+    def why(self) -> dict[str, str]:
+        """node -> why, as status shows it."""
+        return {n: c.why for n, c in self._by_node.items()}
+
+
 class ClusterView(Protocol):
-    def capacity(self, held_workers: int = 0, exclude: set[str] = frozenset()) -> int:
+    cordoned: CordonList
+    """Nodes the job keeps out of new groups: never counted in the capacity."""
+
+    def capacity(
+        self,
+        held_workers: int = 0,
+        exclude: set[str] = frozenset(),
+        lifted: set[str] = frozenset(),
+    ) -> int:
         """Whole replicas the schedulable devices can hold: free ones plus `held_workers`
         (devices the job's own live group holds and would give back on a restart). The
-        free devices of the nodes in `exclude` do not count."""
+        free devices of the nodes in `exclude` and of cordoned nodes do not count, except
+        those of the cordoned nodes in `lifted` (what the capacity would be without their
+        cordons)."""
         ...
 
     def gone(self, node_ids: set[str]) -> set[str]:
@@ -131,10 +204,6 @@ class ClusterView(Protocol):
 
     def watch(self) -> None:
         """Make sure every live node has a notice watcher (nodes come and go)."""
-        ...
-
-    def cordon(self, node_id: str) -> None:
-        """Count `node_id` out of the capacity from now on: no new group goes there."""
         ...
 
     def close(self) -> None: ...
@@ -175,11 +244,16 @@ class RayClusterView:
         self._watchers: dict[str, Any] = {}
         self._sealed: Any = None  # the spec the watchers are given (SealedJob)
         self._noticed: set[str] = set()  # nodes with a preemption notice: never counted
-        self.cordoned: set[str] = set()
+        self.cordoned = CordonList()
         """Nodes the job keeps out of new groups: never counted; the worker groups'
-        placement excludes them (the same set object)."""
+        placement and the autoscaler demand exclude them (the same object)."""
 
-    def capacity(self, held_workers: int = 0, exclude: set[str] = frozenset()) -> int:
+    def capacity(
+        self,
+        held_workers: int = 0,
+        exclude: set[str] = frozenset(),
+        lifted: set[str] = frozenset(),
+    ) -> int:
         from ray._private.state import available_resources_per_node
 
         # A draining node takes no new work, but its resources show as free again once
@@ -192,7 +266,7 @@ class RayClusterView:
             for node, res in available_resources_per_node().items()
             if node not in draining
             and node not in self._noticed
-            and node not in self.cordoned
+            and (node not in self.cordoned or node in lifted)
             and node not in exclude
             and (alive is None or node in alive)
         ]
@@ -235,9 +309,6 @@ class RayClusterView:
             except OSError:
                 out.add(node_id)
         return out
-
-    def cordon(self, node_id: str) -> None:
-        self.cordoned.add(node_id)
 
     def drain(self, node_id: str, deadline: float, reason: str) -> bool:
         import ray

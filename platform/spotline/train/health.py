@@ -19,6 +19,10 @@ from typing import Any
 
 from spotline.bubbles.recorder import clock_for
 
+DATA_PHASE = "data (waiting for the step's batches)"
+"""The phase of a rank waiting for its step's batches: held up by storage or the data
+source, not hung (the controller calls it a data stall)."""
+
 # What a pipeline instruction is, in the words `spotline status` shows.
 _INSTRUCTIONS = {
     "ForwardPass": "forward",
@@ -50,7 +54,7 @@ class Heartbeat:
 
     def begin_step(self, step: int) -> None:
         self._micro = 0
-        self.phase("data (waiting for the step's batches)", step)
+        self.phase(DATA_PHASE, step)
 
     def instruction(self, name: str) -> None:
         """A pipeline instruction begins (`StepRecorder`'s hook)."""
