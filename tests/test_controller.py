@@ -405,6 +405,9 @@ class FakeDemand:
     def __init__(self):
         self.calls: list[str] = []
 
+    def bind(self, event):
+        pass
+
     def keep(self, force=False):
         self.calls.append("force" if force else "keep")
 

@@ -80,6 +80,8 @@ class ControllerParts:
         self.inbox = Inbox()
         self.rec = Record()
         self.coordinator = CommitCoordinator(spec, store, self._event)
+        if demand is not None:
+            demand.bind(self._event)  # its failures are warnings: the job trains on
         self.recovery = PeerRecovery(spec, peers, self._event)  # peers: the state keepers
         self.telemetry = Telemetry(spec, self._event, checkpoint_uri=self.store.uri, rec=self.rec)
         self.pace = self.telemetry.pace
