@@ -25,6 +25,10 @@ SPOTLINE_WORKER_START_TIMEOUT_S = _env_float("SPOTLINE_WORKER_START_TIMEOUT_S", 
 # How long a grow that pays waits, training on, for replicas started ahead to be ready
 # (`runtime/standby.py`); past it, the grow starts its own processes instead.
 SPOTLINE_STANDBY_WAIT_S = _env_float("SPOTLINE_STANDBY_WAIT_S", 120.0)
+# How long taking the replicas started ahead waits for their ranks to answer (all at
+# once): one that does not answer in time is dropped, and the next group starts its own
+# processes in its place. A live idle rank answers in milliseconds, a dead one at once.
+SPOTLINE_STANDBY_CHECK_TIMEOUT_S = _env_float("SPOTLINE_STANDBY_CHECK_TIMEOUT_S", 5.0)
 # The least time without a step, in a running group, before the controller declares a
 # hang (it is otherwise failure.hang_factor x the median step plus the longest save).
 SPOTLINE_HANG_FLOOR_S = _env_float("SPOTLINE_HANG_FLOOR_S", 20.0)

@@ -245,6 +245,7 @@ class ControllerParts:
                 self.survivors = self.group.hand_over(gone, self.spec.recovery.reform_grace_s)
                 if self.standby is not None:
                     self.survivors.replicas += self.standby.take(gone)
+                    self._say_standby_failures()
                 behind = self.group.left_behind
                 self._event(
                     f"{self.survivors.devices()} rank(s) go on in their processes"
@@ -279,9 +280,14 @@ class ControllerParts:
         limit = (self.scaling_policy.fit(self.spec.elastic.max_replicas) or 0) - group.replicas
         avoid = set(self.health.cordoned) | set(self.inbox.doomed())
         standby.keep(self.cluster.capacity(), limit, group.device, avoid)
-        while standby.failures:  # the group starts its own processes instead
-            self._event(standby.failures.pop(0), logging.WARNING)
+        self._say_standby_failures()
         return standby.devices()
+
+    def _say_standby_failures(self) -> None:
+        """Each replica started ahead that failed, timed out or died: the group starts
+        its own processes instead."""
+        while self.standby is not None and self.standby.failures:
+            self._event(self.standby.failures.pop(0), logging.WARNING)
 
     def _grow_declined(self, capacity: int, restart_s: float, running_s: float) -> None:
         """Free capacity the job does not grow onto says why, once per group and size, so
