@@ -45,6 +45,7 @@ from spotline.controller.state import Pending, State
 from spotline.controller.telemetry import Telemetry
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.demand import Demand
+from spotline.runtime.faults import refusal
 from spotline.runtime.progress import Progress, WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
@@ -121,6 +122,9 @@ class ControllerParts:
         """Replicas started ahead on free capacity (`spotline.runtime.standby.Standby`)."""
         self.step_count = 0  # the latest step the live group reported
         self.plan_view = PlanView(spec)
+        refused = refusal(spec)  # a test's faults in a job not marked as a test
+        if refused is not None:
+            self._event(refused, logging.WARNING)
 
     @property
     def store(self) -> CheckpointStore:
