@@ -61,7 +61,8 @@ def bench_spec(workdir: Path, name: str, steps: int) -> Any:
                 "staging_dir": str(workdir / name / "staging"),
                 "interval_steps": 10,
             },
-            "failure": {"straggler_window_steps": 10, "cordon": False},
+            # Marked as a test: its ranks apply the faults SPOTLINE_TEST_FAULTS names.
+            "failure": {"straggler_window_steps": 10, "cordon": False, "test_faults": True},
             "resources": {"device": "cpu", "cpus_per_worker": 0.5},
         }
     )

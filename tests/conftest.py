@@ -51,9 +51,12 @@ WORKER_ENV = {
 }
 
 
-def inject_faults(job: str, faults: list[dict[str, Any]]) -> None:
-    """Give the ranks of job `job` these faults (see spotline.runtime.faults)."""
-    (FAULTS_DIR / f"{job}.json").write_text(json.dumps(faults))
+def inject_faults(spec: Any, faults: list[dict[str, Any]]) -> None:
+    """Give the ranks of the job of `spec` these faults (see spotline.runtime.faults).
+    Its spec must be marked as a test's (`failure.test_faults: true`), as a job must be
+    for its ranks to apply them."""
+    assert spec.failure.test_faults, f"{spec.name}: set failure.test_faults to inject faults"
+    (FAULTS_DIR / f"{spec.name}.json").write_text(json.dumps(faults))
 
 
 # Every AWS variable that could make botocore find real credentials or a real endpoint.

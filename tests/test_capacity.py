@@ -85,3 +85,67 @@ def test_the_demand_asks_for_a_replacement_of_each_replica_a_noticed_node_could_
     assert len(demand_bundles(spec, "gpu", [one_gpu])) == 4
     assert len(demand_bundles(spec, "gpu", [one_gpu, one_gpu])) == 6  # stages span nodes
     assert len(demand_bundles(spec, "gpu", [no_cpu])) == 4
+
+
+def test_every_failure_of_the_demand_is_one_warning_per_cause_and_the_job_trains_on(
+    monkeypatch,
+):
+    """A GCS that does not answer `ray.nodes()`, a Ray whose autoscaling coordinator
+    moved, a request that times out: `keep()` never raises, each cause is said once
+    however often the loop calls, and a success makes the next failure news."""
+    import logging
+    import sys
+
+    from spotline import constants
+    from spotline.runtime import placement
+    from spotline.runtime.demand import RayDemand
+
+    spec = load_spec({"elastic": {"min_replicas": 1, "max_replicas": 2}})
+    now = [0.0]
+    events: list[tuple[int, str]] = []
+    demand = RayDemand(spec, "auto", clock=lambda: now[0])
+    demand.bind(lambda text, level: events.append((level, text)))
+    reads = []
+
+    def gcs_down():
+        reads.append(now[0])
+        raise ConnectionError("GCS at 10.0.0.1:6379 did not answer")
+
+    monkeypatch.setattr(placement, "usable_nodes", gcs_down)
+    for _ in range(50):  # the controller's loop
+        demand.keep()
+        now[0] += constants.SPOTLINE_POLL_INTERVAL_S
+    demand.keep(force=True)  # a node was lost
+    (warning,) = events
+    assert warning[0] == logging.WARNING
+    assert "reading the cluster's nodes: ConnectionError: GCS at 10.0.0.1:6379" in warning[1]
+    assert "the job trains on the nodes that are up" in warning[1]
+    # Asked again once a refresh is due (or forced), not at every turn of the loop.
+    assert len(reads) < 5
+
+    # Nodes answer; the coordinator's private module is gone in this Ray.
+    monkeypatch.setattr(placement, "usable_nodes", lambda: [{"CPU": 4.0}])
+    monkeypatch.setattr(placement, "held_out_nodes", lambda cordoned=(): [])
+    monkeypatch.setitem(sys.modules, "ray.data", None)
+    for _ in range(3):
+        demand.keep(force=True)
+    assert len(events) == 2 and events[1][0] == logging.WARNING
+    assert "loading Ray's autoscaling coordinator" in events[1][1]
+    assert "moved its autoscaling coordinator" in events[1][1]
+
+    sent: list[list[dict[str, float]]] = []
+    monkeypatch.setattr(demand, "_sender", lambda: sent.append)
+    demand.keep(force=True)
+    assert sent == [[{"CPU": 0.5}, {"CPU": 0.5}]]
+    assert events[2] == (
+        logging.INFO,
+        "the autoscaler has the job's demand now (2 worker bundle(s))",
+    )
+
+    def timed_out(bundles):
+        raise TimeoutError("request_resources did not answer in 5s")
+
+    monkeypatch.setattr(demand, "_sender", lambda: timed_out)
+    demand.keep(force=True)
+    demand.keep(force=True)
+    assert len(events) == 4 and "sending the request: TimeoutError" in events[3][1]

@@ -1,8 +1,9 @@
 """The README's driver flow, each command its own process, as a user runs them:
 `spotline run` trains; `spotline status NAME` and `spotline report NAME` from another
-shell watch it by name; SIGTERM (Kubernetes, `ray job stop`) ends the driver as Ctrl-C
-does; running it again resumes from the commit; running a finished job again reports it
-from its stored summary without starting a worker.
+shell watch it by name; SIGTERM (Kubernetes, `ray job stop`) between two checkpoints
+stops the job at the next step boundary with a commit there; running it again resumes
+from that commit; running a finished job again reports it from its stored summary
+without starting a worker.
 
 Every `spotline run` here starts its own local Ray cluster; the test checks that each is
 gone when its driver exits, and stops only processes it started.
@@ -31,6 +32,9 @@ pytestmark = pytest.mark.ray
 
 NAME = "drv-watch"
 _TIMEOUT_S = 300
+# Long enough that a stop asked just after one periodic checkpoint lands well before
+# the next, however fast the tiny job trains.
+_INTERVAL = 200
 
 
 def _config(tmp_path: Path) -> Path:
@@ -38,7 +42,11 @@ def _config(tmp_path: Path) -> Path:
     spec = tiny_spec(
         tmp_path,
         NAME,
-        **{"train.steps": 100_000, "train.log_every": 5, "checkpoint.interval_steps": 5},
+        **{
+            "train.steps": 100_000,
+            "train.log_every": 5,
+            "checkpoint.interval_steps": _INTERVAL,
+        },
     )
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
@@ -89,6 +97,18 @@ class _Driver:
             time.sleep(0.5)
         raise AssertionError(f"{pattern!r} not seen in {_TIMEOUT_S}s:\n{self.text()[-4000:]}")
 
+    def wait_for_step(self, pred) -> int:
+        """The step the driver printed last, once `pred` holds for it."""
+        deadline = time.monotonic() + _TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.note_children()
+            steps = re.findall(r"\] step (\d+)/", self.out.read_text())
+            if steps and pred(int(steps[-1])):
+                return int(steps[-1])
+            assert self.proc.poll() is None, f"the driver exited early:\n{self.text()[-4000:]}"
+            time.sleep(0.1)
+        raise AssertionError(f"no such step in {_TIMEOUT_S}s:\n{self.text()[-4000:]}")
+
     def note_children(self) -> None:
         """The processes of the driver's own Ray cluster (GCS, raylet, workers)."""
         with contextlib.suppress(psutil.Error):
@@ -124,13 +144,14 @@ def _summary(text: str) -> dict[str, str]:
     return dict(re.findall(r"^  ([a-z -]+?)\s{2,}(.+)$", block, re.MULTILINE))
 
 
-def test_a_running_job_is_watched_by_name_and_sigterm_ends_it_like_ctrl_c(
+def test_a_running_job_is_watched_by_name_and_sigterm_stops_it_with_a_commit(
     ray_session, tmp_path: Path
 ):
     # `ray_session`: this process's own cluster runs beside the one `spotline run`
     # starts, as another cluster often does on a workstation; Ray's "auto" would pick
     # either of the two.
     config = _config(tmp_path)
+    store = CheckpointStore(f"file://{tmp_path}/ckpt")
     driver = _Driver(tmp_path, "first", str(config))
     try:
         driver.wait_for(r"committed checkpoint step \d+")
@@ -149,6 +170,9 @@ def test_a_running_job_is_watched_by_name_and_sigterm_ends_it_like_ctrl_c(
         assert report.returncode == 0, report.stderr[-3000:]
         assert (tmp_path / "report" / "loss.png").is_file()
 
+        # SIGTERM between two periodic checkpoints: just after one, far from the next.
+        driver.wait_for_step(lambda s: 5 <= s % _INTERVAL <= 50)
+        periodic = store.committed_steps()
         driver.note_children()
         driver.proc.send_signal(signal.SIGTERM)
         code = driver.finish()
@@ -158,23 +182,39 @@ def test_a_running_job_is_watched_by_name_and_sigterm_ends_it_like_ctrl_c(
     # 143 = 128 + SIGTERM: what a shell and Kubernetes report for a process that SIGTERM
     # ended; 130 stays Ctrl-C's.
     assert code == 143, text[-4000:]
+    assert "SIGTERM to the driver: stopping at the next step boundary with a commit" in text
     last = driver.err.read_text().strip().splitlines()[-1]
-    assert last == "spotline: terminated by SIGTERM (a running job resumes from its latest commit)"
+    m = re.fullmatch(
+        r"spotline: stopped by SIGTERM at step (\d+), committed at (\S+)/step_(\d+): "
+        r"running the job again resumes there",
+        last,
+    )
+    assert m, last
+    stopped = int(m[1])
+    assert m[2] == store.uri and int(m[3]) == stopped
+    # The step it stopped at is committed, past the periodic ones: the steps trained
+    # since the last of them are kept.
+    assert stopped in store.committed_steps()
+    assert stopped > max(periodic) and stopped % _INTERVAL != 0, (stopped, periodic)
+    assert "resumes from its latest commit" not in text
     assert "SIGTERM received" not in text and "PC: @" not in text and "Traceback" not in text
     assert not driver.left_behind(), "the driver's Ray cluster outlived it"
+    # What the job stored says so, for `spotline status` and a rerun.
+    stored = _cli("status", store.uri, "--json")
+    assert stored.returncode == 0, stored.stderr[-3000:]
+    summary = json.loads(stored.stdout)
+    assert (summary["state"], summary["step"]) == ("stopped", stopped)
 
-    # Run again: it resumes from the latest commit (or a newer one whose uploads had all
-    # landed when the driver went) and trains to the (now near) end.
-    latest = CheckpointStore(f"file://{tmp_path}/ckpt").committed_steps()[-1]
-    end = f"train.steps={latest + 30}"
+    # Run again: it resumes from the step it stopped at and trains to the (now near) end.
+    end = f"train.steps={stopped + 30}"
     again = _Driver(tmp_path, "resume", str(config), "--set", end)
     code = again.finish()
     text = again.text()
     assert code == 0, text[-4000:]
     restored = int(re.search(r"restored committed checkpoint step (\d+)", text).group(1))
-    assert latest <= restored < latest + 30
+    assert restored == stopped
     first = _summary(again.out.read_text())
-    assert first["steps"] == str(latest + 30)
+    assert first["steps"] == str(stopped + 30)
     assert not again.left_behind()
 
     # And once more: the job is finished, so it is reported from its stored summary,

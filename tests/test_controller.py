@@ -420,6 +420,9 @@ class FakeDemand:
     def __init__(self):
         self.calls: list[str] = []
 
+    def bind(self, event):
+        pass
+
     def keep(self, force=False):
         self.calls.append("force" if force else "keep")
 
@@ -1578,3 +1581,15 @@ def test_a_group_whose_only_restore_is_a_peer_copy_still_initialises_its_weights
     assert asked == [first.attempt]
     assert first.init and second.init and second.restored == []
     assert any("peer copy of step 5 could not be restored" in e for e in ctl.events.since(0)[0])
+
+
+def test_faults_listed_for_a_job_not_marked_as_a_test_are_said_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPOTLINE_TEST_FAULTS", str(tmp_path / "faults"))
+    (tmp_path / "faults").mkdir()
+    (tmp_path / "faults" / "ctl.json").write_text('[{"kind": "slow", "rank": 1}]')
+    ctl, _ = make(tmp_path)
+    ctl.run()
+    said = [e for e in ctl.status()["events"] if "SPOTLINE_TEST_FAULTS" in e]
+    assert len(said) == 1 and "none is applied" in said[0]
+    marked, _ = make(tmp_path / "marked", **{"failure.test_faults": True})
+    assert not any("SPOTLINE_TEST_FAULTS" in e for e in marked.status()["events"])

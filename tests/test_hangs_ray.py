@@ -56,9 +56,9 @@ def test_ranks_frozen_mid_step_and_inside_a_save_are_named_and_nothing_committed
     rank 2 right after its host copy of step 20 (second group), while the other ranks
     upload their parts of step 20, which must never commit."""
     _, ref, _ = reference_run
-    spec = tiny_spec(tmp_path, "hangs", **{"failure.cordon": False})
+    spec = tiny_spec(tmp_path, "hangs", **{"failure.cordon": False, "failure.test_faults": True})
     inject_faults(
-        spec.name,
+        spec,
         [
             {"kind": "freeze", "rank": 1, "step": 14, "phase": "forward"},
             {"kind": "freeze", "rank": 2, "step": 20, "phase": "save"},
@@ -161,9 +161,10 @@ def test_a_slowed_rank_is_reported_as_a_straggler_with_its_slowdown(ray_session,
             "train.steps": 60,
             "failure.straggler_window_steps": 20,
             "failure.cordon": False,  # one node here: nothing to move to
+            "failure.test_faults": True,
         },
     )
-    inject_faults(spec.name, [{"kind": "slow", "rank": 1, "factor": 2.0}])
+    inject_faults(spec, [{"kind": "slow", "rank": 1, "factor": 2.0}])
     result = spotline.Job(spec).run(verbose=False)
     assert result.state == "finished", result.error
     assert len(result.attempts) == 1  # a straggler is reported, not restarted
@@ -191,9 +192,10 @@ def test_a_collective_timeout_that_fires_first_reaches_the_controller_as_a_hang(
             "checkpoint.interval_steps": 4,
             "failure.collective_timeout_s": 12,
             "failure.hang_factor": 1000,
+            "failure.test_faults": True,
         },
     )
-    inject_faults(spec.name, [{"kind": "freeze", "rank": 1, "step": 10, "phase": "forward"}])
+    inject_faults(spec, [{"kind": "freeze", "rank": 1, "step": 10, "phase": "forward"}])
     result = spotline.Job(spec).run(verbose=False)
     assert result.state == "finished", result.error
     first, second = result.attempts

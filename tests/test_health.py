@@ -29,7 +29,7 @@ from spotline.controller.health import (
 from spotline.controller.policies import classify
 from spotline.metrics.export import Metrics
 from spotline.runtime.cluster import CordonList
-from spotline.runtime.faults import Faults
+from spotline.runtime.faults import Faults, refusal
 from spotline.runtime.progress import RankBeat
 from spotline.train.health import DATA_PHASE, ComputeMeter, Heartbeat
 
@@ -486,7 +486,8 @@ def test_the_compute_meter_sums_the_bracketed_passes_per_step():
 
 def test_faults_are_read_per_rank_and_a_freeze_fires_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SPOTLINE_TEST_FAULTS", str(tmp_path))
-    assert Faults.for_rank("job", 1, "n") is None  # no list for this job
+    job = load_spec({"name": "job", "failure": {"test_faults": True}})
+    assert Faults.for_rank(job, 1, "n") is None  # no list for this job
     (tmp_path / "job.json").write_text(
         json.dumps(
             [
@@ -495,10 +496,10 @@ def test_faults_are_read_per_rank_and_a_freeze_fires_once(tmp_path, monkeypatch)
             ]
         )
     )
-    assert Faults.for_rank("job", 0, "n1") is None
-    mine = Faults.for_rank("job", 1, "n1")
+    assert Faults.for_rank(job, 0, "n1") is None
+    mine = Faults.for_rank(job, 1, "n1")
     assert [f["kind"] for f in mine.faults] == ["freeze"] and mine.slow_factor() == 1.0
-    assert Faults.for_rank("job", 3, "n2").slow_factor() == 3.0
+    assert Faults.for_rank(job, 3, "n2").slow_factor() == 3.0
     stops: list[int] = []
     monkeypatch.setattr("os.kill", lambda pid, sig: stops.append(sig))
     mine.maybe_freeze(5, "save")
@@ -508,7 +509,27 @@ def test_faults_are_read_per_rank_and_a_freeze_fires_once(tmp_path, monkeypatch)
     mine.maybe_freeze(6, "save")  # the restarted group passes step 6 again: no freeze
     assert len(stops) == 1
     monkeypatch.delenv("SPOTLINE_TEST_FAULTS")
-    assert Faults.for_rank("job", 1, "n1") is None  # production: nothing is read
+    assert Faults.for_rank(job, 1, "n1") is None  # production: nothing is read
+
+
+def test_faults_in_a_job_not_marked_as_a_test_are_refused_and_said_once(tmp_path, monkeypatch):
+    """A variable left set on a cluster does nothing to a job whose spec does not say
+    failure.test_faults: its ranks apply none of the faults listed for it."""
+    monkeypatch.setenv("SPOTLINE_TEST_FAULTS", str(tmp_path))
+    (tmp_path / "prod.json").write_text(
+        json.dumps([{"kind": "freeze", "rank": 0, "step": 1}, {"kind": "slow", "rank": 1}])
+    )
+    prod = load_spec({"name": "prod"})
+    assert not prod.failure.test_faults  # the default
+    assert Faults.for_rank(prod, 0, "n1") is None and Faults.for_rank(prod, 1, "n1") is None
+    said = refusal(prod)
+    assert said is not None and said.startswith("SPOTLINE_TEST_FAULTS names faults for this job")
+    assert "failure.test_faults: true" in said and "none is applied" in said
+    marked = load_spec({"name": "prod", "failure": {"test_faults": True}})
+    assert Faults.for_rank(marked, 0, "n1") is not None and refusal(marked) is None
+    assert refusal(load_spec({"name": "other"})) is None  # nothing listed for it
+    monkeypatch.delenv("SPOTLINE_TEST_FAULTS")
+    assert refusal(prod) is None
 
 
 # --- through the controller (a fake group, an injected clock) --------------------------------

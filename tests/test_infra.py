@@ -184,6 +184,18 @@ def test_kuberay_grace_period_covers_the_jit_checkpoint_budget(
             assert budget <= drain <= pod["terminationGracePeriodSeconds"]
 
 
+def test_ray_job_stop_leaves_the_driver_time_to_stop_the_job_with_a_commit(
+    kuberay: list[dict[str, Any]],
+) -> None:
+    from spotline import constants
+
+    for doc in kuberay:
+        pod = _cluster_spec(doc)["headGroupSpec"]["template"]["spec"]
+        env = {e["name"]: e for c in pod["containers"] for e in c.get("env", [])}
+        wait = float(env["RAY_JOB_STOP_WAIT_TIME_S"]["value"])
+        assert wait > constants.SPOTLINE_DRIVER_STOP_GRACE_S
+
+
 def _env_entries(node: Any) -> list[dict[str, Any]]:
     if isinstance(node, dict):
         found = list(node["env"]) if isinstance(node.get("env"), list) else []

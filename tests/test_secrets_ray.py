@@ -162,3 +162,54 @@ def test_a_job_with_storage_options_leaves_them_out_of_the_gcs(
         ].read()
     )
     assert manifest["extra"]["spec"]["model.config.api_token"] == "***"
+
+
+def test_every_node_that_starts_a_process_of_the_job_removes_its_copy_of_the_secrets(
+    ray_session, tmp_path: Path
+) -> None:
+    """A submitted job's secrets travel in a package of its runtime_env, which Ray
+    unpacks on every node that starts a process of the job; only the driver reads it.
+    The first actor that opens its job on a node removes that node's copy."""
+    import importlib.util
+
+    import ray
+
+    from spotline.config.redact import SECRETS_FILE, write_secrets_package
+    from spotline.runtime.sealed import SealedJob
+
+    class Looker:
+        """Any process of the job: where this node's copy of the package lies."""
+
+        def copy(self, module: str) -> str:
+            found = importlib.util.find_spec(module)
+            return str(Path(next(iter(found.submodule_search_locations))) / SECRETS_FILE)
+
+    class Worker:
+        """A Spotline actor on the node: it opens its job, and never reads the package."""
+
+        def __init__(self, job: SealedJob) -> None:
+            self.spec = job.open_spec()
+
+        def name(self) -> str:
+            return self.spec.name
+
+    _, secret = _credentials()
+    module = write_secrets_package(
+        tmp_path, [[["checkpoint", "storage_options", "secret"], secret]]
+    )
+    # Uploaded as a submitted job's runtime_env is (an actor's may name only URIs).
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+
+    env = upload_py_modules_if_needed(
+        {"py_modules": [str(tmp_path / module)]}, include_gitignore=False
+    )
+    looker = ray.remote(Looker).options(num_cpus=0, runtime_env=env).remote()
+    copy = Path(ray.get(looker.copy.remote(module)))
+    assert copy.is_file() and not copy.is_relative_to(tmp_path)  # Ray's unpacked copy
+    assert secret in copy.read_text()
+    spec = load_spec({"name": "secrets-package"})
+    worker = ray.remote(Worker).options(num_cpus=0, runtime_env=env).remote(SealedJob(spec))
+    assert ray.get(worker.name.remote()) == "secrets-package"
+    assert not copy.exists()
+    ray.kill(looker)
+    ray.kill(worker)

@@ -649,9 +649,10 @@ def test_a_straggling_node_is_cordoned_and_the_job_moves_to_a_spare(
             "train.steps": 2000,
             "failure.straggler_window_steps": 10,
             "elastic.min_replicas": 2,
+            "failure.test_faults": True,
         },
     )
-    inject_faults(spec.name, [{"kind": "slow", "node": slow, "factor": 3.0}])
+    inject_faults(spec, [{"kind": "slow", "node": slow, "factor": 3.0}])
     run = spotline.Job(spec).start()
     st = _wait(run, lambda s: s["replicas"] == 2 and s["step"] >= 5, "2 replicas training")
     assert slow in {w["node_id"] for w in st["workers"]}

@@ -3,8 +3,9 @@ stacks.
 
 Every way a command can fail ends in one line on stderr that says what happened and
 what to do, and a non-zero exit: 2 for bad input (spec, URI, file, arguments), 1 for a
-job that failed, 130 for Ctrl-C, 143 for SIGTERM. A Python traceback appears only with
---debug (or SPOTLINE_DEBUG=1).
+job that failed, 130 for Ctrl-C, 143 for SIGTERM. A job running in `spotline run` first
+stops at its next step boundary with a commit (`spotline.interrupts`). A Python
+traceback appears only with --debug (or SPOTLINE_DEBUG=1).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import argparse
 import base64
 import json
 import os
-import signal
 import sys
-import threading
 
 from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError, StorageError
 from spotline.config import SpecError
@@ -28,7 +27,8 @@ from spotline.config.redact import (
 )
 from spotline.config.redact import redact as _redact
 from spotline.data import CorpusError
-from spotline.job import JobFailed
+from spotline.interrupts import Interrupts
+from spotline.job import JobFailed, StopTimedOut
 from spotline.locate import read_trace, summary_source
 from spotline.registry import user_code_error
 from spotline.runtime.cluster import connect_ray
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("SPOTLINE_DEBUG", "") not in ("", "0")
     install_log_redaction()
-    previous = _end_on_sigterm()
+    _interrupts.install()
     try:
         return _dispatch(args)
     except Exception as e:
@@ -252,39 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        if _sigterm.is_set():
-            code, line = 143, "terminated by SIGTERM (a running job resumes from its latest commit)"
-        else:
-            code, line = 130, "interrupted (a running job resumes from its latest commit)"
+        code, line = _interrupts.code, _interrupts.ended_at_once()
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        _interrupts.restore()
     print(f"spotline: {_one_line(line)}", file=sys.stderr)
     return code
 
 
-# Set once SIGTERM arrived. Its KeyboardInterrupt may reach `main` as a plain one: Ray
-# turns an exception raised by a signal handler during a blocking call into its own.
-_sigterm = threading.Event()
-
-
-def _end_on_sigterm():
-    """SIGTERM (what Kubernetes, `ray job stop` and a scheduler send to ask a driver to
-    go) ends the command as Ctrl-C does: every cleanup of a KeyboardInterrupt runs, Ray's
-    local cluster is shut down at exit. Exit code 143 (128 + SIGTERM), what a shell and
-    Kubernetes report for a process that SIGTERM ended. `connect_ray` puts this handler
-    back after Ray installs its own. Returns the handler it replaced (None: not set, off
-    the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    _sigterm.clear()
-
-    def on_sigterm(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
-        _sigterm.set()
-        raise KeyboardInterrupt("SIGTERM")
-
-    return signal.signal(signal.SIGTERM, on_sigterm)
+# SIGTERM (Kubernetes, `ray job stop`, a scheduler) and Ctrl-C: the first stops a job
+# running in this driver at its next step boundary with a commit; see `interrupts`.
+_interrupts = Interrupts()
 
 
 def _explain(e: Exception, args: argparse.Namespace | None = None) -> tuple[int, str]:
@@ -297,6 +274,8 @@ def _explain(e: Exception, args: argparse.Namespace | None = None) -> tuple[int,
     if isinstance(e, JobFailed):
         print(e.result.summary(), file=sys.stderr)
         return 1, f"job failed: {e}"
+    if isinstance(e, StopTimedOut):
+        return _interrupts.code, str(e)
     if isinstance(e, ConnectionError) or type(e).__name__ in ("RaySystemError", "GetTimeoutError"):
         return 2, _no_cluster(e, args)
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
@@ -438,11 +417,15 @@ def _dispatch(args) -> int:
     _check_uri_args(args)
     if args.cmd == "run":
         job = _job_from_args(args)
-        result = job.run(address=args.address)
+        _interrupts.run = job.start(address=args.address)
+        result = _interrupts.run.wait()
         print(result.summary())
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result.__dict__, f, indent=2, default=str)
+        if result.state == "stopped":  # on this driver's SIGTERM or Ctrl-C
+            print(f"spotline: {_one_line(_interrupts.stopped(result))}", file=sys.stderr)
+            return _interrupts.code
         return 0
     if args.cmd == "validate":
         job = _job_from_args(args)

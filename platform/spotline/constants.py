@@ -25,6 +25,10 @@ SPOTLINE_WORKER_START_TIMEOUT_S = _env_float("SPOTLINE_WORKER_START_TIMEOUT_S", 
 # How long a grow that pays waits, training on, for replicas started ahead to be ready
 # (`runtime/standby.py`); past it, the grow starts its own processes instead.
 SPOTLINE_STANDBY_WAIT_S = _env_float("SPOTLINE_STANDBY_WAIT_S", 120.0)
+# How long taking the replicas started ahead waits for their ranks to answer (all at
+# once): one that does not answer in time is dropped, and the next group starts its own
+# processes in its place. A live idle rank answers in milliseconds, a dead one at once.
+SPOTLINE_STANDBY_CHECK_TIMEOUT_S = _env_float("SPOTLINE_STANDBY_CHECK_TIMEOUT_S", 5.0)
 # The least time without a step, in a running group, before the controller declares a
 # hang (it is otherwise failure.hang_factor x the median step plus the longest save).
 SPOTLINE_HANG_FLOOR_S = _env_float("SPOTLINE_HANG_FLOOR_S", 20.0)
@@ -56,6 +60,14 @@ SPOTLINE_STORAGE_RETRIES = int(_env_float("SPOTLINE_STORAGE_RETRIES", 5))
 SPOTLINE_RAY_CONNECT_TIMEOUT_S = _env_float("SPOTLINE_RAY_CONNECT_TIMEOUT_S", 10.0)
 # How long the driver waits between two status polls of the controller.
 SPOTLINE_DRIVER_POLL_S = _env_float("SPOTLINE_DRIVER_POLL_S", 1.0)
+# After SIGTERM or Ctrl-C, how long `spotline run` waits for its job to stop at the next
+# step boundary with a commit there before it ends the job at once. Below the 30 s
+# Kubernetes gives a pod by default (terminationGracePeriodSeconds) before SIGKILL, so
+# the driver ends by itself and says what was committed; a job whose step plus save
+# takes longer needs both raised together. `ray job stop` kills the driver
+# RAY_JOB_STOP_WAIT_TIME_S (3 s by default) after its SIGTERM: set that on the head
+# above this (infra/kuberay/raycluster.yaml does).
+SPOTLINE_DRIVER_STOP_GRACE_S = _env_float("SPOTLINE_DRIVER_STOP_GRACE_S", 25.0)
 
 # Timeout of one metadata HTTP request (and of the TCP probe of a GCS address). Metadata
 # services answer in milliseconds; a longer wait only delays the other sources.

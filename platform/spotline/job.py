@@ -25,6 +25,24 @@ from spotline.planning.plan import Plan
 from spotline.runtime.cluster import connect_ray
 
 
+def resume_hint(latest: int | None, seen: bool = False) -> str:
+    """Where running a job again starts, given the newest step this run committed
+    (`seen`: as far as the driver saw it, so a newer one may have landed since)."""
+    if latest is None:
+        return "this run committed no step: running the job again starts where this run did"
+    if seen:
+        return (
+            f"the latest commit seen is step {latest}: running the job again resumes there "
+            "(or from a newer commit)"
+        )
+    return f"the latest commit is step {latest}: running the job again resumes there"
+
+
+class StopTimedOut(RuntimeError):
+    """A stop asked with a grace (`JobRun.stop_soon`) did not end the job in time; the
+    driver ended it at once."""
+
+
 class JobFailed(RuntimeError):
     """The job ended in FAILED. `.result` holds what it did before failing."""
 
@@ -190,6 +208,11 @@ class JobRun:
         self.spec = spec
         self.controller = controller
         self._next_event = 0
+        self._stop: tuple[str, float | None] | None = None  # asked: (reason, grace)
+        self._stop_by: float | None = None  # sent: the end of its grace
+        self._stop_sent = False
+        self.latest_commit: int | None = None
+        """The newest step this run committed, as far as the driver has seen."""
         self._done = controller.run.remote()  # the job runs from here on
 
     def status(self) -> dict[str, Any]:
@@ -221,32 +244,75 @@ class JobRun:
 
         Submitting the same job again resumes from that checkpoint.
         """
-        self.controller.stop.remote(reason)
-        return self.wait(verbose, expect=("stopped", "finished"))
+        self.stop_soon(reason)
+        return self.wait(verbose)
+
+    def stop_soon(self, reason: str, grace_s: float | None = None) -> None:
+        """Ask for a stop at the next step boundary with a commit there, and return at
+        once: it only records the request, so a signal handler may call it. `wait`
+        sends it, and then waits at most `grace_s` (None: as long as the stop takes)
+        before it ends the job at once and raises StopTimedOut. The first request
+        stands."""
+        if self._stop is None:
+            self._stop = (reason, grace_s)
+
+    def resume_hint(self) -> str:
+        """Where running the job again starts, from the commits this driver saw."""
+        return resume_hint(self.latest_commit, seen=True)
 
     def wait(
         self, verbose: bool = True, out=None, expect: tuple[str, ...] = ("finished",)
     ) -> JobResult:
+        """Print the job's events until it ends; its result. A job that ends in another
+        state than `expect` (or "stopped", once a stop was asked) raises JobFailed."""
         import ray
 
         out = out or sys.stdout
         while True:
+            self._send_stop()
             ready, _ = ray.wait([self._done], timeout=constants.SPOTLINE_DRIVER_POLL_S)
             self._print_events(verbose, out)
             if ready:
                 break
+            if self._stop_by is not None and time.monotonic() > self._stop_by:
+                ray.kill(self.controller)
+                reason, grace = self._stop or ("", 0.0)
+                raise StopTimedOut(
+                    f"the job did not stop within {grace:.0f}s of {reason} "
+                    f"(SPOTLINE_DRIVER_STOP_GRACE_S) and was ended at once; {self.resume_hint()}"
+                )
         result = JobResult.from_dict(ray.get(self._done))
         self._print_events(verbose, out)
         ray.kill(self.controller)
+        if self._stop is not None:
+            expect = (*expect, "stopped")
         if result.state not in expect:
             raise JobFailed(result.error or f"job {result.name} ended in {result.state}", result)
         return result
+
+    def _send_stop(self) -> None:
+        if self._stop is None or self._stop_sent:
+            return
+        reason, grace = self._stop
+        self.controller.stop.remote(reason)
+        self._stop_sent = True
+        if grace is not None:
+            self._stop_by = time.monotonic() + grace
+            print(
+                f"spotline: {reason}: stopping at the next step boundary with a commit, "
+                f"for at most {grace:.0f}s (SPOTLINE_DRIVER_STOP_GRACE_S); a second signal "
+                "ends it at once",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _print_events(self, verbose: bool, out) -> None:
         import ray
 
         st = ray.get(self.controller.status.remote(self._next_event))
         self._next_event = st["next_event"]
+        if st.get("committed_steps"):
+            self.latest_commit = max(self.latest_commit or 0, *st["committed_steps"])
         if verbose:
             for line in st["events"]:
                 print(f"[spotline {self.spec.name}] {line}", file=out, flush=True)

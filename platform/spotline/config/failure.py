@@ -56,6 +56,10 @@ class FailureSpec(BaseModel):
     cordon_straggler_threshold: float = Field(0.5, gt=0.0)
     """A straggler this much slower than its peers (0.5: 50%) gets its node cordoned;
     the job restarts without it at the next checkpoint boundary when that pays."""
+    test_faults: bool = False
+    """Tests and benchmarks only: this job applies the faults the SPOTLINE_TEST_FAULTS
+    directory names for it (frozen or slowed ranks, `spotline.runtime.faults`). A job
+    without it never applies them, whatever the environment says."""
 
     @model_validator(mode="after")
     def _thresholds(self) -> FailureSpec:

@@ -171,6 +171,8 @@ def install_log_redaction() -> None:
 
 
 SECRETS_FILE = "secrets.json"
+SECRETS_PACKAGE_PREFIX = "spotline_secrets_"
+"""A submitted job's secrets travel in a package named this plus a random suffix."""
 
 
 def split_secrets(raw: dict[str, Any]) -> tuple[dict[str, Any], list[list[Any]]]:
@@ -226,7 +228,7 @@ def write_secrets_package(root: Path, secrets: list[list[Any]]) -> str:
     """Write `secrets` as an importable one-use package under `root`; its module name."""
     import uuid
 
-    name = f"spotline_secrets_{uuid.uuid4().hex}"
+    name = f"{SECRETS_PACKAGE_PREFIX}{uuid.uuid4().hex}"
     pkg = root / name
     pkg.mkdir(mode=0o700)
     (pkg / "__init__.py").write_text("")
@@ -252,3 +254,25 @@ def read_secrets_package(module: str) -> list[list[Any]]:
     with contextlib.suppress(OSError):
         path.unlink()
     return secrets
+
+
+def forget_secrets_packages() -> int:
+    """Remove this node's copy of a submitted job's secrets: Ray unpacks the job's
+    py_modules, the secrets package among them, on every node that starts a process of
+    the job, while only the driver reads it (`read_secrets_package`). Every actor of
+    the job calls this as it opens its job (`SealedJob`), so no node keeps the file
+    once the job runs there. Looks only where this process imports from (the job's
+    own packages); returns how many files it removed."""
+    import sys
+
+    removed = 0
+    for entry in dict.fromkeys(sys.path):
+        try:
+            found = list(Path(entry or ".").glob(f"{SECRETS_PACKAGE_PREFIX}*/{SECRETS_FILE}"))
+        except OSError:
+            continue
+        for path in found:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+    return removed

@@ -54,6 +54,7 @@ from spotline.controller.state import Pending, State
 from spotline.controller.telemetry import Telemetry
 from spotline.runtime.cluster import ClusterView
 from spotline.runtime.demand import Demand
+from spotline.runtime.faults import refusal
 from spotline.runtime.progress import Progress, WorkerFailure, WorkerGroup
 from spotline.runtime.stacks import summarise
 
@@ -91,6 +92,8 @@ class ControllerParts:
         self.inbox = Inbox()
         self.rec = Record()
         self.coordinator = CommitCoordinator(spec, store, self._event)
+        if demand is not None:
+            demand.bind(self._event)  # its failures are warnings: the job trains on
         self.recovery = PeerRecovery(spec, peers, self._event)  # peers: the state keepers
         self.telemetry = Telemetry(spec, self._event, checkpoint_uri=self.store.uri, rec=self.rec)
         self.pace = self.telemetry.pace
@@ -133,6 +136,9 @@ class ControllerParts:
         self.stacks = stacks
         """Takes the live group's stacks (`spotline.runtime.stacks.RayStacks`); None:
         hangs come without them."""
+        refused = refusal(spec)  # a test's faults in a job not marked as a test
+        if refused is not None:
+            self._event(refused, logging.WARNING)
 
     @property
     def store(self) -> CheckpointStore:
@@ -330,6 +336,7 @@ class ControllerParts:
                 self.survivors = self.group.hand_over(gone, self.spec.recovery.reform_grace_s)
                 if self.standby is not None:
                     self.survivors.replicas += self.standby.take(gone)
+                    self._say_standby_failures()
                 behind = self.group.left_behind
                 self._event(
                     f"{self.survivors.devices()} rank(s) go on in their processes"
@@ -364,9 +371,14 @@ class ControllerParts:
         limit = (self.scaling_policy.fit(self.spec.elastic.max_replicas) or 0) - group.replicas
         avoid = set(self.cluster.cordoned) | set(self.inbox.doomed())
         standby.keep(self.cluster.capacity(), limit, group.device, avoid)
-        while standby.failures:  # the group starts its own processes instead
-            self._event(standby.failures.pop(0), logging.WARNING)
+        self._say_standby_failures()
         return standby.devices()
+
+    def _say_standby_failures(self) -> None:
+        """Each replica started ahead that failed, timed out or died: the group starts
+        its own processes instead."""
+        while self.standby is not None and self.standby.failures:
+            self._event(self.standby.failures.pop(0), logging.WARNING)
 
     def _grow_declined(self, capacity: int, restart_s: float, running_s: float) -> None:
         """Free capacity the job does not grow onto says why, once per group and size, so

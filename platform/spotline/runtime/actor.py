@@ -295,7 +295,7 @@ class TrainWorker:
             )
         name, peak = device_peak(self.spec.parallel.precision_on(self.device), threads)
         node = ray.get_runtime_context().get_node_id()
-        self.faults = Faults.for_rank(self.spec.name, self.topo.rank, node)  # tests only
+        self.faults = Faults.for_rank(self.spec, self.topo.rank, node)  # tests only
         self.trainer = Trainer(
             self.spec,
             self.topo,

@@ -64,17 +64,18 @@ def connect_ray(address: str | None) -> None:
     check_reachable(address)
     bind_to_loopback()
     # ray.init replaces the process's SIGTERM handler (and its core worker's crash
-    # handler prints "*** SIGTERM received ... PC: @" for it): a handler this process
-    # chose before, such as the CLI's clean exit, is put back once Ray is up.
+    # handler prints "*** SIGTERM received ... PC: @" for it): the handlers this process
+    # chose before, such as the CLI's stop at a step boundary, are put back once Ray is up.
     main = threading.current_thread() is threading.main_thread()
-    sigterm = signal.getsignal(signal.SIGTERM) if main else None
+    chosen = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     # Worker and controller logs stay in their actor logs (Ray dashboard, `ray logs`);
     # the driver prints the controller's events, and failures arrive grouped by rank.
     if address is None and not os.environ.get("RAY_ADDRESS"):
         address = "local"
     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-    if callable(sigterm):
-        signal.signal(signal.SIGTERM, sigterm)
+    for sig, handler in chosen.items():
+        if callable(handler):
+            signal.signal(sig, handler)
 
 
 def cluster_candidates(address: str | None) -> list[str | None]:

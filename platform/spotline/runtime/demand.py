@@ -30,9 +30,14 @@ log = logging.getLogger("spotline.controller")
 
 
 class Demand(Protocol):
+    def bind(self, event: Callable[[str, int], None]) -> None:
+        """Say what goes wrong through `event(text, level)` (the controller's events)."""
+        ...
+
     def keep(self, force: bool = False) -> None:
         """State the demand, or refresh it when it is due (`force`: now, e.g. after a
-        node was lost, so the autoscaler replaces it without waiting for a refresh)."""
+        node was lost, so the autoscaler replaces it without waiting for a refresh).
+        Never raises: a failure is a warning, and the job trains on what is up."""
         ...
 
     def withdraw(self) -> None:
@@ -56,6 +61,10 @@ def demand_bundles(
     return [dict(b) for _ in range(replicas) for b in replica if b]
 
 
+def _log_event(text: str, level: int) -> None:
+    log.log(level, text)
+
+
 class RayDemand:
     def __init__(
         self,
@@ -71,7 +80,13 @@ class RayDemand:
         self.bundles = demand_bundles(spec, device)
         self.clock = clock
         self._sent_at: float | None = None
+        self._due: float | None = None  # when keep() asks next, failed or not
+        self._said: set[tuple[str, str]] = set()  # the causes of failure said so far
+        self._event: Callable[[str, int], None] = _log_event
         self._coordinator: Any = None
+
+    def bind(self, event: Callable[[str, int], None]) -> None:
+        self._event = event
 
     def _actor(self) -> Any:
         if self._coordinator is None:
@@ -84,17 +99,35 @@ class RayDemand:
 
     def keep(self, force: bool = False) -> None:
         now = self.clock()
-        if (
-            not force
-            and self._sent_at is not None
-            and now - self._sent_at < constants.SPOTLINE_DEMAND_REFRESH_S
-        ):
+        if not force and self._due is not None and now < self._due:
             return
-        import ray
-        from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import (
-            ResourceRequestPriority,
-        )
+        # Failed or not, the next try is a refresh away: a GCS that does not answer
+        # must not cost the controller's loop an RPC timeout at every turn.
+        self._due = now + constants.SPOTLINE_DEMAND_REFRESH_S
+        doing = "reading the cluster's nodes"
+        try:
+            bundles = self._bundles_now()
+            doing = "loading Ray's autoscaling coordinator"
+            send = self._sender()
+            doing = "sending the request"
+            send(bundles)
+        except Exception as e:  # noqa: BLE001 - the job trains on; the next keep() asks again
+            self._failed(doing, e)
+            return
+        self.bundles = bundles
+        if self._said:
+            self._said.clear()
+            self._event(
+                f"the autoscaler has the job's demand now ({len(bundles)} worker bundle(s))",
+                logging.INFO,
+            )
+        elif self._sent_at is None:
+            log.info("asked the autoscaler for %d worker bundle(s)", len(bundles))
+        self._sent_at = now
 
+    def _bundles_now(self) -> list[dict[str, float]]:
+        """The bundles to ask for now: live nodes decide the device ('auto') and which
+        doomed or cordoned nodes need a replacement (`ray.nodes()`)."""
         from spotline.runtime.placement import held_out_nodes, usable_nodes
 
         device = self.device
@@ -104,29 +137,53 @@ class RayDemand:
             from spotline.runtime.rendezvous import decide_device
 
             device = decide_device("auto", usable_nodes())
-        self.bundles = demand_bundles(self.spec, device, held_out_nodes(self.cordoned))
+        return demand_bundles(self.spec, device, held_out_nodes(self.cordoned))
 
-        try:
+    def _sender(self) -> Callable[[list[dict[str, float]]], None]:
+        """What sends `bundles` to Ray's autoscaling coordinator (a private module of
+        Ray's: it may move in another Ray version)."""
+        import ray
+        from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import (
+            ResourceRequestPriority,
+        )
+
+        coordinator = self._actor()
+
+        def send(bundles: list[dict[str, float]]) -> None:
             ray.get(
-                self._actor().request_resources.remote(
+                coordinator.request_resources.remote(
                     requester_id=self.requester,
-                    resources=self.bundles,
+                    resources=bundles,
                     expire_after_s=constants.SPOTLINE_DEMAND_EXPIRE_S,
                     priority=ResourceRequestPriority.HIGH,
                 ),
                 timeout=constants.SPOTLINE_DEMAND_RPC_TIMEOUT_S,
             )
-        except Exception as e:  # noqa: BLE001 - the next keep() asks again
-            log.warning(
-                "could not tell the autoscaler what the job needs (%s); asking again in "
-                "%.0fs. Until then the cluster grows only for other demand.",
-                e,
-                constants.SPOTLINE_DEMAND_REFRESH_S,
-            )
+
+        return send
+
+    def _failed(self, doing: str, e: Exception) -> None:
+        """One warning per distinct cause (what failed, and the error's type), however
+        often it fails again; a success in between makes the next failure news."""
+        cause = (doing, type(e).__name__)
+        if cause in self._said:
+            log.debug("the autoscaler's demand failed again: %s: %s", doing, e)
             return
-        if self._sent_at is None:
-            log.info("asked the autoscaler for %d worker bundle(s)", len(self.bundles))
-        self._sent_at = now
+        self._said.add(cause)
+        moved = isinstance(e, ImportError)
+        self._event(
+            f"could not tell the autoscaler what the job needs ({doing}: {type(e).__name__}: "
+            f"{e}); the job trains on the nodes that are up, and the cluster grows only for "
+            + (
+                "other demand. This Ray version moved its autoscaling coordinator: run "
+                "Spotline with the Ray version it pins"
+                if moved
+                else "other demand until a retry, every "
+                f"{constants.SPOTLINE_DEMAND_REFRESH_S:.0f}s (SPOTLINE_DEMAND_REFRESH_S), "
+                "gets through"
+            ),
+            logging.WARNING,
+        )
 
     def withdraw(self) -> None:
         if self._sent_at is None and self._coordinator is None:

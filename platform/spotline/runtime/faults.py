@@ -1,8 +1,11 @@
 """Faults a test or benchmark injects into its own job's ranks. Never set in production.
 
-SPOTLINE_TEST_FAULTS names a directory (it reaches the workers through Ray's job
-runtime_env); the faults of job NAME are the JSON list in `<dir>/NAME.json`, read once
-when a rank sets up:
+Two switches, both needed: SPOTLINE_TEST_FAULTS names a directory (it reaches the
+workers through Ray's job runtime_env), and the job's spec says `failure.test_faults:
+true`. A variable left set on a production cluster therefore does nothing to a job
+that is not marked as a test: its faults are not applied, and the controller says so
+once (`refusal`). The faults of job NAME are the JSON list in `<dir>/NAME.json`, read
+once when a rank sets up:
 
   {"kind": "freeze", "rank": 1, "step": 6, "phase": "forward"}
       rank 1 stops its own process with SIGSTOP in the first forward of step 6
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from spotline.bubbles.schedule import PASSES
+from spotline.config.schema import JobSpec
 
 ENV = "SPOTLINE_TEST_FAULTS"
 
@@ -53,19 +57,38 @@ def _slowed(fn, factor: float):
     return slow
 
 
+def _listed(spec: JobSpec) -> Path | None:
+    """The fault list SPOTLINE_TEST_FAULTS holds for this job, if any."""
+    root = os.environ.get(ENV)
+    if not root:
+        return None
+    path = Path(root) / f"{spec.name}.json"
+    return path if path.is_file() else None
+
+
+def refusal(spec: JobSpec) -> str | None:
+    """What to say, once per job, when SPOTLINE_TEST_FAULTS holds faults for a job whose
+    spec is not marked as a test: they are not applied. None otherwise."""
+    path = _listed(spec)
+    if path is None or spec.failure.test_faults:
+        return None
+    return (
+        f"{ENV} names faults for this job ({path}), but its spec does not set "
+        "failure.test_faults: true, so none is applied; unset the variable outside tests"
+    )
+
+
 class Faults:
     def __init__(self, faults: list[dict[str, Any]], marker_root: Path | None = None):
         self.faults = faults
         self.marker_root = marker_root
 
     @classmethod
-    def for_rank(cls, job: str, rank: int, node_id: str) -> Faults | None:
-        """This rank's faults (None: none injected, the production case)."""
-        root = os.environ.get(ENV)
-        if not root:
-            return None
-        path = Path(root) / f"{job}.json"
-        if not path.is_file():
+    def for_rank(cls, spec: JobSpec, rank: int, node_id: str) -> Faults | None:
+        """This rank's faults (None: none injected, the production case, or the spec
+        is not marked as a test)."""
+        path = _listed(spec)
+        if path is None or not spec.failure.test_faults:
             return None
         mine = [
             dict(f, index=i)

@@ -11,6 +11,10 @@ stay in the object store (see the README for what an operator can still see).
 
 This is the one way a spec or a store reaches an actor. Never pass `model_dump_json()`
 or a `CheckpointStore` (which pickles its options in clear) as an actor argument.
+
+Opening one also removes this node's copy of the secrets package a submitted job's
+driver read its secrets from (`forget_secrets_packages`): Ray unpacks it on every node
+that starts a process of the job, and no actor needs it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 from spotline.checkpoint import CheckpointStore
 from spotline.config.loader import register_spec_secrets
-from spotline.config.redact import join_secrets, split_secrets
+from spotline.config.redact import forget_secrets_packages, join_secrets, split_secrets
 from spotline.config.schema import JobSpec
 
 
@@ -50,6 +54,7 @@ class SealedJob:
     def open_spec(self, secrets: dict[str, list] | None = None) -> JobSpec:
         """The spec, secrets restored and registered for redaction (in the actor that
         was given this)."""
+        forget_secrets_packages()
         spec_secrets = (secrets or self._resolve())["spec"]
         spec = JobSpec.model_validate(join_secrets(json.loads(self.spec_json), spec_secrets))
         return register_spec_secrets(spec)

@@ -28,6 +28,7 @@ from spotline import constants
 from spotline.checkpoint import CheckpointStore
 from spotline.config.schema import JobSpec
 from spotline.runtime.placement import worker_bundle
+from spotline.runtime.progress import describe_failure
 from spotline.runtime.rendezvous import share_node_devices
 from spotline.runtime.sealed import SealedJob
 from spotline.runtime.spawn import start_worker
@@ -102,12 +103,24 @@ class Standby:
         every other one ends (one not ready yet would hold devices the next group is
         sized without)."""
         self._advance()
+        good = [
+            r for r in self._replicas if r.ready and not any(i["node_id"] in avoid for i in r.infos)
+        ]
+        # A ready replica may have died since (its process killed, out of memory, its
+        # node gone before Ray said so): the next group must not count on it.
+        dead = not_answering(good, constants.SPOTLINE_STANDBY_CHECK_TIMEOUT_S)
+        taken = {r.name for r in good} - set(dead)
         out = []
         for r in self._replicas:
-            if r.ready and not any(i["node_id"] in avoid for i in r.infos):
+            if r.name in taken:
                 out.append(Survivor(r.actors, r.pg, r.infos, ahead=True))
-            else:
-                end(r.actors, [r.pg])
+                continue
+            if r.name in dead:
+                self.failures.append(
+                    f"replica {r.name} started ahead{_where(r)} is not alive ({dead[r.name]}); "
+                    "the next group starts its own processes in its place"
+                )
+            end(r.actors, [r.pg])
         if out:
             log.info("%d replica(s) started ahead join the next group", len(out))
         self._replicas = []
@@ -141,9 +154,7 @@ class Standby:
         self._replicas.remove(r)
 
     def _fail(self, r: _Replica, why: str) -> None:
-        nodes = sorted({i["node_id"][:12] for i in r.infos if i.get("node_id")})
-        where = f" on node {', '.join(nodes)}" if nodes else ""
-        self.failures.append(f"replica {r.name} started ahead{where} ended: {why}")
+        self.failures.append(f"replica {r.name} started ahead{_where(r)} ended: {why}")
         self._end(r, why)
 
     def _advance(self) -> None:
@@ -214,3 +225,39 @@ class Standby:
             )
         r.pending = [a.info.remote() for a in r.actors]
         r.phase = "starting"
+
+
+def _where(r: _Replica) -> str:
+    nodes = sorted({i["node_id"][:12] for i in r.infos if i.get("node_id")})
+    return f" on node {', '.join(nodes)}" if nodes else ""
+
+
+def not_answering(replicas: list[_Replica], timeout_s: float) -> dict[str, str]:
+    """Why each of `replicas` with a rank that does not answer a no-op call (`info`)
+    within `timeout_s` is not alive, by name. One wait for every rank of every replica:
+    the check costs at most `timeout_s` however many there are."""
+    import ray
+
+    calls: dict[Any, _Replica] = {}
+    why: dict[str, str] = {}
+    for r in replicas:
+        for a in r.actors:
+            try:
+                calls[a.info.remote()] = r
+            except Exception as e:  # noqa: BLE001 - a handle that cannot take a call
+                why[r.name] = describe_failure(e)
+    if not calls:
+        return why
+    done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    answered = set(done)
+    for ref, r in calls.items():
+        if r.name in why:
+            continue
+        if ref not in answered:
+            why[r.name] = f"no answer within {timeout_s:.0f}s (SPOTLINE_STANDBY_CHECK_TIMEOUT_S)"
+            continue
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - what ended it is the answer
+            why[r.name] = describe_failure(e)
+    return why

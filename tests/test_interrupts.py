@@ -1,0 +1,121 @@
+"""SIGTERM and Ctrl-C to a driver (`spotline.interrupts`): the first stops the job at
+a step boundary with a commit, another ends it at once, and the last line says what was
+committed. The handler is called directly here; tests/test_cli_driver_ray.py sends the
+real signal to a real `spotline run`."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from spotline import constants
+from spotline.interrupts import Interrupts
+from spotline.job import JobResult, resume_hint
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def keep_handlers() -> Iterator[None]:
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+class FakeRun:
+    def __init__(self, latest: int | None = None) -> None:
+        self.asked: list[tuple[str, float | None]] = []
+        self.latest = latest
+
+    def stop_soon(self, reason: str, grace_s: float | None = None) -> None:
+        self.asked.append((reason, grace_s))
+
+    def resume_hint(self) -> str:
+        return resume_hint(self.latest, seen=True)
+
+
+def _result(steps: int, committed: list[int]) -> JobResult:
+    return JobResult.from_dict(
+        {
+            "name": "j",
+            "state": "stopped",
+            "steps": steps,
+            "losses": {},
+            "final_train_loss": None,
+            "heldout_loss": None,
+            "steps_per_s": 0.0,
+            "tokens_per_s": 0.0,
+            "checkpoint_uri": "file:///runs/j/ckpt",
+            "committed_steps": committed,
+            "failures": 0,
+            "wall_s": 1.0,
+        }
+    )
+
+
+def test_the_first_signal_asks_a_stop_within_the_grace_and_the_second_ends_at_once(
+    keep_handlers,
+):
+    it = Interrupts()
+    it.install()
+    it.run = FakeRun(latest=40)
+    it.handle(signal.SIGTERM)  # returns: the driver waits for the stop
+    assert it.run.asked == [("SIGTERM to the driver", constants.SPOTLINE_DRIVER_STOP_GRACE_S)]
+    assert it.code == 143
+    with pytest.raises(KeyboardInterrupt):
+        it.handle(signal.SIGTERM)
+    assert len(it.run.asked) == 1  # asked once
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a third is not caught
+    assert it.ended_at_once() == (
+        "terminated by SIGTERM again: the job was ended at once; the latest commit seen is "
+        "step 40: running the job again resumes there (or from a newer commit)"
+    )
+    it.restore()
+
+
+def test_ctrl_c_exits_130_and_says_nothing_committed_when_nothing_was(keep_handlers):
+    it = Interrupts()
+    it.install()
+    it.run = FakeRun(latest=None)
+    it.handle(signal.SIGINT)
+    assert it.run.asked[0][0] == "Ctrl-C to the driver"
+    with pytest.raises(KeyboardInterrupt):
+        it.handle(signal.SIGINT)
+    assert it.code == 130
+    line = it.ended_at_once()
+    assert line == (
+        "interrupted again: the job was ended at once; this run committed no step: running "
+        "the job again starts where this run did"
+    )
+    assert "resumes from its latest commit" not in line
+    it.restore()
+
+
+def test_a_signal_before_the_job_started_ends_the_command_at_once(keep_handlers):
+    it = Interrupts()
+    it.install()
+    with pytest.raises(KeyboardInterrupt):
+        it.handle(signal.SIGTERM)
+    assert (it.code, it.ended_at_once()) == (143, "terminated by SIGTERM")
+    it.restore()
+
+
+def test_the_line_of_a_stopped_job_names_the_step_it_committed_or_says_it_did_not():
+    it = Interrupts()
+    it.seen = [signal.SIGTERM]
+    assert it.stopped(_result(57, [40, 57])) == (
+        "stopped by SIGTERM at step 57, committed at file:///runs/j/ckpt/step_00000057: "
+        "running the job again resumes there"
+    )
+    assert it.stopped(_result(57, [40])) == (
+        "stopped by SIGTERM at step 57, which did not commit; the latest commit is step 40: "
+        "running the job again resumes there"
+    )
+    it.seen = [signal.SIGINT]
+    assert it.stopped(_result(3, [])) == (
+        "stopped by Ctrl-C at step 3, which did not commit; this run committed no step: "
+        "running the job again starts where this run did"
+    )
