@@ -386,7 +386,7 @@ class Job:
         from spotline.metrics.flops import device_peak
         from spotline.planning.memory import precision
         from spotline.planning.plan import make_plan
-        from spotline.preflight import check_offline, device_memory_bytes
+        from spotline.preflight import check_offline, device_memory_bytes, node_shape
 
         spec = self.spec
         if device_memory_gb is not None:
@@ -404,7 +404,8 @@ class Job:
                 if peak:
                     how = "a matmul probe" if name == "cpu" else "the datasheet peak"
                     rate = (peak, peak, f"{peak / 1e12:.3g} TFLOP/s ({name}, {how})")
-        return make_plan(spec, device_memory_bytes(spec, local_cluster), rate)
+        device = device_memory_bytes(spec, local_cluster)
+        return make_plan(spec, device, rate, node_shape(spec, local_cluster))
 
     def start(self, address: str | None = None) -> JobRun:
         """Preflight (before any worker starts), then start the controller actor."""

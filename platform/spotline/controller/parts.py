@@ -194,6 +194,7 @@ class ControllerParts:
         self.health.take(p.ranks, self.step_count, self.clock())
         for step in sorted(p.saves):
             self.coordinator.expect(step, group.attempt, group.world_size)
+        self._saves_skipped(p.skipped_saves, sorted(p.saves))
         for done in self.coordinator.receive(p.uploads):
             self._committed(done)
         for notice in p.notices:
@@ -202,7 +203,29 @@ class ControllerParts:
         tel = self.telemetry
         tel.account(p, elapsed, group, self.clock(), self.bubbles, self.backfill, self.partitions)
         tel.export_counts(self.backfill_api.finished_counts())
-        self.recovery.take(p.peer, group, list(self.rec.step_seconds))
+        self.recovery.take(p.peer, group, p.steps)
+
+    def _saves_skipped(self, skipped: list[int], saved: list[int]) -> None:
+        """Say once when periodic checkpoints start being skipped (uploads slower than
+        the interval), and once when they keep up again."""
+        r = self.rec
+        if skipped:
+            if not r.saves_behind:
+                self._event(
+                    f"checkpoint at step {skipped[0]} skipped: a rank was still uploading an "
+                    "earlier one (uploads take longer than checkpoint.interval_steps = "
+                    f"{self.spec.checkpoint.interval_steps} steps of training). Raise "
+                    "checkpoint.interval_steps, or lift checkpoint.upload_max_mb_per_s",
+                    logging.WARNING,
+                )
+            r.skipped_saves += skipped
+            r.saves_behind = True
+        elif saved and r.saves_behind:
+            r.saves_behind = False
+            self._event(
+                f"checkpoints keep up again at step {saved[0]} ({len(r.skipped_saves)} "
+                "skipped so far)"
+            )
 
     def _committed(self, done: Committed) -> None:
         self.rec.commit(done)

@@ -81,6 +81,10 @@ class Record:
     """The replica count that measurement was taken at."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     """The live group's latest steps' own seconds (the ranks' step timers)."""
+    skipped_saves: list[int] = field(default_factory=list)
+    """Periodic checkpoints skipped because an earlier one was still uploading."""
+    saves_behind: bool = False
+    """The latest periodic checkpoint was skipped (said once, until one is taken)."""
 
     def take_losses(self, attempt: str | None, losses: list[tuple[int, float]]) -> None:
         """(step, loss) group `attempt` trained, from its receipts or its peer copies: the
@@ -339,7 +343,7 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
             {"tasks": ctl.backfill.results(), **ctl.backfill.summary()} if ctl.backfill else None
         ),
         health=ctl.health.view(ctl.clock()),
-        peer_memory=ctl.recovery.summary(list(r.step_seconds)),
+        peer_memory=ctl.recovery.summary(),
         checkpoint_uri=ctl.store.uri,
         wall_s=(r.finished_at or time.time()) - r.started_at,
         updated_at=time.time(),
