@@ -51,6 +51,8 @@ class JobResult:
     checkpoint_blocked_s: list[float] = field(default_factory=list)
     checkpoint_upload_s: list[float] = field(default_factory=list)
     checkpoint_bytes: list[int] = field(default_factory=list)
+    skipped_saves: list[int] = field(default_factory=list)
+    """Periodic checkpoints skipped because an earlier one was still uploading."""
     error: str | None = None
     notices: list[dict[str, Any]] = field(default_factory=list)
     """Preemption notices and what came of each (JIT step, notice-to-commit seconds)."""

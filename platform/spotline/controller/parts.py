@@ -49,6 +49,9 @@ from spotline.runtime.progress import Progress, WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
 
+_KEEPING_UP = 3
+"""Checkpoints in a row, none skipped, before skipped ones are said to be over."""
+
 
 class ControllerParts:
     """The controller's rooms and its answers to other threads (see the module)."""
@@ -207,25 +210,30 @@ class ControllerParts:
 
     def _saves_skipped(self, skipped: list[int], saved: list[int]) -> None:
         """Say once when periodic checkpoints start being skipped (uploads slower than
-        the interval), and once when they keep up again."""
+        the interval), and once when they keep up again: three checkpoints in a row
+        with none skipped between them."""
         r = self.rec
-        if skipped:
-            if not r.saves_behind:
+        for step, was_skipped in sorted([(s, True) for s in skipped] + [(s, False) for s in saved]):
+            if was_skipped:
+                r.skipped_saves.append(step)
+                r.saves_in_a_row = 0
+                if not r.saves_behind:
+                    r.saves_behind = True
+                    self._event(
+                        f"checkpoint at step {step} skipped: a rank was still uploading an "
+                        "earlier one (uploads take longer than checkpoint.interval_steps = "
+                        f"{self.spec.checkpoint.interval_steps} steps of training). Raise "
+                        "checkpoint.interval_steps, or lift checkpoint.upload_max_mb_per_s",
+                        logging.WARNING,
+                    )
+                continue
+            r.saves_in_a_row += 1
+            if r.saves_behind and r.saves_in_a_row >= _KEEPING_UP:
+                r.saves_behind = False
                 self._event(
-                    f"checkpoint at step {skipped[0]} skipped: a rank was still uploading an "
-                    "earlier one (uploads take longer than checkpoint.interval_steps = "
-                    f"{self.spec.checkpoint.interval_steps} steps of training). Raise "
-                    "checkpoint.interval_steps, or lift checkpoint.upload_max_mb_per_s",
-                    logging.WARNING,
+                    f"checkpoints keep up again at step {step} ({len(r.skipped_saves)} "
+                    "skipped so far)"
                 )
-            r.skipped_saves += skipped
-            r.saves_behind = True
-        elif saved and r.saves_behind:
-            r.saves_behind = False
-            self._event(
-                f"checkpoints keep up again at step {saved[0]} ({len(r.skipped_saves)} "
-                "skipped so far)"
-            )
 
     def _committed(self, done: Committed) -> None:
         self.rec.commit(done)

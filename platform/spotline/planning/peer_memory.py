@@ -22,7 +22,9 @@ import math
 from dataclasses import dataclass
 
 from spotline.config.schema import JobSpec
-from spotline.planning.memory import ADAM_BYTES, MASTER_BYTES, human_bytes, precision, stage_params
+from spotline.models import layer_tensor_sizes, model_def
+from spotline.planning.memory import ADAM_BYTES, MASTER_BYTES, human_bytes, precision
+from spotline.planning.partition import stage_bounds
 
 
 @dataclass(frozen=True)
@@ -56,19 +58,38 @@ def fit_level(own: int, buddy: int, budget: int | None) -> PeerLevel:
     return next(lv for lv in LEVELS if lv.need(own, buddy) <= budget)
 
 
+RNG_META_BYTES = 34_000
+"""A rank's meta file holds its RNG states (Python, NumPy, torch) as JSON: about this."""
+ENTRY_BYTES = 500
+"""One saved tensor fragment's index entry (meta file) and safetensors header entry."""
+
+
 def rank_copy_bytes(spec: JobSpec, replicas: int, bounds: list[int] | None = None) -> list[int]:
-    """Bytes of each rank's peer copy (by rank: stage * replicas + replica): its share of
-    its stage's fp32 master and Adam moments, plus the 16-bit weights on replica 0."""
+    """Bytes of each rank's peer copy (by rank: stage * replicas + replica), which are
+    its checkpoint files: its share of its stage's fp32 master and Adam moments, plus
+    the 16-bit weights on replica 0, plus its meta file (RNG states, index entries)."""
+    model = model_def(spec)
+    bounds = bounds or stage_bounds(model, spec.parallel.pipeline_stages)
+    sizes = layer_tensor_sizes(model)
     zero = spec.parallel.zero_stage
     lp = 2 if precision(spec) == "bf16" and zero < 3 else 0
+    kinds = 1 + ADAM_BYTES // 4  # the fp32 master and the two moments
     out = []
-    for params in stage_params(spec, bounds=bounds):
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        tensors = [n for layer in sizes[lo:hi] for n in layer]
+        params = sum(tensors)
         opt = (MASTER_BYTES + ADAM_BYTES) * params
         for replica in range(replicas):
-            # ZeRO >= 1 splits it over the replicas; under ZeRO-0 replica 0 writes it
-            # whole and the others hold copies.
-            mine = math.ceil(opt / replicas) if zero >= 1 else (opt if replica == 0 else 0)
-            out.append(mine + (lp * params if replica == 0 else 0))
+            # ZeRO >= 1 splits it over the replicas (a rank's slice of the stage's flat
+            # buffer touches about its share of the tensors, plus one at each end); under
+            # ZeRO-0 replica 0 writes it whole and the others hold copies.
+            if zero >= 1:
+                mine, pieces = math.ceil(opt / replicas), math.ceil(len(tensors) / replicas) + 1
+            else:
+                mine, pieces = (opt, len(tensors)) if replica == 0 else (0, 0)
+            entries = kinds * pieces + (len(tensors) if lp and replica == 0 else 0)
+            weights = lp * params if replica == 0 else 0
+            out.append(mine + weights + RNG_META_BYTES + ENTRY_BYTES * entries)
     return out
 
 
