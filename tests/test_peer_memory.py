@@ -355,3 +355,70 @@ def test_leaving_a_process_group_forgets_deepspeeds_groups():
     assert groups._DATA_PARALLEL_GROUP is None and groups._EXPERT_PARALLEL_GROUP == {}
     assert dcomm.cdb is None
     assert isinstance(groups._DEVICE_MESH_SPLIT_UNSUPPORTED, str)  # a constant stays
+
+
+# --- the budget: what a node's keeper holds, and the degrade order ----------------------
+
+
+def test_levels_degrade_in_the_stated_order():
+    from spotline.planning.peer_memory import LEVELS, fit_level
+
+    own, buddy = 100, 80
+    assert [lv.need(own, buddy) for lv in LEVELS] == [360, 180, 100, 0]
+    assert fit_level(own, buddy, None) == LEVELS[0]  # unknown budget: the fullest
+    assert fit_level(own, buddy, 360) == LEVELS[0]
+    assert fit_level(own, buddy, 359).describe() == "one kept step, on own and buddy nodes"
+    assert fit_level(own, buddy, 179).describe() == "one kept step, on own node only"
+    assert fit_level(own, buddy, 99).describe() == "no peer snapshots"
+
+
+def test_a_nodes_keeper_holds_its_own_ranks_and_the_previous_nodes():
+    from spotline.planning.jit import checkpoint_bytes
+    from spotline.planning.peer_memory import node_peer_memory, node_ranks, rank_copy_bytes
+
+    # A replica's stages are packed together; nodes fill up in replica order.
+    assert node_ranks(2, 4, 4) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    spec = _spec(**{"peer_memory": "1GB"})
+    spec = load_spec({"name": "peer", "parallel": {"pipeline_stages": 2},
+                      "elastic": {"min_replicas": 4, "max_replicas": 4},
+                      "recovery": {"peer_memory": "1GB"}})  # fmt: skip
+    per_rank = rank_copy_bytes(spec, 4)
+    # Every copy together is one checkpoint (plus each rank's meta file).
+    assert 1.0 <= sum(per_rank) / checkpoint_bytes(spec) < 1.5
+    one_node = node_peer_memory(spec, 4, ranks_per_node=8, node_ram=None)
+    assert (one_node.own, one_node.buddy) == (sum(per_rank), 0)
+    two = node_peer_memory(spec, 4, ranks_per_node=4, node_ram=None)
+    halves = sorted(
+        [sum(per_rank[r] for r in (0, 4, 1, 5)), sum(per_rank[r] for r in (2, 6, 3, 7))]
+    )
+    assert sorted([two.own, two.buddy]) == halves
+    assert two.budget == 1_000_000_000 and two.level.steps == 2
+    # A share of the node's RAM: 25% of 1 MB cannot hold them.
+    tight = load_spec({"name": "peer", "recovery": {"peer_memory": 0.25}})
+    assert node_peer_memory(tight, 2, 4, node_ram=10**6).level.describe() == "no peer snapshots"
+    assert "does NOT fit" in node_peer_memory(tight, 2, 4, node_ram=10**6).render()
+
+
+def test_the_placement_takes_the_level_the_tightest_node_allows():
+    """`PeerMemory.fit` (no Ray): every node's keeper within its own budget, and the
+    level said once with the busiest node's figures and the field to change."""
+    from spotline.runtime.keeper import PeerMemory
+
+    peers = PeerMemory(load_spec({"name": "peer", "recovery": {"peer_memory": 0.5}}))
+    nodes = ["a", "a", "b", "b", "c"]
+    sizes = [100, 100, 100, 100, 300]
+    # c holds its own 300 and b's 200 (its buddy): two steps need 1000 bytes.
+    ram = {"a": 10_000, "b": 10_000, "c": 2_000}
+    assert peers.fit(nodes, sizes, ram).describe() == "two kept steps, on own and buddy nodes"
+    ram["c"] = 1_500  # a budget of 750: one kept step
+    level = peers.fit(nodes, sizes, ram)
+    assert level.describe() == "one kept step, on own and buddy nodes"
+    peers._set_level(level)
+    (said,) = peers.take_changes()
+    assert said.startswith("peer memory: node c's keeper holds up to 1.0 kB (two steps of 300 B")
+    assert "over its budget of 750 B of 1.5 kB RAM (recovery.peer_memory)" in said
+    peers._set_level(level)
+    assert peers.take_changes() == []  # said once
+    ram["c"] = 500  # 250: only its own ranks' copies, one step
+    assert peers.fit(nodes, sizes, ram).describe() == "one kept step, on own node only"
+    assert {f["node"]: f["need"] for f in peers.fits} == {"a": 200, "b": 200, "c": 300}

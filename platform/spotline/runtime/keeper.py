@@ -256,6 +256,7 @@ class PeerMemory:
                     "buddy": buddy,
                     "budget": budget,
                     "ram": ram.get(node),
+                    "fits": LEVELS.index(mine),
                 }
             )
         for f in self.fits:
@@ -352,7 +353,8 @@ class PeerMemory:
             return
         self._said = True
         self.level = level
-        f = max(self.fits, key=lambda f: f["own"] + f["buddy"])
+        # The node whose budget set the level (else the busiest one).
+        f = max(self.fits, key=lambda f: (f["fits"], f["own"] + f["buddy"]))
         ram = f" of {human_bytes(f['ram'])} RAM" if f["ram"] else ""
         budget = (
             f"its budget of {human_bytes(f['budget'])}{ram}"
