@@ -419,6 +419,6 @@ def test_the_placement_takes_the_level_the_tightest_node_allows():
     assert "over its budget of 750 B of 1.5 kB RAM (recovery.peer_memory)" in said
     peers._set_level(level)
     assert peers.take_changes() == []  # said once
-    ram["c"] = 500  # 250: only its own ranks' copies, one step
+    ram["c"] = 700  # 350: only its own ranks' copies, one step
     assert peers.fit(nodes, sizes, ram).describe() == "one kept step, on own node only"
     assert {f["node"]: f["need"] for f in peers.fits} == {"a": 200, "b": 200, "c": 300}
