@@ -1079,9 +1079,9 @@ def test_a_lost_nodes_state_keeper_is_forgotten_before_the_next_group_asks(tmp_p
     the next group waiting for Ray to call it unavailable."""
     from spotline.runtime.keeper import PeerMemory
 
-    peers = PeerMemory.__new__(PeerMemory)
-    peers._keepers = {"node-0": "keeper-0", "node-1": "keeper-1"}
     ctl, _ = make(tmp_path, {"kill_at": 17, "lose_node": "node-1"}, _two_nodes)
+    peers = PeerMemory(ctl.spec)
+    peers._keepers = {"node-0": "keeper-0", "node-1": "keeper-1"}
     ctl.recovery.peers = peers
     offered = []
     peers.offer = lambda *a, **k: offered.append(set(peers._keepers))  # what it would ask
@@ -1559,11 +1559,12 @@ def test_a_group_whose_only_restore_is_a_peer_copy_still_initialises_its_weights
     read leaves it training from the start, not refusing to step on empty weights."""
     from spotline.checkpoint.peer import PEER_KEY, PeerOffer
     from spotline.checkpoint.transfer import build_manifest
+    from spotline.runtime.keeper import PeerMemory
 
     ctl, store = make(tmp_path, {"kill_at": 7, "peer_unreadable": True})
     asked = []
 
-    class Keepers:  # the failed group's step 5, complete in live nodes' memory
+    class Keepers(PeerMemory):  # the failed group's step 5, complete in live nodes' memory
         def offer(self, attempt, world, partition, at=None, leaving=frozenset()):
             asked.append(attempt)
             results = [UploadResult(5, r, attempt, world, [], []) for r in range(world)]
@@ -1574,7 +1575,7 @@ def test_a_group_whose_only_restore_is_a_peer_copy_still_initialises_its_weights
         def retain(self, attempts):
             pass
 
-    ctl.recovery.peers = Keepers()
+    ctl.recovery.peers = Keepers(ctl.spec)
     run_until(ctl, lambda: ctl.state.terminal)
     assert isinstance(ctl.state, Finished), ctl.state
     first, second = FakeGroup.instances[:2]

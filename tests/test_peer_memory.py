@@ -1,6 +1,7 @@
 """Peer memory without Ray: a rank's peer copy is exactly its checkpoint's files, a
-keeper holds and serves them, the newest step every rank left complete is found (and
-never a step mixed from two groups), and k follows the measured cost."""
+keeper holds and serves them within its level and budget, the newest step every rank
+left complete is found (and never a step mixed from two groups), and k follows what
+the copies cost the job's pace."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from spotline.checkpoint.peer import PEER_KEY, PeerCopy, newest_complete, peer_c
 from spotline.checkpoint.reshard import Plan
 from spotline.config import load_spec
 from spotline.controller.recovery import MEASURE, PeerBook, peer_interval
-from spotline.runtime.keeper import KEEP_STEPS, StateKeeper
+from spotline.runtime.keeper import KeeperFull, StateKeeper
 
 pytestmark = pytest.mark.unit
 
@@ -68,9 +69,10 @@ def test_a_peer_copy_reads_back_bit_exact_through_the_checkpoint_reads(tmp_path:
         copy, blobs = peer_copy("g1", rank, 2, 6, local, written)
         for keeper in (own, buddy):
             keeper.put(copy.to_dict(), blobs)
-        # The copy is the files the save wrote, byte for byte.
-        assert blobs == {f"a-g1/rank_{rank:05d}/{rel}": (local / rel).read_bytes()
-                         for rel in written.files}  # fmt: skip
+        # The copy is the files the save wrote, byte for byte, mapped (not read).
+        assert {p: bytes(b) for p, b in blobs.items()} == {
+            f"a-g1/rank_{rank:05d}/{rel}": (local / rel).read_bytes() for rel in written.files
+        }
     offer = newest_complete(_spec(), _held(("A", a), ("B", b)), "g1", 2)
     assert offer is not None and offer.step == 6 and offer.attempt == "g1"
     assert offer.manifest.extra[PEER_KEY]["holders"] == {
@@ -103,9 +105,9 @@ def test_a_changed_byte_in_a_peer_copy_is_refused_by_the_verified_read(tmp_path:
         _keep(keeper, tmp_path, "g1", rank, 4)
     offer = newest_complete(_spec(), _held(("A", keeper)), "g1", 2)
     entry = offer.manifest.extra["index"][0]
-    blob = bytearray(keeper._copies[("g1", 0, 4)][1][entry["file"]])
-    blob[entry["offset"]] ^= 0xFF
-    keeper._copies[("g1", 0, 4)][1][entry["file"]] = bytes(blob)
+    held = keeper._copies[("g1", 0, 4)]  # a bit flipped in the keeper's memory
+    at = held.spans[entry["file"]][0] + entry["offset"]
+    held.region[at] ^= 0xFF
 
     plan = Plan(offer.manifest.extra["index"])
     plan.param("w", (8,))
@@ -132,23 +134,51 @@ def test_only_a_step_every_rank_of_one_group_left_is_offered(tmp_path: Path):
     assert newest_complete(spec, _held(("A", a), ("B", b)), "g1", 2, at=4).step == 4
 
 
-def test_a_keeper_holds_the_newest_steps_of_each_rank_and_drops_other_groups(tmp_path: Path):
+def _steps(keeper: StateKeeper) -> list[tuple[str, int, int]]:
+    return sorted((c["attempt"], c["rank"], c["step"]) for c in keeper.holdings())
+
+
+def test_a_keeper_holds_the_settled_step_and_the_one_arriving(tmp_path: Path):
     keeper = StateKeeper()
     for step in (2, 4, 6):
         _keep(keeper, tmp_path, "g1", 0, step)
-    _keep(keeper, tmp_path, "g2", 0, 2)
-    steps = sorted((c["attempt"], c["step"]) for c in keeper.holdings())
-    assert steps == [("g1", s) for s in (6 - 2 * i for i in range(KEEP_STEPS))][::-1] + [("g2", 2)]
-    held = keeper.nbytes()
-    assert keeper.retain(["g2"]) < held
-    assert [(c["attempt"], c["step"]) for c in keeper.holdings()] == [("g2", 2)]
+    # Nothing settled yet: the newest copy stands in for the complete one.
+    assert _steps(keeper) == [("g1", 0, 4), ("g1", 0, 6)]
+    keeper.settle("g1", 4)  # every rank has step 4 in all its keepers
+    assert _steps(keeper) == [("g1", 0, 4), ("g1", 0, 6)]
+    _keep(keeper, tmp_path, "g1", 0, 8)  # 6 never settled: the settled 4 stays beside it
+    assert _steps(keeper) == [("g1", 0, 4), ("g1", 0, 8)]
+    one = keeper.nbytes() // 2
+    # A new group's copies beside the old one's, until the new one settles a step.
+    _keep(keeper, tmp_path, "g2", 1, 2)
+    assert _steps(keeper)[-1] == ("g2", 1, 2)
+    assert keeper.settle("g2", 2) == one  # every older group's copies go
+    assert _steps(keeper) == [("g2", 1, 2)]
     with pytest.raises(KeyError):
-        keeper.read("g1", 6, "a-g1/rank_00000/meta.json", 0, 1)
+        keeper.read("g1", 8, "a-g1/rank_00000/meta.json", 0, 1)
+    assert keeper.retain(["g3"]) == 0 and keeper.holdings() == []
     local, written = _rank_files(tmp_path, 1, 8)
     copy, blobs = peer_copy("g2", 1, 2, 8, local, written)
     blobs.pop(next(iter(blobs)))
     with pytest.raises(ValueError, match="names other files"):
         keeper.put(copy.to_dict(), blobs)
+
+
+def test_a_keeper_at_one_step_holds_one_copy_and_refuses_one_over_its_budget(tmp_path: Path):
+    keeper = StateKeeper()
+    _keep(keeper, tmp_path, "g1", 0, 2)
+    _keep(keeper, tmp_path, "g1", 0, 4)
+    one = keeper.nbytes() // 2
+    # The budget is short: one kept step. What no longer fits goes at once.
+    assert keeper.configure(1, one) == one and _steps(keeper) == [("g1", 0, 4)]
+    _keep(keeper, tmp_path, "g1", 0, 6)  # replaces it: never two at one step
+    assert _steps(keeper) == [("g1", 0, 6)] and keeper.nbytes() == one
+    # Another rank's copy would take it over the budget: refused, nothing dropped.
+    with pytest.raises(KeeperFull, match=r"over its budget .*recovery\.peer_memory"):
+        _keep(keeper, tmp_path, "g1", 1, 6)
+    assert _steps(keeper) == [("g1", 0, 6)]
+    read = keeper.read("g1", 6, "a-g1/rank_00000/meta.json", 0, 5)
+    assert read == (tmp_path / "s6" / "r0" / "meta.json").read_bytes()[:5]
 
 
 def test_k_is_the_smallest_interval_within_the_cost_budget():
@@ -158,41 +188,67 @@ def test_k_is_the_smallest_interval_within_the_cost_budget():
     assert peer_interval(0.5, 0.0, 0.02) == 1
 
 
-def test_the_book_measures_k_from_peer_only_copies_and_asks_only_on_a_change():
+def _pace(first: int, last: int, t0: float, step_s: float = 0.5, slow: dict | None = None):
+    """(step, loss, seconds, wall end) of steps first..last, each `step_s` of wall time
+    unless `slow` gives it more."""
+    out, t = [], t0
+    for step in range(first, last + 1):
+        t += (slow or {}).get(step, step_s)
+        out.append((step, 2.0, step_s, t))
+    return out
+
+
+def _copy(step: int, started: float, ended: float, world: int = 2, **extra) -> list[dict]:
+    taken = [{"step": step, "rank": r, "blocked_s": 0.01, "taken": True, "started": started}
+             for r in range(world)]  # fmt: skip
+    sent = [{"step": step, "rank": r, "nbytes": 100 + r, "total_s": ended - started,
+             "ended": ended, "kept_by": 2, "keepers": 2, "with_save": False} | extra
+            for r in range(world)]  # fmt: skip
+    return taken + sent
+
+
+def test_the_book_prices_a_copy_by_what_it_slowed_the_jobs_steps():
     book = PeerBook(_spec())
     assert book.run_every() == MEASURE
-    steps = [0.5] * 10
-    # A checkpoint's own files travel too: counted as copies, never as their cost.
-    saved = [{"step": 10, "rank": r, "nbytes": 1, "total_s": 9.0, "with_save": True}
-             for r in (0, 1)]  # fmt: skip
-    assert book.take(saved, 2, steps, "cpu") is None and book.copies == 1
-    taken = [{"step": 3, "rank": r, "blocked_s": 0.05 * (r + 1), "taken": True} for r in (0, 1)]
-    sent = [{"step": 3, "rank": r, "nbytes": 1, "total_s": 0.1, "with_save": False}
-            for r in (0, 1)]  # fmt: skip
-    assert book.take(taken + sent[:1], 2, steps, "cpu") is None  # rank 1 not sent yet
-    # Cost on CPU: the slowest rank's host copy plus the send (0.1 + 0.1): k = 20.
-    assert book.take(sent[1:], 2, steps, "cpu") == 20
-    assert book.run_every() == 20 and book.newest == 10
-    again = [dict(s, step=23) for s in taken + sent]
-    assert book.take(again, 2, steps, "cpu") is None  # the same k: nothing to ask
+    # Steps of 0.5 s; a copy begins after step 10 (wall 5.0) and ends at 6.2 s: steps
+    # 11 to 13 took 0.9, 0.6 and 0.5 s instead of 0.5: the job lost 0.5 s to it.
+    pace = _pace(1, 10, 0.0)
+    later = _pace(11, 30, pace[-1][3], slow={11: 0.9, 12: 0.6})
+    assert book.take(_copy(10, 5.0, 6.2), 2, pace) is None  # its end not stepped past yet
+    # k: 0.5 s of a 0.5 s step at a 2% budget: every 50 steps.
+    assert book.take([], 2, later) == 50
+    assert book.costs == [pytest.approx(0.5)] and book.base_step_s == pytest.approx(0.5)
+    assert book.settled == 10 and book.rank_bytes == {0: 100, 1: 101}
+    # A copy that costs a little more moves k by less than a quarter: nothing to ask.
+    t = later[-1][3]
+    assert book.take(_copy(31, t, t + 0.1), 2, _pace(31, 40, t, slow={31: 1.05})) is None
+    assert book.k == 50
+    summary = book.summary()
+    assert summary["every_steps"] == 50 and summary["copies"] == 2
     # A copy a rank skipped (its upload thread still busy with a save) is not a copy.
     skipped = [{"step": 46, "rank": r, "taken": False} for r in (0, 1)]
-    assert book.take(skipped, 2, steps, "cpu") is None
-    assert book.copies == 3 and book.skipped == 2
-    summary = book.summary(steps)
-    assert summary["every_steps"] == 20 and summary["share_of_training"] == pytest.approx(0.02)
-    # On a GPU the serialization and send use host cores training does not: 0.1 s -> k=10.
-    gpu = PeerBook(_spec())
-    assert gpu.take(taken + sent, 2, steps, "gpu") == 10
+    assert book.take(skipped, 2, []) is None and book.skipped == 2
+
+
+def test_a_checkpoints_own_files_count_as_copies_but_never_price_k():
+    book = PeerBook(_spec())
+    pace = _pace(1, 20, 0.0, slow={11: 9.0})
+    assert book.take(_copy(10, 5.0, 14.0, with_save=True), 2, pace) is None
+    assert book.copies == 1 and book.costs == [] and book.k is None
+    # Not kept by every keeper: the step is a copy, but nothing older may be dropped.
+    book.take(
+        _copy(20, 100.0, 100.1)[:2] + [dict(r, kept_by=1) for r in _copy(20, 0, 0)[2:]], 2, []
+    )
+    assert book.copies == 2 and book.settled == 10
 
 
 def test_fixed_and_disabled_intervals():
     fixed = PeerBook(_spec(peer_interval_steps=3))
     assert fixed.run_every() == 3
-    sent = [{"step": 3, "rank": 0, "nbytes": 1, "total_s": 5.0, "with_save": False}]
-    assert fixed.take(sent, 1, [0.1], "cpu") is None and fixed.run_every() == 3
+    assert fixed.take(_copy(3, 1.0, 5.0, world=1), 1, _pace(1, 20, 0.0)) is None
+    assert fixed.run_every() == 3
     off = PeerBook(_spec(peer_snapshots=False))
-    assert off.run_every() == 0 and off.summary([]) is None
+    assert off.run_every() == 0 and off.summary() is None
     with pytest.raises(Exception, match="peer_interval_steps is 0"):
         _spec(peer_interval_steps=0)
 
@@ -299,3 +355,70 @@ def test_leaving_a_process_group_forgets_deepspeeds_groups():
     assert groups._DATA_PARALLEL_GROUP is None and groups._EXPERT_PARALLEL_GROUP == {}
     assert dcomm.cdb is None
     assert isinstance(groups._DEVICE_MESH_SPLIT_UNSUPPORTED, str)  # a constant stays
+
+
+# --- the budget: what a node's keeper holds, and the degrade order ----------------------
+
+
+def test_levels_degrade_in_the_stated_order():
+    from spotline.planning.peer_memory import LEVELS, fit_level
+
+    own, buddy = 100, 80
+    assert [lv.need(own, buddy) for lv in LEVELS] == [360, 180, 100, 0]
+    assert fit_level(own, buddy, None) == LEVELS[0]  # unknown budget: the fullest
+    assert fit_level(own, buddy, 360) == LEVELS[0]
+    assert fit_level(own, buddy, 359).describe() == "one kept step, on own and buddy nodes"
+    assert fit_level(own, buddy, 179).describe() == "one kept step, on own node only"
+    assert fit_level(own, buddy, 99).describe() == "no peer snapshots"
+
+
+def test_a_nodes_keeper_holds_its_own_ranks_and_the_previous_nodes():
+    from spotline.planning.jit import checkpoint_bytes
+    from spotline.planning.peer_memory import node_peer_memory, node_ranks, rank_copy_bytes
+
+    # A replica's stages are packed together; nodes fill up in replica order.
+    assert node_ranks(2, 4, 4) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    spec = _spec(**{"peer_memory": "1GB"})
+    spec = load_spec({"name": "peer", "parallel": {"pipeline_stages": 2},
+                      "elastic": {"min_replicas": 4, "max_replicas": 4},
+                      "recovery": {"peer_memory": "1GB"}})  # fmt: skip
+    per_rank = rank_copy_bytes(spec, 4)
+    # Every copy together is one checkpoint (plus each rank's meta file).
+    assert 1.0 <= sum(per_rank) / checkpoint_bytes(spec) < 1.5
+    one_node = node_peer_memory(spec, 4, ranks_per_node=8, node_ram=None)
+    assert (one_node.own, one_node.buddy) == (sum(per_rank), 0)
+    two = node_peer_memory(spec, 4, ranks_per_node=4, node_ram=None)
+    halves = sorted(
+        [sum(per_rank[r] for r in (0, 4, 1, 5)), sum(per_rank[r] for r in (2, 6, 3, 7))]
+    )
+    assert sorted([two.own, two.buddy]) == halves
+    assert two.budget == 1_000_000_000 and two.level.steps == 2
+    # A share of the node's RAM: 25% of 1 MB cannot hold them.
+    tight = load_spec({"name": "peer", "recovery": {"peer_memory": 0.25}})
+    assert node_peer_memory(tight, 2, 4, node_ram=10**6).level.describe() == "no peer snapshots"
+    assert "does NOT fit" in node_peer_memory(tight, 2, 4, node_ram=10**6).render()
+
+
+def test_the_placement_takes_the_level_the_tightest_node_allows():
+    """`PeerMemory.fit` (no Ray): every node's keeper within its own budget, and the
+    level said once with the busiest node's figures and the field to change."""
+    from spotline.runtime.keeper import PeerMemory
+
+    peers = PeerMemory(load_spec({"name": "peer", "recovery": {"peer_memory": 0.5}}))
+    nodes = ["a", "a", "b", "b", "c"]
+    sizes = [100, 100, 100, 100, 300]
+    # c holds its own 300 and b's 200 (its buddy): two steps need 1000 bytes.
+    ram = {"a": 10_000, "b": 10_000, "c": 2_000}
+    assert peers.fit(nodes, sizes, ram).describe() == "two kept steps, on own and buddy nodes"
+    ram["c"] = 1_500  # a budget of 750: one kept step
+    level = peers.fit(nodes, sizes, ram)
+    assert level.describe() == "one kept step, on own and buddy nodes"
+    peers._set_level(level)
+    (said,) = peers.take_changes()
+    assert said.startswith("peer memory: node c's keeper holds up to 1.0 kB (two steps of 300 B")
+    assert "over its budget of 750 B of 1.5 kB RAM (recovery.peer_memory)" in said
+    peers._set_level(level)
+    assert peers.take_changes() == []  # said once
+    ram["c"] = 700  # 350: only its own ranks' copies, one step
+    assert peers.fit(nodes, sizes, ram).describe() == "one kept step, on own node only"
+    assert {f["node"]: f["need"] for f in peers.fits} == {"a": 200, "b": 200, "c": 300}

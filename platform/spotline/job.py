@@ -69,6 +69,8 @@ class JobResult:
     checkpoint_blocked_s: list[float] = field(default_factory=list)
     checkpoint_upload_s: list[float] = field(default_factory=list)
     checkpoint_bytes: list[int] = field(default_factory=list)
+    skipped_saves: list[int] = field(default_factory=list)
+    """Periodic checkpoints skipped because an earlier one was still uploading."""
     error: str | None = None
     notices: list[dict[str, Any]] = field(default_factory=list)
     """Preemption notices and what came of each (JIT step, notice-to-commit seconds)."""
@@ -452,7 +454,7 @@ class Job:
         from spotline.metrics.flops import device_peak
         from spotline.planning.memory import precision
         from spotline.planning.plan import make_plan
-        from spotline.preflight import check_offline, device_memory_bytes
+        from spotline.preflight import check_offline, device_memory_bytes, node_shape
 
         spec = self.spec
         if device_memory_gb is not None:
@@ -470,7 +472,8 @@ class Job:
                 if peak:
                     how = "a matmul probe" if name == "cpu" else "the datasheet peak"
                     rate = (peak, peak, f"{peak / 1e12:.3g} TFLOP/s ({name}, {how})")
-        return make_plan(spec, device_memory_bytes(spec, local_cluster), rate)
+        device = device_memory_bytes(spec, local_cluster)
+        return make_plan(spec, device, rate, node_shape(spec, local_cluster))
 
     def start(self, address: str | None = None) -> JobRun:
         """Preflight (before any worker starts), then start the controller actor."""

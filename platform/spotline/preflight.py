@@ -88,6 +88,20 @@ def device_memory_bytes(spec: JobSpec, local_cluster: bool) -> tuple[int, str] |
     return psutil.virtual_memory().total // world, f"host RAM shared by {world} CPU workers"
 
 
+def node_shape(spec: JobSpec, local_cluster: bool) -> tuple[int, int | None]:
+    """(ranks on one node, its host RAM in bytes or None) for the per-node figures of
+    the plan: resources.ranks_per_node and resources.node_memory_gb, else on a local
+    cluster every rank on this machine and its RAM, else 8 ranks and an unknown RAM."""
+    r = spec.resources
+    ram = int(r.node_memory_gb * GB) if r.node_memory_gb is not None else None
+    if local_cluster:
+        import psutil
+
+        world = spec.parallel.pipeline_stages * spec.elastic.max_replicas
+        return r.ranks_per_node or world, ram or psutil.virtual_memory().total
+    return r.ranks_per_node or 8, ram
+
+
 def _local_gpu_memory() -> int | None:
     try:
         import pynvml

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from spotline.checkpoint.layout import RankFiles
 from spotline.checkpoint.manifest import FileEntry, Manifest
 from spotline.checkpoint.transfer import UploadResult, attempt_dir, build_manifest
@@ -87,11 +89,12 @@ def peer_copy(
     written: RankFiles,
     batch: dict[str, Any] | None = None,
     losses: list[tuple[int, float]] | None = None,
-) -> tuple[PeerCopy, dict[str, bytes]]:
+) -> tuple[PeerCopy, dict[str, np.ndarray]]:
     """A rank's copy of `step` from the files a save wrote under `local` (`written`
-    describes them): its description, and each file's bytes by its path in the step."""
+    describes them): its description, and each file's bytes by its path in the step,
+    mapped read-only from the file (no copy in this process's memory)."""
     prefix = rank_prefix(attempt, rank)
-    blobs = {f"{prefix}/{rel}": (local / rel).read_bytes() for rel in written.files}
+    blobs = {f"{prefix}/{rel}": _mapped(local / rel) for rel in written.files}
     copy = PeerCopy(
         attempt,
         step,
@@ -103,6 +106,13 @@ def peer_copy(
         [(s, loss) for s, loss in losses or [] if s <= step],
     )
     return copy, blobs
+
+
+def _mapped(path: Path) -> np.ndarray:
+    """A file's bytes as a read-only array over its memory map (empty: an empty array)."""
+    if path.stat().st_size == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
 
 
 @dataclass

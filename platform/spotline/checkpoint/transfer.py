@@ -63,7 +63,7 @@ class UploadResult:
 @dataclass
 class _Job:
     step: int
-    write: Callable[[Path], RankFiles]
+    write: Callable[[Path], RankFiles] | None
     """Serializes the snapshot into a directory; returns its index entries and each
     file's size and sha256."""
     local: Path
@@ -95,6 +95,7 @@ class Uploader:
         self._idle = threading.Event()
         self._idle.set()
         self._pending = 0
+        self._saves = 0  # of them, checkpoint saves (not peer copies)
         self.peer: Callable[..., dict] | None = None
         """Called with each save's written files before they upload (peer memory keeps
         a copy: `spotline.runtime.keeper.PeerSender`); what it returns is reported."""
@@ -106,7 +107,15 @@ class Uploader:
 
     @property
     def busy(self) -> bool:
+        """A save or copy is queued or in hand (a peer copy is then skipped)."""
         return not self._idle.is_set()
+
+    @property
+    def saving(self) -> bool:
+        """A checkpoint save is queued or uploading: the next periodic save is skipped,
+        so a rank holds at most one snapshot beyond the one being written."""
+        with self._lock:
+            return self._saves > 0
 
     def submit(
         self,
@@ -121,6 +130,7 @@ class Uploader:
         the previous save) travel with its receipt."""
         with self._lock:
             self._pending += 1
+            self._saves += 1
             self._idle.clear()
         self._todo.put(_Job(step, write, local, batch, list(losses or [])))
 
@@ -162,6 +172,7 @@ class Uploader:
         except Exception as e:  # noqa: BLE001 - a lost peer copy never fails the save
             report = {"step": job.step, "error": f"{type(e).__name__}: {e}"}
         report["total_s"] = time.perf_counter() - t0  # serialization included
+        report["ended"] = time.time()  # the controller reads the job's pace up to here
         report["with_save"] = job.upload  # a checkpoint's files, not a copy of its own
         with self._lock:
             self._peer_done.append(report)
@@ -171,7 +182,8 @@ class Uploader:
         try:
             shutil.rmtree(job.local, ignore_errors=True)
             job.local.mkdir(parents=True, exist_ok=True)
-            self._send_peer(job, job.write(job.local), t0)
+            written, job.write = job.write(job.local), None  # the snapshot goes here
+            self._send_peer(job, written, t0)
         except Exception as e:  # noqa: BLE001 - reported; the next peer copy may land
             with self._lock:
                 self._peer_done.append({"step": job.step, "error": f"{type(e).__name__}: {e}"})
@@ -194,6 +206,7 @@ class Uploader:
                     break
                 if job is not None:
                     self._pending -= 1
+                    self._saves -= job.upload
             if self._pending == 0:
                 self._idle.set()
         self._todo.put(None)
@@ -215,7 +228,8 @@ class Uploader:
             try:
                 shutil.rmtree(job.local, ignore_errors=True)
                 job.local.mkdir(parents=True, exist_ok=True)
-                written = job.write(job.local)
+                # The host snapshot is dropped once written: uploads read the files.
+                written, job.write = job.write(job.local), None
                 self._send_peer(job, written, t0)
                 index = written.entries
                 files = self.store.upload_dir(
@@ -268,6 +282,7 @@ class Uploader:
             with self._lock:
                 self._done.append(result)
                 self._pending -= 1
+                self._saves -= 1
                 if self._pending == 0:
                     self._idle.set()
 

@@ -13,9 +13,22 @@ missing ranks are started anew.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int | None:
+    """'64GB', '512 MiB', '2e9' as bytes; None when it is not a size."""
+    m = _SIZE.match(text.lower())
+    if m is None or m.group(2) not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 class RecoverySpec(BaseModel):
@@ -31,6 +44,14 @@ class RecoverySpec(BaseModel):
     cost at most `peer_cost_budget` of the step time."""
     peer_cost_budget: float = Field(0.02, gt=0.0, lt=1.0)
     """The share of training time peer snapshots may take under "auto" (0.02: 2%)."""
+    peer_memory: float | str = 0.25
+    """Host memory the state keepers of one node may hold: a share of the node's RAM
+    (0.25: a quarter), or a size ('64GB', '512MiB'). The copies a node's keeper holds
+    for the job's shape (its own ranks' and its buddy node's, two steps each: the newest
+    complete one and the one arriving) are shown by `spotline plan` and at launch, and
+    reserved from Ray's scheduler (`memory`). When they do not fit, the job degrades in
+    this order and says so: one kept step instead of two, then copies on each rank's own
+    node only (a lost node loses its ranks' copies), then no peer snapshots."""
     in_place: bool = True
     """Keep the processes of the ranks that survive a restart (a lost node, a notice, a
     grow): they re-form the process group at the new shape and restore there, instead
@@ -40,6 +61,32 @@ class RecoverySpec(BaseModel):
     fails once a peer is gone) before it ends that rank's replica too, as without
     `in_place`. On gloo a rank whose collective waits on another survivor, not on the
     lost one, stays blocked until failure.collective_timeout_s: this bounds that wait."""
+
+    @field_validator("peer_memory")
+    @classmethod
+    def _budget(cls, v: float | str) -> float | str:
+        if isinstance(v, str):
+            if parse_bytes(v) is None:
+                raise ValueError(
+                    f"recovery.peer_memory is {v!r}; give a share of the node's RAM (0.25) "
+                    "or a size such as '64GB' or '512MiB'"
+                )
+        elif not 0 < v <= 1 and v < 1024:
+            raise ValueError(
+                f"recovery.peer_memory is {v}; give a share of the node's RAM between 0 "
+                "and 1 (0.25), or a size such as '64GB'"
+            )
+        return v
+
+    def peer_budget_bytes(self, node_ram: int | None) -> int | None:
+        """Bytes one node's keepers may hold: a size as given, or the share of
+        `node_ram` (None when the RAM is unknown)."""
+        v = self.peer_memory
+        if isinstance(v, str):
+            return parse_bytes(v)
+        if v >= 1024:  # a number of bytes
+            return int(v)
+        return int(v * node_ram) if node_ram else None
 
     def fixed_interval(self) -> int | None:
         """k when the spec sets it (0: none taken); None when it is measured."""

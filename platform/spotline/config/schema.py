@@ -360,6 +360,13 @@ class ResourcesSpec(_Section):
     """Memory of one device, for the preflight's check that the model fits. None: the
     driver's own GPU when it has one, the host's RAM for CPU workers of a local cluster,
     otherwise unchecked."""
+    ranks_per_node: int | None = Field(None, ge=1)
+    """Ranks one node of the cluster holds (its devices), for the plan's per-node figures
+    (peer memory). None: every rank on this machine for a local cluster, else 8."""
+    node_memory_gb: float | None = Field(None, gt=0.0)
+    """Host RAM of one node, for the plan's peer-memory budget (recovery.peer_memory as
+    a share). None: this machine's RAM for a local cluster, else unknown. A running job
+    reads each node's own from Ray."""
     stages: list[StageResourcesSpec] = Field(default_factory=list)
     """Per pipeline stage, what differs from the fields above (one entry per stage, or
     none): e.g. [{cpus: 1}, {cpus: 2}], or [{accelerator_type: A100},

@@ -60,6 +60,9 @@ from spotline.runtime.stacks import summarise
 
 log = logging.getLogger("spotline.controller")
 
+_KEEPING_UP = 3
+"""Checkpoints in a row, none skipped, before skipped ones are said to be over."""
+
 
 class ControllerParts:
     """The controller's rooms and its answers to other threads (see the module)."""
@@ -264,6 +267,7 @@ class ControllerParts:
         self.health.take(p.ranks, self.step_count, self.clock())
         for step in sorted(p.saves):
             self.coordinator.expect(step, group.attempt, group.world_size)
+        self._saves_skipped(p.skipped_saves, sorted(p.saves))
         for done in self.coordinator.receive(p.uploads):
             self._committed(done)
         for notice in p.notices:
@@ -272,7 +276,34 @@ class ControllerParts:
         tel = self.telemetry
         tel.account(p, elapsed, group, self.clock(), self.bubbles, self.backfill, self.partitions)
         tel.export_counts(self.backfill_api.finished_counts())
-        self.recovery.take(p.peer, group, list(self.rec.step_seconds))
+        self.recovery.take(p.peer, group, p.steps)
+
+    def _saves_skipped(self, skipped: list[int], saved: list[int]) -> None:
+        """Say once when periodic checkpoints start being skipped (uploads slower than
+        the interval), and once when they keep up again: three checkpoints in a row
+        with none skipped between them."""
+        r = self.rec
+        for step, was_skipped in sorted([(s, True) for s in skipped] + [(s, False) for s in saved]):
+            if was_skipped:
+                r.skipped_saves.append(step)
+                r.saves_in_a_row = 0
+                if not r.saves_behind:
+                    r.saves_behind = True
+                    self._event(
+                        f"checkpoint at step {step} skipped: a rank was still uploading an "
+                        "earlier one (uploads take longer than checkpoint.interval_steps = "
+                        f"{self.spec.checkpoint.interval_steps} steps of training). Raise "
+                        "checkpoint.interval_steps, or lift checkpoint.upload_max_mb_per_s",
+                        logging.WARNING,
+                    )
+                continue
+            r.saves_in_a_row += 1
+            if r.saves_behind and r.saves_in_a_row >= _KEEPING_UP:
+                r.saves_behind = False
+                self._event(
+                    f"checkpoints keep up again at step {step} ({len(r.skipped_saves)} "
+                    "skipped so far)"
+                )
 
     def _committed(self, done: Committed) -> None:
         self.rec.commit(done)

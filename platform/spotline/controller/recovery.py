@@ -1,12 +1,19 @@
 """Peer-memory recovery, the controller's side: how often the ranks take peer copies
-(k), what the copies cost, and which copy a new group restores.
+(k), what the copies cost the job, and which copy a new group restores.
 
-k: fixed by `recovery.peer_interval_steps`, or measured ("auto"): a group's first run
-takes one copy at its first steady step; from what it cost (the host copy that blocks
-training, plus, on CPU, the serialization and send that share the training cores) and
-the median step time, `peer_interval` picks the smallest k whose copies cost at most
-`recovery.peer_cost_budget` of training. Later copies refine it; the ranks are asked
-for a new k only when it changes.
+k: fixed by `recovery.peer_interval_steps`, or measured ("auto"). What a copy costs is
+what the job pays for it, read off the group's own pace: the wall time of the steps
+from the copy's host copy to the end of its send (serialization, the object store,
+the keepers receiving it, on the same host cores as training on CPU), less what those
+steps take without a copy (the median of the steps no copy touched). A group's first
+run takes one copy at its first steady step to measure; `peer_interval` then picks
+the smallest k whose copies cost at most `recovery.peer_cost_budget` of training.
+Later copies refine it; the ranks are asked for a new k, and the event log says it,
+only when k moves by more than a quarter.
+
+A step every rank has in all its keepers is settled: the keepers drop older steps
+and other groups' copies (`spotline.runtime.keeper`). The copies' measured sizes are
+held against each node's budget once per group.
 
 The copy restored after a failure is the newest step the failed group left complete
 in live keepers (`spotline.checkpoint.peer`), when it is at least as new as the newest
@@ -20,8 +27,9 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from spotline.checkpoint.peer import PeerOffer
@@ -38,6 +46,25 @@ def peer_interval(cost_s: float, step_s: float, budget: float) -> int:
     return max(1, math.ceil(cost_s / (budget * step_s) - 1e-9))
 
 
+_K_MOVE = 0.25
+"""k changes (and is said) only when the measured one differs by more than this share."""
+_STEPS_KEPT = 400
+"""Steps of the group's pace the book keeps to read copies' costs from."""
+
+
+@dataclass
+class _Copy:
+    """One step's peer copies as the ranks reported them."""
+
+    started: float = float("inf")  # wall time the first rank's host copy began
+    ended: float = 0.0  # wall time the last rank's send ended
+    sent: int = 0
+    fully_kept: bool = True  # every rank's copy taken by all its keepers
+    with_save: bool = False  # a checkpoint's own files: its cost is the checkpoint's
+    blocked: float = 0.0  # the longest host copy
+    nbytes: dict[int, int] = field(default_factory=dict)
+
+
 class PeerBook:
     """k, and the figures of the peer copies the ranks took (see the module)."""
 
@@ -45,12 +72,16 @@ class PeerBook:
         self.fixed = spec.recovery.fixed_interval()  # None: auto; 0: off
         self.budget = spec.recovery.peer_cost_budget
         self.k: int | None = self.fixed or None
-        self._taken: dict[int, list[float]] = defaultdict(list)  # step -> blocked_s per rank
-        self._sent: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        self.costs: list[float] = []  # per complete copy: blocked + (CPU) background, s
+        self._copies: dict[int, _Copy] = defaultdict(_Copy)
+        self._unpriced: list[_Copy] = []  # complete, waiting for the step after its end
+        self._pace: deque[tuple[int, float]] = deque(maxlen=_STEPS_KEPT)  # (step, wall end)
+        self.costs: list[float] = []  # per complete copy: the job's seconds lost to it
+        self.base_step_s: float | None = None
         self.copies = 0  # steps every rank sent to its keepers
         self.skipped = 0  # rank copies not taken: the upload thread was busy with a save
         self.newest: int | None = None
+        self.settled: int | None = None  # newest step every rank has in all its keepers
+        self.rank_bytes: dict[int, int] = {}  # the newest complete copy's size, per rank
         self.errors: list[str] = []
         self.restores: list[dict[str, Any]] = []
 
@@ -64,52 +95,99 @@ class PeerBook:
             return 0
         return self.k if self.k else MEASURE
 
+    def new_group(self) -> None:
+        """A group starts: its pace and its copies are its own."""
+        self._copies.clear()
+        self._unpriced.clear()
+        self._pace.clear()
+        self.settled = None
+        self.rank_bytes = {}
+
     def take(
-        self, reports: list[dict[str, Any]], world: int, step_seconds: list[float], device: str
+        self, reports: list[dict[str, Any]], world: int, steps: list[tuple] | None = None
     ) -> int | None:
-        """Fold a poll's peer reports; the new k to ask the ranks for, or None."""
+        """Fold a poll's peer reports and the group's steps ((step, loss, seconds, wall
+        end), rank 0's); the new k to ask the ranks for, or None."""
+        for st in steps or []:
+            self._pace.append((int(st[0]), float(st[3])))
         for r in reports:
             if "error" in r:
                 self.errors.append(f"rank {r.get('rank')}, step {r['step']}: {r['error']}")
                 self.errors = self.errors[-5:]
-            elif "taken" in r:  # a host copy, or one skipped while a save uploaded
+                continue
+            c = self._copies[r["step"]]
+            if "taken" in r:  # a host copy, or one skipped while a save uploaded
                 if r["taken"]:
-                    self._taken[r["step"]].append(r["blocked_s"])
+                    c.blocked = max(c.blocked, r["blocked_s"])
+                    c.started = min(c.started, r.get("started", c.started))
                 else:
                     self.skipped += 1
-            else:
-                self._sent[r["step"]].append(r)
-        for step in sorted(self._sent):
-            sent = self._sent[step]
-            if len(sent) < world:
                 continue
-            blocked = self._taken.pop(step, [0.0])
-            del self._sent[step]
+            c.sent += 1
+            c.ended = max(c.ended, r.get("ended", 0.0))
+            c.with_save = c.with_save or bool(r.get("with_save"))
+            c.fully_kept = c.fully_kept and r.get("kept_by", 0) >= r.get("keepers", 1)
+            c.nbytes[r["rank"]] = r.get("nbytes", 0)
+        for step in sorted(self._copies):
+            c = self._copies[step]
+            if c.sent < world:
+                continue
+            del self._copies[step]
             self.copies += 1
             self.newest = step if self.newest is None else max(self.newest, step)
-            if any(s.get("with_save") for s in sent):
-                continue  # a checkpoint's own files: its cost is the checkpoint's
-            background = max(s.get("total_s", 0.0) for s in sent)
-            # On a GPU the copy's serialization and send run on host cores training does
-            # not use; on CPU they take the same cores, so they count.
-            self.costs.append(max(blocked) + (background if device == "cpu" else 0.0))
-        if self.fixed is not None or not self.costs or not step_seconds:
+            self.rank_bytes = dict(c.nbytes)
+            if c.fully_kept and (self.settled is None or step > self.settled):
+                self.settled = step
+            if not c.with_save and c.started < c.ended:
+                self._unpriced.append(c)
+        self._price()
+        if self.fixed is not None or not self.costs or not self.base_step_s:
             return None
-        k = peer_interval(
-            statistics.median(self.costs[-5:]),
-            statistics.median(step_seconds[-20:]),
-            self.budget,
-        )
-        if k == self.k:
+        k = peer_interval(statistics.median(self.costs[-5:]), self.base_step_s, self.budget)
+        if self.k is not None and abs(k - self.k) <= _K_MOVE * self.k:
             return None
         self.k = k
         return k
 
-    def summary(self, step_seconds: list[float]) -> dict[str, Any] | None:
+    def _price(self) -> None:
+        """Each complete copy's cost once the group stepped past its end: the wall time
+        of the steps it overlapped beyond what steps without a copy take."""
+        pace = list(self._pace)
+        # (step, wall seconds since the step before, wall end)
+        walls = [(s, t - pace[i - 1][1], t) for i, (s, t) in enumerate(pace) if i]
+        if not walls:
+            return
+        touched = {
+            s for s, w, t in walls for c in self._unpriced if t > c.started and t - w <= c.ended
+        }
+        untouched = [w for s, w, _ in walls if s not in touched]
+        if untouched:
+            self.base_step_s = statistics.median(untouched[-50:])
+        base, last_end = self.base_step_s, walls[-1][2]
+        left = []
+        for c in self._unpriced:
+            if base is None or last_end <= c.ended:
+                left.append(c)  # the step that straddles its end is still running
+                continue
+            # The steps ending after its host copy began (that one holds the host copy),
+            # through the first ending after its send did.
+            cost = 0.0
+            for _, w, t in walls:
+                if t <= c.started:
+                    continue
+                cost += w - base
+                if t > c.ended:
+                    break
+            # Never below the host copy itself: the rank's own loop surely stood still
+            # that long (the rest of the slowdown is read through the steps' noise).
+            self.costs.append(max(c.blocked, cost))
+        self._unpriced = left
+
+    def summary(self) -> dict[str, Any] | None:
         if not self.enabled:
             return None
         cost = statistics.median(self.costs[-5:]) if self.costs else None
-        step = statistics.median(step_seconds[-20:]) if step_seconds else None
+        step = self.base_step_s
         share = cost / (self.k * step) if cost is not None and step and self.k else None
         return {
             "every_steps": self.k,
@@ -150,22 +228,42 @@ class PeerRecovery:
         self.peers = peers if spec.recovery.peer_snapshots else None
         self.book = PeerBook(spec)
         self._event = event
+        self._refitted = False  # the copies' measured sizes held against the budget
 
     def run_every(self) -> int:
-        """`peer_every` for a new group's run (0: no copies)."""
-        return self.book.run_every() if self.peers is not None else 0
+        """`peer_every` for a new group's run (0: no copies, or none fit the budget)."""
+        if self.peers is None or not self.peers.level.steps:
+            return 0
+        return self.book.run_every()
 
-    def take(self, reports: list[dict[str, Any]], group: Any, step_seconds: list[float]) -> None:
-        """Fold a poll's peer reports; ask the ranks for a new k when it changed."""
-        if not reports or self.peers is None:
+    def take(self, reports: list[dict[str, Any]], group: Any, steps: list[tuple]) -> None:
+        """Fold a poll's peer reports and steps: settle what every keeper holds, hold
+        the copies' measured sizes against the budget once, and ask the ranks for a
+        new k when it moved."""
+        if self.peers is None or not (reports or steps):
             return
-        k = self.book.take(reports, group.world_size, step_seconds, group.device)
+        settled = self.book.settled
+        k = self.book.take(reports, group.world_size, steps)
+        if self.book.settled is not None and self.book.settled != settled:
+            self.peers.settle(group.attempt, self.book.settled)
+            if not self._refitted:
+                self._refitted = True
+                nodes = [w["node_id"] for w in group.worker_info()]
+                sizes = [self.book.rank_bytes.get(r, 0) for r in range(len(nodes))]
+                self.peers.refit(nodes, sizes)
+        self._say_changes()
         if k is not None:
-            group.request(peer_every=k)
+            cost, step = statistics.median(self.book.costs[-5:]), self.book.base_step_s or 0
             self._event(
-                f"peer copies every {k} step(s): each costs {self.book.costs[-1]:.3f}s, "
-                f"within {self.spec.recovery.peer_cost_budget:.0%} of training"
+                f"peer copies every {k} step(s): each costs the job {cost:.3f}s of training "
+                f"({cost / step if step else 0:.1f} step(s) of {step:.3f}s), within "
+                f"{self.spec.recovery.peer_cost_budget:.0%} (recovery.peer_cost_budget)"
             )
+            group.request(peer_every=k)
+
+    def _say_changes(self) -> None:
+        for text in self.peers.take_changes():
+            self._event(text, logging.INFO if "within" in text else logging.WARNING)
 
     def forget(self, nodes: set[str]) -> None:
         """Lost `nodes`: their keepers and their copies went with them."""
@@ -215,9 +313,18 @@ class PeerRecovery:
         the keepers keep only its copies and that source's."""
         if self.peers is None:
             return
+        self.book.new_group()
+        self._refitted = False
+        self._say_changes()  # what the group's placement said of the budget
         self.peers.retain([attempt] + ([offer.attempt] if offer else []))
         if offer is not None:
             self.book.restores.append({"step": offer.step, "bytes": nbytes, "from": offer.attempt})
 
-    def summary(self, step_seconds: list[float]) -> dict[str, Any] | None:
-        return self.book.summary(step_seconds) if self.peers is not None else None
+    def summary(self) -> dict[str, Any] | None:
+        if self.peers is None:
+            return None
+        out = self.book.summary()
+        if out is not None:
+            out["level"] = self.peers.level.describe()
+            out["nodes"] = list(self.peers.fits)
+        return out

@@ -81,6 +81,12 @@ class Record:
     """The replica count that measurement was taken at."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     """The live group's latest steps' own seconds (the ranks' step timers)."""
+    skipped_saves: list[int] = field(default_factory=list)
+    """Periodic checkpoints skipped because an earlier one was still uploading."""
+    saves_behind: bool = False
+    """Periodic checkpoints are being skipped (said once, until they keep up again)."""
+    saves_in_a_row: int = 0
+    """Checkpoints taken since the latest skipped one."""
 
     def take_losses(self, attempt: str | None, losses: list[tuple[int, float]]) -> None:
         """(step, loss) group `attempt` trained, from its receipts or its peer copies: the
@@ -153,6 +159,8 @@ class Snapshot:
     checkpoint_blocked_s: list[float] | None = None
     checkpoint_upload_s: list[float] | None = None
     checkpoint_bytes: list[int] | None = None
+    skipped_saves: list[int] | None = None
+    """Periodic checkpoints skipped while an earlier one still uploaded."""
     backfill: dict[str, Any] | None = None
     health: dict[str, Any] | None = None
     """Every rank's heartbeat and compute, the stragglers, a data stall going on, the
@@ -181,6 +189,7 @@ class Snapshot:
             "checkpoint_blocked_s": [],
             "checkpoint_upload_s": [],
             "checkpoint_bytes": [],
+            "skipped_saves": [],
             "backfill": None,
             "notices": [],
             "resizes": [],
@@ -214,6 +223,7 @@ _FIELDS = frozenset(_ORDER)
 STATUS_KEYS = (
     "name", "state", "step", "total_steps", "replicas", "device", "max_replicas", "failures",
     "node_losses", "waiting", "doomed_nodes", "committed_steps", "quarantined_steps",
+    "skipped_saves",
     "workers", "error",
     "batch", "health", "peer_memory",
     "partition", "train_loss", "tokens_per_s", "eval", "last_checkpoint", "ledger",
@@ -222,7 +232,8 @@ STATUS_KEYS = (
 RESULT_KEYS = (
     "name", "state", "losses", "attempts", "heldout_loss", "steps_per_s", "tokens_per_s",
     "checkpoint_uri", "committed_steps", "failures", "checkpoint_blocked_s",
-    "checkpoint_upload_s", "checkpoint_bytes", "wall_s", "error", "notices", "node_losses",
+    "checkpoint_upload_s", "checkpoint_bytes", "skipped_saves", "wall_s", "error", "notices",
+    "node_losses",
     "resizes", "recoveries", "waited_s", "ledger", "cost", "alerts", "bubbles", "backfill",
     "plan", "tracking",
     "batch",
@@ -337,11 +348,12 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
         checkpoint_blocked_s=list(r.blocked_s),
         checkpoint_upload_s=list(r.upload_s),
         checkpoint_bytes=list(r.upload_bytes),
+        skipped_saves=list(r.skipped_saves),
         backfill=(
             {"tasks": ctl.backfill.results(), **ctl.backfill.summary()} if ctl.backfill else None
         ),
         health={**ctl.health.view(ctl.clock()), **ctl.cordons.view()},
-        peer_memory=ctl.recovery.summary(list(r.step_seconds)),
+        peer_memory=ctl.recovery.summary(),
         checkpoint_uri=ctl.store.uri,
         wall_s=(r.finished_at or time.time()) - r.started_at,
         updated_at=time.time(),

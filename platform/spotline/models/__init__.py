@@ -34,6 +34,7 @@ from spotline.models.provider import (
     build_pipeline_module,
     build_sequential,
     layer_param_counts,
+    layer_tensor_sizes,
     lm_loss,
 )
 from spotline.registry import MODELS, note_user_code
@@ -49,6 +50,7 @@ __all__ = [
     "hf_checkpoint_fs",
     "init_from_hf",
     "layer_param_counts",
+    "layer_tensor_sizes",
     "lm_loss",
     "model_def",
     "provider",

@@ -234,11 +234,13 @@ def build_pipeline_module(
 
 def layer_param_counts(model: ModelDef) -> list[int]:
     """Parameters of each layer, counted on the meta device (nothing is allocated)."""
-    counts = []
+    return [sum(n for n in sizes) for sizes in layer_tensor_sizes(model)]
+
+
+def layer_tensor_sizes(model: ModelDef) -> list[list[int]]:
+    """Each layer's parameter tensors' sizes, on the meta device (nothing allocated)."""
     with torch.device("meta"):
-        for ld in model.layers:
-            counts.append(sum(p.numel() for p in ld.build().parameters()))
-    return counts
+        return [[p.numel() for p in ld.build().parameters()] for ld in model.layers]
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -27,6 +27,7 @@ from spotline.planning.jit import (
 )
 from spotline.planning.memory import StageMemory, memory_per_device, memory_problem, precision
 from spotline.planning.partition import sizes_from_bounds
+from spotline.planning.peer_memory import LEVELS, NodePeerMemory, node_peer_memory
 from spotline.planning.step import StepPrediction, predict_step, stage_flops_per_token
 
 BUBBLE_WARN_FRACTION = 0.25
@@ -62,9 +63,18 @@ class Plan:
     """The precision the figures are for (parallel.precision, 'auto' resolved), whose
     peak the MFU is against."""
     activation_checkpointing: int = 0
+    peer_memory: NodePeerMemory | None = None
+    """The busiest node's state keeper (recovery.peer_snapshots), against its budget."""
+    ranks_per_node: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        if self.peer_memory is not None:
+            out["peer_memory"].update(
+                need=self.peer_memory.need,
+                full=self.peer_memory.full,
+                level=self.peer_memory.level.describe(),
+            )
         for st, mem in zip(out["stages"], self.stages, strict=True):
             st.update(state_bytes=mem.state_bytes, total_bytes=mem.total_bytes)
             if self.device_bytes:
@@ -148,6 +158,11 @@ class Plan:
                 f"    {n.source} notice {n.deadline_s:.0f}s: just-in-time save about "
                 f"{n.save_s:.1f}s, {'fits' if n.fits else 'does NOT fit'}"
             )
+        if self.peer_memory is not None:
+            lines.append(
+                f"  peer memory       {self.peer_memory.render()} ({self.ranks_per_node} "
+                "rank(s) a node)"
+            )
         usd = self.usd_per_1b_tokens
         if any(v is not None for v in usd.values()):
             parts = [f"${v:,.2f} {k.replace('_', '-')}" for k, v in usd.items() if v is not None]
@@ -160,9 +175,11 @@ def make_plan(
     spec: JobSpec,
     device: tuple[int, str] | None = None,
     rate: tuple[float, float | None, str] | None = None,
+    node: tuple[int, int | None] = (8, None),
 ) -> Plan:
     """The plan of `spec`. `device`: (bytes, where that figure comes from) of one device;
-    `rate`: (FLOP/s a device runs at, its peak FLOP/s for MFU, where they come from)."""
+    `rate`: (FLOP/s a device runs at, its peak FLOP/s for MFU, where they come from);
+    `node`: (ranks on one node, its host RAM or None)."""
     counts = spec.replica_counts()
     d = counts[0]
     flops_per_s, peak, rate_source = rate if rate else (None, None, None)
@@ -185,6 +202,15 @@ def make_plan(
     problem = jit_fit_problem(spec, d, step_s=step.step_s or 0.0)
     if problem:
         warnings.append(problem)
+    peers = None
+    if spec.recovery.peer_snapshots:
+        peers = node_peer_memory(spec, d, node[0], node[1], bounds)
+        if peers.level != LEVELS[0]:
+            warnings.append(
+                f"recovery.peer_memory: peer snapshots need {peers.render()}; raise "
+                "recovery.peer_memory, spread the ranks over more nodes, or set "
+                "recovery.peer_snapshots: false"
+            )
     m = spec.metrics
     usd: dict[str, float | None] = {"spot": None, "on_demand": None}
     if step.step_s is not None:
@@ -218,6 +244,8 @@ def make_plan(
         ),
         precision=precision(spec),
         activation_checkpointing=spec.parallel.activation_checkpointing,
+        peer_memory=peers,
+        ranks_per_node=node[0],
     )
 
 

@@ -93,7 +93,7 @@ class _Requests:
 
 def _empty_report() -> dict[str, Any]:
     """What a rank publishes between two progress() calls, before anything happened."""
-    return {"steps": [], "saves": [], "notices": [], "memory": None, "peer": []}
+    return {"steps": [], "saves": [], "notices": [], "memory": None, "peer": [], "skipped": []}
 
 
 class TrainWorker:
@@ -459,10 +459,18 @@ class TrainWorker:
             with self._lock:
                 req = dataclasses.replace(self._req)
             ask = req.save_at if req.save_at > saved_through else 0
-            save_at, stop_at, every = tr.agree(ask, req.stop_at, req.peer_every)
+            busy = self.uploader.saving
+            save_at, stop_at, every, behind = tr.agree(ask, req.stop_at, req.peer_every, busy)
             s = tr.step
             stop = 0 < stop_at <= s
-            save = stop or s % interval == 0 or s == target or 0 < save_at <= s
+            asked = stop or s == target or 0 < save_at <= s
+            # A periodic save while some rank still uploads an earlier one is skipped on
+            # every rank alike (they agreed on `behind`): host snapshots never pile up.
+            # A save that was asked for (a stop, a notice, the last step) always runs.
+            save = asked or (s % interval == 0 and not behind)
+            if s % interval == 0 and behind and not asked and self.topo.rank == 0:
+                with self._lock:
+                    self._buf["skipped"].append(s)
             with self._lock:
                 self._buf["steps"].append((s, loss, step_s, time.time()))
             self._unsaved_losses.append((s, loss))
@@ -532,6 +540,7 @@ class TrainWorker:
                 self._buf["peer"].append({"step": step, "rank": self.topo.rank, "taken": False})
             return
         self.trainer.heartbeat.phase(f"peer copy of step {step} (host copy)")
+        started = time.time()  # the controller prices the copy from here on
         t0 = time.perf_counter()
         snap = self.trainer.snapshot()
         blocked = time.perf_counter() - t0
@@ -545,7 +554,13 @@ class TrainWorker:
         )
         with self._lock:
             self._buf["peer"].append(
-                {"step": step, "rank": self.topo.rank, "blocked_s": blocked, "taken": taken}
+                {
+                    "step": step,
+                    "rank": self.topo.rank,
+                    "blocked_s": blocked,
+                    "taken": taken,
+                    "started": started,
+                }
             )
 
     def _write(self, snap: Any, out: Path) -> Any:

@@ -302,8 +302,10 @@ class RayWorkerGroup:
         self._devices = self._call_all(
             "rendezvous", "setup", addr, port, bounds, init, timeout_s=timeout
         )
-        if self.peers is not None:
-            pairs = self.peers.place([i["node_id"] for i in self._info])
+        pairs = None
+        if self.peers is not None:  # None back: no peer snapshots fit the nodes' budget
+            pairs = self.peers.place([i["node_id"] for i in self._info], self.replicas, bounds)
+        if pairs is not None:
             self._call_all("peer memory", "set_peers", per_rank_args=pairs, timeout_s=timeout)
 
     def hand_over(self, leaving: set[str], grace_s: float) -> Survivors:
@@ -530,6 +532,7 @@ class RayWorkerGroup:
                 out.steps = r["steps"]
                 out.lr = r["lr"]
                 out.batch = r.get("batch")
+                out.skipped_saves = r.get("skipped", [])
             for step, blocked, nbytes in r["saves"]:
                 self._saves.setdefault(step, {})[r["rank"]] = (blocked, nbytes)
             out.uploads += r["uploads"]

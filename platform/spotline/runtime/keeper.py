@@ -5,12 +5,27 @@ node, owned by the controller, so it outlives every worker group). Each rank sen
 its peer copy of a step (`spotline.checkpoint.peer`: the bytes its checkpoint holds)
 to its own node's keeper and to its buddy: the keeper of the next node in the ring of
 the group's nodes. A node lost takes its keeper with it, and its ranks' copies live
-on in their buddies'. A keeper holds the newest `KEEP_STEPS` steps of each rank.
+on in their buddies'.
 
-- `PeerMemory` (controller side): places keepers, names each rank's two, asks the
-  live ones what they hold (`offer`: the newest step a failed group left complete)
-  and drops what no restore may read any more.
-- `PeerSender` (a rank's upload thread): reads the files a save wrote and sends them.
+Memory has a budget (recovery.peer_memory, `spotline.planning.peer_memory`):
+- a keeper holds, per rank, the newest step the controller said is complete in every
+  keeper (`settle`) and the one arriving: two steps, or one when the budget is short;
+  a settled step of a new group drops every older group's copies;
+- the copies live in anonymous memory maps, outside the Python heap, so the keeper's
+  resident memory is its data and a dropped copy goes back to the OS at once;
+- each keeper reserves the bytes its node's share needs from Ray's scheduler
+  (`memory`), and refuses a copy that would take it over its budget;
+- it answers on several threads, so a question about what it holds never waits
+  behind a large copy arriving.
+
+- `PeerMemory` (controller side): places keepers, fits the job's copies to each
+  node's budget (the degrade order of `planning.peer_memory`), names each rank's two
+  keepers, asks the live ones what they hold (`offer`, all at once), settles complete
+  steps and drops what no restore may read any more. A keeper is forgotten only when
+  Ray says it died, never for being slow.
+- `PeerSender` (a rank's upload thread): maps the files a save wrote, puts them in the
+  object store once, and hands the same object to both keepers; a put that does not
+  land in time is cancelled.
 - `PeerReader` (a rank restoring): `read_range` from the keepers a peer manifest
   names, own node's first; what it reads is verified against the manifest's hashes
   exactly as a read from storage is.
@@ -20,8 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
+import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,122 +48,388 @@ from spotline.checkpoint.layout import RankFiles
 from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.peer import PEER_KEY, PeerCopy, PeerOffer, newest_complete, peer_copy
 from spotline.config.schema import JobSpec
+from spotline.planning.memory import human_bytes
+from spotline.planning.peer_memory import LEVELS, PeerLevel, fit_level, rank_copy_bytes
 
 log = logging.getLogger("spotline.keeper")
 
-KEEP_STEPS = 2
-"""Steps a keeper holds per rank: the newest complete one stays while the next arrives."""
 ASK_TIMEOUT_S = 10.0
-"""How long a question to one keeper may take before it counts as lost."""
+"""How long a question to the keepers, or a copy sent to one, may take."""
+KEEPER_THREADS = 4
+"""Calls a keeper answers at once: copies arriving, questions, restores' reads."""
 
 
 def keeper_name(job: str, node_id: str) -> str:
     return f"spotline:{job}:keeper:{node_id}"
 
 
+class KeeperFull(RuntimeError):
+    """A copy that would take a keeper over its budget (recovery.peer_memory)."""
+
+
+@dataclass
+class _Held:
+    """One rank's copy of one step: its description and its bytes, in one memory map."""
+
+    copy: PeerCopy
+    region: mmap.mmap | None = None
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """path -> (offset, length) in the region."""
+    ready: bool = False
+    """Its bytes are all in: a placeholder holds the room while they arrive."""
+
+    def close(self) -> None:
+        if self.region is not None:
+            self.region.close()
+
+
 class StateKeeper:
     """Peer copies of ranks' snapshots, in this process's memory (see the module)."""
 
-    def __init__(self) -> None:
-        self._copies: dict[tuple[str, int, int], tuple[PeerCopy, dict[str, bytes]]] = {}
+    def __init__(self, budget: int | None = None, steps: int = 2) -> None:
+        self._lock = threading.Lock()
+        self._copies: dict[tuple[str, int, int], _Held] = {}
+        self._settled: dict[str, int] = {}  # attempt -> newest step complete everywhere
+        self.budget = budget
+        self.steps = steps
 
-    def put(self, copy: dict[str, Any], blobs: dict[str, bytes]) -> int:
-        """Keep a rank's copy of a step; drop that rank's copies beyond the newest
-        KEEP_STEPS. Returns the bytes this keeper holds."""
+    def configure(self, steps: int, budget: int | None) -> int:
+        """A new level (`steps` per rank) and budget; drops what no longer fits.
+        Returns the bytes held."""
+        with self._lock:
+            self.steps, self.budget = steps, budget
+            for key in {(a, r) for a, r, _ in self._copies}:
+                self._prune(*key, arriving=None)
+            return self._nbytes()
+
+    def put(self, copy: dict[str, Any], blobs: dict[str, Any]) -> int:
+        """Keep a rank's copy of a step (`blobs`: each file's bytes, any buffer). What
+        it replaces goes first, so a keeper never holds more than its level allows.
+        Returns the bytes this keeper holds; raises KeeperFull over the budget."""
         c = PeerCopy.from_dict(copy)
         if set(blobs) != {f.path for f in c.files}:
             raise ValueError(f"rank {c.rank}'s copy of step {c.step} names other files")
-        self._copies[(c.attempt, c.rank, c.step)] = (c, dict(blobs))
-        mine = sorted(s for a, r, s in self._copies if (a, r) == (c.attempt, c.rank))
-        for old in mine[:-KEEP_STEPS]:
-            del self._copies[(c.attempt, c.rank, old)]
-        return self.nbytes()
+        sizes = {p: memoryview(b).nbytes for p, b in blobs.items()}
+        size = sum(sizes.values())
+        with self._lock:
+            self._prune(c.attempt, c.rank, arriving=c.step)
+            held = self._nbytes()
+            if self.budget is not None and held + size > self.budget:
+                raise KeeperFull(
+                    f"rank {c.rank}'s copy of step {c.step} ({human_bytes(size)}) would take "
+                    f"this node's keeper to {human_bytes(held + size)}, over its budget of "
+                    f"{human_bytes(self.budget)} (recovery.peer_memory)"
+                )
+            self._copies[(c.attempt, c.rank, c.step)] = _Held(c)  # its room, taken now
+        region = mmap.mmap(-1, size) if size else None
+        spans, at = {}, 0
+        for path, blob in blobs.items():
+            n = sizes[path]
+            if n:
+                region[at : at + n] = memoryview(blob).cast("B")
+            spans[path] = (at, n)
+            at += n
+        with self._lock:
+            key = (c.attempt, c.rank, c.step)
+            if key in self._copies:  # not dropped meanwhile (a settle, a retain)
+                self._copies[key] = _Held(c, region, spans, ready=True)
+            elif region is not None:
+                region.close()
+            return self._nbytes()
+
+    def _prune(self, attempt: str, rank: int, arriving: int | None) -> None:
+        """Drop `rank`'s copies of `attempt` that its level does not keep beside the one
+        `arriving`: with two steps, all but the newest settled one (and the newest
+        one, when nothing is arriving); with one step, all of them."""
+        mine = sorted(s for a, r, s in self._copies if (a, r) == (attempt, rank))
+        keep: set[int] = set()
+        if self.steps >= 2:
+            settled = self._settled.get(attempt)
+            done = [s for s in mine if settled is not None and s <= settled]
+            keep |= {max(done)} if done else set()
+            if not done and mine:  # nothing settled yet: the newest copy stands in
+                keep.add(mine[-1])
+        if arriving is None and mine and self.steps >= 1:
+            keep.add(mine[-1])
+        for step in mine:
+            if step not in keep and step != arriving:
+                self._copies.pop((attempt, rank, step)).close()
+
+    def settle(self, attempt: str, step: int) -> int:
+        """Every rank of group `attempt` has its copy of `step` in its keepers: older
+        steps of that group, and every other group's copies, are no longer read by any
+        restore. Returns the bytes held."""
+        with self._lock:
+            self._settled[attempt] = max(step, self._settled.get(attempt, step))
+            for a, r, s in list(self._copies):
+                if a != attempt or s < step:
+                    self._copies.pop((a, r, s)).close()
+            return self._nbytes()
 
     def holdings(self) -> list[dict[str, Any]]:
-        """What this keeper holds: every copy's description, without its bytes."""
-        return [c.to_dict() for c, _ in self._copies.values()]
+        """What this keeper holds: every complete copy's description, without its bytes."""
+        with self._lock:
+            return [h.copy.to_dict() for h in self._copies.values() if h.ready]
 
     def read(self, attempt: str, step: int, path: str, start: int, length: int) -> bytes:
-        for (a, _, s), (_, blobs) in self._copies.items():
-            if a == attempt and s == step and path in blobs:
-                data = blobs[path][start : start + length]
-                if len(data) != length:
-                    raise ValueError(f"{path} of step {step} holds fewer bytes than asked")
-                return data
+        with self._lock:
+            for (a, _, s), h in self._copies.items():
+                if a == attempt and s == step and h.ready and path in h.spans:
+                    at, size = h.spans[path]
+                    if start < 0 or start + length > size:
+                        raise ValueError(f"{path} of step {step} holds fewer bytes than asked")
+                    return h.region[at + start : at + start + length] if length else b""
         raise KeyError(f"no copy of {path} of step {step} (attempt {attempt}) here")
 
     def retain(self, attempts: list[str]) -> int:
         """Drop every copy of the groups not in `attempts`; the bytes left."""
-        for key in [k for k in self._copies if k[0] not in attempts]:
-            del self._copies[key]
-        return self.nbytes()
+        with self._lock:
+            for key in [k for k in self._copies if k[0] not in attempts]:
+                self._copies.pop(key).close()
+            return self._nbytes()
 
     def nbytes(self) -> int:
-        return sum(c.nbytes for c, _ in self._copies.values())
+        with self._lock:
+            return self._nbytes()
+
+    def _nbytes(self) -> int:
+        return sum(h.copy.nbytes for h in self._copies.values())
+
+
+def _dead(e: BaseException) -> bool:
+    """Ray says the actor is gone for good (not merely slow or briefly unreachable)."""
+    import ray.exceptions as rex
+
+    return isinstance(e, rex.ActorDiedError)
+
+
+def _node_ram() -> dict[str, int]:
+    """Each alive node's host RAM as Ray manages it (its memory and object store)."""
+    import ray
+
+    return {
+        n["NodeID"]: int(
+            n["Resources"].get("memory", 0) + n["Resources"].get("object_store_memory", 0)
+        )
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
 
 
 class PeerMemory:
     """The controller's side of the keepers (see the module)."""
 
-    def __init__(self, spec: JobSpec):
+    def __init__(self, spec: JobSpec, keeper_cls: type = StateKeeper):
         self.spec = spec
+        self._cls = keeper_cls
         self._keepers: dict[str, Any] = {}  # node id -> keeper handle
+        self.level: PeerLevel = LEVELS[0]
+        self.fits: list[dict[str, Any]] = []
+        """Per node of the latest placement: own and buddy bytes, budget, RAM, need."""
+        self.changes: list[str] = []
+        """What the controller says about the level (taken with `take_changes`)."""
+        self._quiet: set[str] = set()  # nodes whose slowness was already said
+        self._said = False  # the level, at the first placement
 
-    def place(self, nodes_of_ranks: list[str]) -> list[tuple[str, str | None]]:
-        """Make sure a keeper lives on each node of the group; per rank (by position in
-        `nodes_of_ranks`), the names of its own node's keeper and its buddy's (None
-        on a one-node group: there is no other node to hold a copy)."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    # --- placement and the budget ---------------------------------------------------
 
+    def fit(
+        self, nodes_of_ranks: list[str], copy_bytes: list[int], ram: dict[str, int]
+    ) -> PeerLevel:
+        """The fullest level at which every node's keeper fits its budget, for ranks on
+        `nodes_of_ranks` whose copies are `copy_bytes` (by rank)."""
         ring = sorted(set(nodes_of_ranks))
-        for node in ring:
-            handle = self._keepers.get(node)
-            if handle is not None and self._alive(handle):
-                continue
-            cls = ray.remote(StateKeeper)
-            self._keepers[node] = cls.options(
-                name=keeper_name(self.spec.name, node),
-                num_cpus=0,
-                max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                get_if_exists=True,
-            ).remote()
+        own = defaultdict(int)
+        for node, n in zip(nodes_of_ranks, copy_bytes, strict=True):
+            own[node] += n
+        rec = self.spec.recovery
+        level, self.fits = LEVELS[0], []
+        for i, node in enumerate(ring):
+            buddy = own[ring[i - 1]] if len(ring) > 1 else 0
+            budget = rec.peer_budget_bytes(ram.get(node))
+            mine = fit_level(own[node], buddy, budget)
+            level = max(level, mine, key=LEVELS.index)
+            self.fits.append(
+                {
+                    "node": node,
+                    "own": own[node],
+                    "buddy": buddy,
+                    "budget": budget,
+                    "ram": ram.get(node),
+                    "fits": LEVELS.index(mine),
+                }
+            )
+        for f in self.fits:
+            f["need"] = level.need(f["own"], f["buddy"])
+        return level
+
+    def place(
+        self, nodes_of_ranks: list[str], replicas: int, bounds: list[int] | None = None
+    ) -> list[tuple[str, str | None]] | None:
+        """Make sure a keeper lives on each node of the group, at the level the budget
+        allows for this shape; per rank (by position in `nodes_of_ranks`), the names of
+        its own node's keeper and its buddy's (None on a one-node group, or when copies
+        stay on their own node). None: no peer snapshots fit at all."""
+
+        copy_bytes = rank_copy_bytes(self.spec, replicas, bounds)
+        self._set_level(self.fit(nodes_of_ranks, copy_bytes, _node_ram()))
+        if not self.level.steps:
+            return None
+        ring = sorted(set(nodes_of_ranks))
+        fits = {f["node"]: f for f in self.fits}
+        steps = self.level.steps
+        asks = {n: (steps, fits[n]["budget"]) for n in ring}
+        for node, answer in self._ask("configure", asks).items():
+            if isinstance(answer, Exception) and _dead(answer):
+                del self._keepers[node]
+        new = [n for n in ring if n not in self._keepers]
+        for node in new:  # a keeper alive, or only slow, keeps its copies
+            self._keepers[node] = self._start(node, fits[node]["budget"], fits[node]["need"])
+        # Ray places a keeper only where its reservation fits: one it could not place
+        # is started again without it (it still keeps within its budget), and said.
+        for node, answer in self._ask("nbytes", dict.fromkeys(new, ())).items():
+            if answer is None and fits[node]["need"]:
+                self._restart_unreserved(node, fits[node])
         out = []
         for node in nodes_of_ranks:
             buddy = ring[(ring.index(node) + 1) % len(ring)]
             name = keeper_name(self.spec.name, node)
-            out.append((name, keeper_name(self.spec.name, buddy) if buddy != node else None))
+            far = keeper_name(self.spec.name, buddy) if buddy != node and self.level.buddy else None
+            out.append((name, far))
         return out
 
-    @staticmethod
-    def _alive(handle: Any) -> bool:
+    def _restart_unreserved(self, node: str, fit: dict[str, Any]) -> None:
         import ray
 
-        try:
-            ray.get(handle.nbytes.remote(), timeout=ASK_TIMEOUT_S)
-            return True
-        except Exception:  # noqa: BLE001 - a dead or unreachable keeper is replaced
-            return False
+        ray.kill(self._keepers.pop(node), no_restart=True)
+        name = keeper_name(self.spec.name, node)
+        deadline = time.monotonic() + ASK_TIMEOUT_S
+        while time.monotonic() < deadline:  # the name is free once Ray saw the kill
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            time.sleep(0.1)
+        self._keepers[node] = self._start(node, fit["budget"], 0)
+        self.changes.append(
+            f"state keeper on node {node[:12]} could not reserve {human_bytes(fit['need'])} "
+            "of memory from Ray (the node's memory is promised elsewhere); it runs without "
+            "the reservation, within recovery.peer_memory"
+        )
 
-    def held(self, leaving: set[str] = frozenset()) -> list[tuple[str, PeerCopy]]:
-        """(keeper, copy) for every copy the live keepers hold; a keeper that does not
-        answer (its node is gone) holds nothing and is forgotten. The keepers of
-        `leaving` nodes (a preemption notice dooms them) are not asked: a restore must
-        not read from a node that may vanish under it."""
+    def _start(self, node: str, budget: int | None, reserve: int) -> Any:
+        """A keeper pinned to `node`, reserving `reserve` bytes from Ray (0: none)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return (
+            ray.remote(self._cls)
+            .options(
+                name=keeper_name(self.spec.name, node),
+                num_cpus=0,
+                memory=reserve or None,
+                max_restarts=0,
+                max_concurrency=KEEPER_THREADS,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                get_if_exists=True,
+            )
+            .remote(budget, self.level.steps)
+        )
+
+    def refit(self, nodes_of_ranks: list[str], copy_bytes: list[int]) -> None:
+        """The copies' measured sizes (by rank): when they no longer fit the level, keep
+        fewer steps at once (a copy's buddy is chosen at the next placement)."""
+        level = self.fit(nodes_of_ranks, copy_bytes, _node_ram())
+        if LEVELS.index(level) <= LEVELS.index(self.level):
+            return
+        self._set_level(level)
+        for f in self.fits:
+            if f["node"] in self._keepers:
+                self._keepers[f["node"]].configure.remote(level.steps, f["budget"])
+
+    def _set_level(self, level: PeerLevel) -> None:
+        """Take `level`; say so when it changes (and at the first placement)."""
+        if level == self.level and self._said:
+            return
+        self._said = True
+        self.level = level
+        # The node whose budget set the level (else the busiest one).
+        f = max(self.fits, key=lambda f: (f["fits"], f["own"] + f["buddy"]))
+        ram = f" of {human_bytes(f['ram'])} RAM" if f["ram"] else ""
+        budget = (
+            f"its budget of {human_bytes(f['budget'])}{ram}"
+            if f["budget"] is not None
+            else "an unknown budget"
+        )
+        full = LEVELS[0].need(f["own"], f["buddy"])
+        head = (
+            f"peer memory: node {f['node'][:12]}'s keeper holds up to {human_bytes(full)} "
+            f"(two steps of {human_bytes(f['own'])} own and {human_bytes(f['buddy'])} buddy "
+            "copies)"
+        )
+        if level == LEVELS[0]:
+            self.changes.append(f"{head}, within {budget} (recovery.peer_memory)")
+            return
+        self.changes.append(
+            f"{head}, over {budget} (recovery.peer_memory): {level.describe()}"
+            + (f", {human_bytes(level.need(f['own'], f['buddy']))}" if level.steps else "")
+            + ("; a lost node's ranks restore from storage" if not level.buddy else "")
+            + ". Raise recovery.peer_memory, or spread the ranks over more nodes"
+        )
+
+    def take_changes(self) -> list[str]:
+        out, self.changes = self.changes, []
+        return out
+
+    def _ask(self, method: str, args: dict[str, tuple]) -> dict[str, Any]:
+        """Call `method` on the keepers of the nodes in `args` (with each node's args)
+        at once; per node its answer, or the exception it raised, or None when it gave
+        none within ASK_TIMEOUT_S (busy, or not placed)."""
         import ray
 
         asks = {
-            node: h.holdings.remote() for node, h in self._keepers.items() if node not in leaving
+            getattr(self._keepers[n], method).remote(*a): n
+            for n, a in args.items()
+            if n in self._keepers
         }
-        out: list[tuple[str, PeerCopy]] = []
-        for node, ref in asks.items():
+        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=ASK_TIMEOUT_S)
+        out: dict[str, Any] = dict.fromkeys(asks.values())
+        for ref in ready:
             try:
-                got = ray.get(ref, timeout=ASK_TIMEOUT_S)
-            except Exception as e:  # noqa: BLE001 - its node is gone: so are its copies
-                log.info("state keeper on node %s is gone (%s)", node[:12], type(e).__name__)
-                del self._keepers[node]
+                out[asks[ref]] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the caller tells dead from refused
+                out[asks[ref]] = e
+        return out
+
+    def _ask_all(self, method: str, *args: Any) -> dict[str, Any]:
+        return self._ask(method, dict.fromkeys(self._keepers, args))
+
+    def held(self, leaving: set[str] = frozenset()) -> list[tuple[str, PeerCopy]]:
+        """(keeper, copy) for every copy the live keepers hold, all asked at once. A
+        keeper that died (its node is gone) holds nothing and is forgotten; one that
+        does not answer in time is left out of this answer and kept. The keepers of
+        `leaving` nodes (a preemption notice dooms them) are not asked: a restore must
+        not read from a node that may vanish under it."""
+
+        out: list[tuple[str, PeerCopy]] = []
+        asked = {n: () for n in self._keepers if n not in leaving}
+        for node, got in self._ask("holdings", asked).items():
+            if got is None:
+                if node not in self._quiet:
+                    self._quiet.add(node)
+                    log.warning(
+                        "state keeper on node %s did not answer within %.0fs (busy receiving "
+                        "copies?); its copies are left out of this restore, and it is kept",
+                        node[:12],
+                        ASK_TIMEOUT_S,
+                    )
                 continue
+            if isinstance(got, Exception):  # dead: so are its copies; else kept
+                if _dead(got):
+                    log.info("state keeper on node %s is gone (%s)", node[:12], type(got).__name__)
+                    self._keepers.pop(node, None)
+                continue
+            self._quiet.discard(node)
             out += [(keeper_name(self.spec.name, node), PeerCopy.from_dict(c)) for c in got]
         return out
 
@@ -161,6 +445,13 @@ class PeerMemory:
         keepers of nodes that are not `leaving`."""
         return newest_complete(self.spec, self.held(leaving), attempt, world, partition, at)
 
+    def settle(self, attempt: str, step: int) -> None:
+        """Every rank of `attempt` has `step` in all its keepers: they drop older steps
+        and other groups' copies (without waiting for them)."""
+        for h in self._keepers.values():
+            with contextlib.suppress(Exception):  # a lost keeper holds nothing to drop
+                h.settle.remote(attempt, step)
+
     def forget(self, nodes: set[str]) -> None:
         """The keepers of `nodes` are gone with them (a node loss the controller saw):
         never asked again, so no restore waits on a dead actor to answer."""
@@ -170,11 +461,12 @@ class PeerMemory:
     def retain(self, attempts: list[str]) -> None:
         """Keep only the copies of `attempts` (the group that runs, and the one it
         restored from until it has its own): no later restore may read another's."""
-        import ray
+        self._ask_all("retain", list(attempts))
 
-        refs = [h.retain.remote(list(attempts)) for h in self._keepers.values()]
-        with contextlib.suppress(Exception):  # a lost keeper holds nothing to drop
-            ray.get(refs, timeout=ASK_TIMEOUT_S)
+    def nbytes(self) -> dict[str, int]:
+        """What each keeper that answered holds now, by node (figures, tests)."""
+        got = self._ask_all("nbytes")
+        return {n: b for n, b in got.items() if isinstance(b, int)}
 
     def close(self) -> None:
         import ray
@@ -213,36 +505,56 @@ class PeerSender:
         losses: list[tuple[int, float]],
     ) -> dict[str, Any]:
         """Send the rank's files of `step` (under `local`, as `written` describes them);
-        returns what happened: bytes, seconds, and the keepers that took it."""
+        returns what happened: bytes, seconds, and how many keepers took it of how many.
+        The files are mapped, not read into this process: one copy into the object
+        store serves both keepers."""
         import ray
 
         t0 = time.perf_counter()
         copy, blobs = peer_copy(
             self.attempt, self.rank, self.world_size, step, local, written, batch, losses
         )
+        nbytes = copy.nbytes
+        payload = ray.put(blobs)
+        del blobs  # the maps: the object store holds the bytes now
         refs = {
-            name: _keeper(self._handles, name).put.remote(copy.to_dict(), blobs)
+            _keeper(self._handles, name).put.remote(copy.to_dict(), payload): name
             for name in self.keepers
         }
-        took = []
-        for name, ref in refs.items():
+        ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=ASK_TIMEOUT_S)
+        for ref in late:  # never left queued behind a slow keeper, holding its bytes
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        took, why = 0, []
+        for ref in ready:
             try:
-                ray.get(ref, timeout=ASK_TIMEOUT_S)
-                took.append(name)
+                ray.get(ref)
+                took += 1
             except Exception as e:  # noqa: BLE001 - the other copy may still land
-                log.warning(
-                    "rank %d: peer copy of step %d not kept by %s (%s)",
-                    self.rank,
-                    step,
-                    name,
-                    type(e).__name__,
-                )
+                why.append(f"{refs[ref].rsplit(':', 1)[-1][:12]}: {_short(e)}")
+        why += [
+            f"{refs[r].rsplit(':', 1)[-1][:12]}: no answer in {ASK_TIMEOUT_S:.0f}s" for r in late
+        ]
+        if why:
+            log.warning(
+                "rank %d: peer copy of step %d not kept by %s", self.rank, step, "; ".join(why)
+            )
+        del payload
         return {
             "step": step,
-            "nbytes": sum(len(b) for b in blobs.values()),
+            "nbytes": nbytes,
             "send_s": time.perf_counter() - t0,
-            "kept_by": len(took),
+            "kept_by": took,
+            "keepers": len(self.keepers),
         }
+
+
+def _short(e: BaseException) -> str:
+    """A keeper's error in one line: its own message when it refused (KeeperFull)."""
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, KeeperFull):
+        return str(cause)
+    return type(cause).__name__
 
 
 class PeerReader:
@@ -282,4 +594,4 @@ class PeerReader:
         )
 
 
-__all__ = ["PeerMemory", "PeerReader", "PeerSender", "StateKeeper", "keeper_name"]
+__all__ = ["KeeperFull", "PeerMemory", "PeerReader", "PeerSender", "StateKeeper", "keeper_name"]

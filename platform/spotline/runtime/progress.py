@@ -85,6 +85,9 @@ class Progress:
     """Set once every rank's run returned: {"stopped_at": step, "reason": ...}."""
     ranks: list[RankBeat] = field(default_factory=list)
     """Every rank's latest heartbeat and its compute since the last poll (rank order)."""
+    skipped_saves: list[int] = field(default_factory=list)
+    """Periodic checkpoint steps every rank skipped: some rank's upload of an earlier
+    checkpoint was still running (rank 0 reports them)."""
     peer: list[dict[str, Any]] = field(default_factory=list)
     """Peer copies since the last poll, per rank: taken ({step, rank, blocked_s, taken})
     and sent to the keepers ({step, rank, nbytes, send_s, total_s, kept_by} or error)."""

@@ -366,15 +366,20 @@ class Trainer:
         groups = self.engine.optimizer.param_groups if self.engine.optimizer else []
         return float(groups[0]["lr"]) if groups else None
 
-    def agree(self, save_at: int, stop_at: int, peer_every: int = 0) -> tuple[int, int, int]:
-        """The largest (save_at, stop_at, peer_every) any rank holds, on every rank.
-        Collective: all ranks call it after every step.
+    def agree(
+        self, save_at: int, stop_at: int, peer_every: int = 0, busy: bool = False
+    ) -> tuple[int, int, int, bool]:
+        """The largest (save_at, stop_at, peer_every) any rank holds, and whether any
+        rank's upload thread is `busy`, on every rank. Collective: all ranks call it
+        after every step.
 
         One small all-reduce per step; it is how every rank agrees to save or stop at
         the same step boundary, whichever rank (or the controller, through any rank) asked,
         and to which global batch an adaptive schedule grows at a checkpoint boundary.
         """
-        t = torch.tensor([save_at, stop_at, self._proposal, peer_every], dtype=torch.int64)
+        t = torch.tensor(
+            [save_at, stop_at, self._proposal, peer_every, int(busy)], dtype=torch.int64
+        )
 
         def agree() -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
@@ -390,7 +395,7 @@ class Trainer:
             # The adaptive batch of the next steps rides on the same all-reduce, so
             # every rank changes at the same boundary to the same size.
             self._set_batch(int(t[2]))
-        return int(t[0]), int(t[1]), int(t[3])
+        return int(t[0]), int(t[1]), int(t[3]), bool(t[4])
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         if self.topo.replicas > 1:

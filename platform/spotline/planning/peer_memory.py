@@ -1,0 +1,157 @@
+"""Peer memory predicted from the spec: what one node's state keeper holds, and how the
+job degrades when that does not fit the node's budget.
+
+A rank's peer copy is exactly what its checkpoint holds (`planning.jit` sizes the
+busiest one): its ZeRO share of its stage's fp32 master weights and Adam moments, and
+on replica 0 the stage's 16-bit weights. A node's keeper holds the copies of the node's
+own ranks and of the ranks on the node before it in the ring (its buddies), each for
+`steps` steps: the newest complete one and the one arriving (2), or just one.
+
+The levels, in the order a job degrades through them when the budget is short:
+two kept steps with buddies, one kept step with buddies, one kept step on the rank's
+own node only (a lost node loses its ranks' copies), none. `fit_level` picks the
+first whose bytes fit. The runtime (`spotline.runtime.keeper`) applies the same
+levels to the real placement; `spotline plan` prints them for the job's shape.
+
+Pure arithmetic: nothing allocated, nothing started.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from spotline.config.schema import JobSpec
+from spotline.models import layer_tensor_sizes, model_def
+from spotline.planning.memory import ADAM_BYTES, MASTER_BYTES, human_bytes, precision
+from spotline.planning.partition import stage_bounds
+
+
+@dataclass(frozen=True)
+class PeerLevel:
+    steps: int
+    """Steps each rank's copy is kept for: 2 (the newest complete and the one arriving),
+    1, or 0 (no peer snapshots)."""
+    buddy: bool
+    """Also on another node, so that a lost node's copies live on."""
+
+    def need(self, own: int, buddy: int) -> int:
+        """Bytes a keeper holds at this level: its own ranks' copies (`own` bytes) and
+        its buddies' (`buddy`)."""
+        return self.steps * (own + (buddy if self.buddy else 0))
+
+    def describe(self) -> str:
+        if not self.steps:
+            return "no peer snapshots"
+        kept = "two kept steps" if self.steps == 2 else "one kept step"
+        return f"{kept}, " + ("on own and buddy nodes" if self.buddy else "on own node only")
+
+
+LEVELS = (PeerLevel(2, True), PeerLevel(1, True), PeerLevel(1, False), PeerLevel(0, False))
+"""The degrade order, fullest first."""
+
+
+def fit_level(own: int, buddy: int, budget: int | None) -> PeerLevel:
+    """The fullest level whose keeper bytes fit `budget` (None: unknown, the fullest)."""
+    if budget is None:
+        return LEVELS[0]
+    return next(lv for lv in LEVELS if lv.need(own, buddy) <= budget)
+
+
+RNG_META_BYTES = 34_000
+"""A rank's meta file holds its RNG states (Python, NumPy, torch) as JSON: about this."""
+ENTRY_BYTES = 500
+"""One saved tensor fragment's index entry (meta file) and safetensors header entry."""
+
+
+def rank_copy_bytes(spec: JobSpec, replicas: int, bounds: list[int] | None = None) -> list[int]:
+    """Bytes of each rank's peer copy (by rank: stage * replicas + replica), which are
+    its checkpoint files: its share of its stage's fp32 master and Adam moments, plus
+    the 16-bit weights on replica 0, plus its meta file (RNG states, index entries)."""
+    model = model_def(spec)
+    bounds = bounds or stage_bounds(model, spec.parallel.pipeline_stages)
+    sizes = layer_tensor_sizes(model)
+    zero = spec.parallel.zero_stage
+    lp = 2 if precision(spec) == "bf16" and zero < 3 else 0
+    kinds = 1 + ADAM_BYTES // 4  # the fp32 master and the two moments
+    out = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        tensors = [n for layer in sizes[lo:hi] for n in layer]
+        params = sum(tensors)
+        opt = (MASTER_BYTES + ADAM_BYTES) * params
+        for replica in range(replicas):
+            # ZeRO >= 1 splits it over the replicas (a rank's slice of the stage's flat
+            # buffer touches about its share of the tensors, plus one at each end); under
+            # ZeRO-0 replica 0 writes it whole and the others hold copies.
+            if zero >= 1:
+                mine, pieces = math.ceil(opt / replicas), math.ceil(len(tensors) / replicas) + 1
+            else:
+                mine, pieces = (opt, len(tensors)) if replica == 0 else (0, 0)
+            entries = kinds * pieces + (len(tensors) if lp and replica == 0 else 0)
+            weights = lp * params if replica == 0 else 0
+            out.append(mine + weights + RNG_META_BYTES + ENTRY_BYTES * entries)
+    return out
+
+
+def node_ranks(stages: int, replicas: int, ranks_per_node: int) -> list[list[int]]:
+    """The ranks each node holds when a replica's stages are packed together (one
+    placement group per replica) and nodes fill up in replica order."""
+    order = [s * replicas + r for r in range(replicas) for s in range(stages)]
+    return [order[i : i + ranks_per_node] for i in range(0, len(order), ranks_per_node)]
+
+
+@dataclass(frozen=True)
+class NodePeerMemory:
+    """One node's keeper at the job's shape: the busiest node of the ring."""
+
+    own: int
+    """Bytes of one copy of its own ranks' state."""
+    buddy: int
+    """Bytes of one copy of its buddy ranks' state (0 on a one-node group)."""
+    budget: int | None
+    node_ram: int | None
+    level: PeerLevel
+
+    @property
+    def need(self) -> int:
+        return self.level.need(self.own, self.buddy)
+
+    @property
+    def full(self) -> int:
+        return LEVELS[0].need(self.own, self.buddy)
+
+    def render(self) -> str:
+        ram = f" of {human_bytes(self.node_ram)} RAM" if self.node_ram else ""
+        budget = (
+            f"budget {human_bytes(self.budget)}{ram} (recovery.peer_memory)"
+            if self.budget is not None
+            else "budget unknown (give recovery.peer_memory as a size, or resources.node_memory_gb)"
+        )
+        head = (
+            f"{human_bytes(self.full)} per node (2 steps x {human_bytes(self.own)} own + "
+            f"{human_bytes(self.buddy)} buddy); {budget}"
+        )
+        if self.level == LEVELS[0]:
+            return f"{head}: fits"
+        return (
+            f"{head}: does NOT fit; degrades to {self.level.describe()} ({human_bytes(self.need)})"
+        )
+
+
+def node_peer_memory(
+    spec: JobSpec,
+    replicas: int,
+    ranks_per_node: int,
+    node_ram: int | None,
+    bounds: list[int] | None = None,
+) -> NodePeerMemory:
+    """The busiest node's keeper at `replicas`, `ranks_per_node` ranks on a node."""
+    per_rank = rank_copy_bytes(spec, replicas, bounds)
+    nodes = node_ranks(spec.parallel.pipeline_stages, replicas, max(1, ranks_per_node))
+    sums = [sum(per_rank[r] for r in ranks) for ranks in nodes]
+    if len(sums) == 1:
+        own, buddy = sums[0], 0
+    else:  # node i keeps its own ranks' copies and those of node i-1 (the ring)
+        own, buddy = max(((sums[i], sums[i - 1]) for i in range(len(sums))), key=sum)
+    budget = spec.recovery.peer_budget_bytes(node_ram)
+    return NodePeerMemory(own, buddy, budget, node_ram, fit_level(own, buddy, budget))
