@@ -18,9 +18,17 @@ backfill  the bubbles benchmark's 2x4 arm (benchmarks/bubbles.py: a Ray job with
           backfill off, then on): fill, overrun and training's slowdown. It places one
           worker per device, so on a GPU it needs two of them; with one it is skipped,
           saying so.
+keeper    (inside the mfu arm's eager run) the rank's peer copy of the trained 1B
+          model, put in a state keeper: the bytes it holds against the plan's figure
+          for that rank, and the plan's keeper bytes per node for the preset on an
+          8-GPU node.
+inplace   with two or more GPUs: a Spotline job of up to 3 replicas (pp=1, NCCL) on a
+          local Ray cluster, one rank's process killed at step 30: the survivors must
+          keep their PIDs and re-form in place; the seconds from the kill to training
+          again. With one GPU it is skipped, saying so.
 
     python benchmarks/gpu_check.py [--device gpu|cpu] [--tiny] [--steps N]
-                                   [--arms mfu,pipeline,backfill] [--json PATH]
+                                   [--arms mfu,pipeline,backfill,inplace] [--json PATH]
 
 On this project's CPU machines: `--device cpu --tiny` runs every arm end to end on a
 tiny Llama (the figures then only show that the script works).
@@ -136,8 +144,32 @@ def _train(rank: int, world: int, port: int, args, arm: str) -> dict[str, Any]:
         t = trainer.recorder.take_totals()
         out["recorder"] = t
         out["bubble_fraction"] = t["wait_s"] / t["step_s"] if t["step_s"] else None
+    if arm == "eager" and world == 1:
+        out["keeper"] = keeper_bytes(trainer, spec)
     trainer.prefetch.close()
     return out
+
+
+def keeper_bytes(trainer: Any, spec: Any) -> dict[str, Any]:
+    """The rank's peer copy, as a save writes it, put in a state keeper (in this
+    process): what the keeper holds against the plan's figure for the rank."""
+    from spotline.checkpoint.peer import peer_copy
+    from spotline.planning.peer_memory import node_peer_memory, rank_copy_bytes
+    from spotline.runtime.keeper import StateKeeper
+
+    with tempfile.TemporaryDirectory(prefix="spotline-gpu-keeper-") as d:
+        written = trainer.write(trainer.snapshot(), Path(d))
+        copy, blobs = peer_copy("check", 0, 1, trainer.step, Path(d), written)
+        keeper = StateKeeper()
+        held = keeper.put(copy.to_dict(), blobs)
+    planned = rank_copy_bytes(spec, 1)[0]
+    node = node_peer_memory(spec, 8, ranks_per_node=8, node_ram=None)
+    return {
+        "measured_bytes": held,
+        "planned_bytes": planned,
+        "measured_over_planned": held / planned,
+        "plan_per_node_8_gpus_dp8": node.full,
+    }
 
 
 def run_ranks(world: int, args: argparse.Namespace, arm: str) -> dict[str, Any]:
@@ -235,7 +267,75 @@ def arm_backfill(args: argparse.Namespace) -> dict[str, Any]:
     return {k: got[k] for k in keys} | {"steps": steps}
 
 
-ARMS = {"mfu": arm_mfu, "pipeline": arm_pipeline, "backfill": arm_backfill}
+def arm_inplace(args: argparse.Namespace) -> dict[str, Any]:
+    """Survivors keep their processes on NCCL (gloo with --device cpu)."""
+    import signal
+
+    import ray
+
+    import spotline
+    from spotline.config import load_spec
+
+    if args.device == "gpu":
+        import torch
+
+        devices = torch.cuda.device_count()
+        if devices < 2:
+            return {"skipped": "in-place re-forming on NCCL needs two GPUs; this machine has one"}
+    else:
+        devices = 3
+    replicas, kill_at = min(3, devices), 30
+    over = job_overrides(args)
+    over["name"] = "gpu-check-inplace"
+    over["model"] = {"n_layers": 2, "d_model": 256, "n_heads": 4, "seq_len": 128}
+    over["elastic"] = {"min_replicas": 1, "max_replicas": replicas}
+    over["train"] |= {"steps": 400, "global_batch_size": 2 * replicas * 2}
+    over["resources"] = {"device": args.device, "cpus_per_worker": 0.5}
+    over["recovery"] = {"peer_interval_steps": 5}
+    over["parallel"] = {"micro_batches": 2, "zero_stage": 1}
+    with tempfile.TemporaryDirectory(prefix="spotline-gpu-inplace-") as tmp:
+        over["checkpoint"] = {"uri": f"file://{tmp}/ckpt", "staging_dir": f"{tmp}/staging"}
+        spec = load_spec(None, over)
+        gpus = {"num_gpus": devices} if args.device == "gpu" else {}
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, **gpus)
+        try:
+            run = spotline.Job(spec).start()
+            while run.status()["step"] < kill_at:
+                time.sleep(0.05)
+            workers = run.status()["workers"]
+            victim = workers[-1]
+            before = {w["pid"] for w in workers[:-1]}
+            t0 = time.time()
+            os.kill(victim["pid"], signal.SIGKILL)
+            while True:
+                st = run.status()
+                if st["step"] > kill_at + 2 and st["replicas"] and st["workers"]:
+                    pids = {w["pid"] for w in st["workers"]}
+                    if victim["pid"] not in pids:
+                        break
+                if time.time() - t0 > args.arm_timeout_s:
+                    return {"error": f"not training again within {args.arm_timeout_s:.0f}s"}
+                time.sleep(0.05)
+            back_s = time.time() - t0
+            result = run.stop()
+        finally:
+            ray.shutdown()
+    return {
+        "backend": "nccl" if args.device == "gpu" else "gloo",
+        "ranks": replicas,
+        "survivors_kept_pids": before <= pids,
+        "kill_to_training_s": back_s,
+        "kept": [a.get("kept", 0) for a in result.attempts[1:]],
+        "recoveries": result.recoveries,
+    }
+
+
+ARMS = {
+    "mfu": arm_mfu,
+    "pipeline": arm_pipeline,
+    "backfill": arm_backfill,
+    "inplace": arm_inplace,
+}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -260,6 +360,13 @@ def render(report: dict[str, Any]) -> str:
         )
     if "compiled_over_eager_tokens_per_s" in mfu:
         lines.append(f"  compiled / eager  {mfu['compiled_over_eager_tokens_per_s']:.2f}x")
+    keeper = (mfu.get("eager") or {}).get("keeper")
+    if keeper:
+        lines.append(
+            f"  keeper            {keeper['measured_bytes'] / 1e9:.2f} GB held for the rank, "
+            f"{keeper['measured_over_planned']:.3f}x the plan; plan per 8-GPU node (dp=8): "
+            f"{keeper['plan_per_node_8_gpus_dp8'] / 1e9:.1f} GB"
+        )
     pipe = report.get("pipeline", {})
     if pipe:
         if "error" in pipe:
@@ -279,6 +386,17 @@ def render(report: dict[str, Any]) -> str:
             f"  backfill 2x4 fill {fill['fill']:.1%}, overrun {fill['overrun_fraction']:.1%}"
             f" of a step, slowdown {fill['slowdown']:.3f}x"
         )
+    inplace = report.get("inplace", {})
+    if "skipped" in inplace:
+        lines.append(f"  inplace skipped: {inplace['skipped']}")
+    elif "error" in inplace:
+        lines.append(f"  inplace failed: {inplace['error'].strip().splitlines()[-1]}")
+    elif inplace:
+        lines.append(
+            f"  inplace {inplace['ranks']} ranks ({inplace['backend']}): survivors kept their "
+            f"PIDs: {inplace['survivors_kept_pids']}; kill -> training "
+            f"{inplace['kill_to_training_s']:.1f}s"
+        )
     return "\n".join(lines)
 
 
@@ -289,7 +407,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--micro-batch-size", type=int, default=None)
-    ap.add_argument("--arms", default="mfu,pipeline,backfill")
+    ap.add_argument("--arms", default="mfu,pipeline,backfill,inplace")
     ap.add_argument("--arm-timeout-s", type=float, default=400.0)
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args(argv)
