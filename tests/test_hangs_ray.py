@@ -105,8 +105,9 @@ def test_a_frozen_ranks_stack_is_taken_while_it_is_stopped_and_stacks_come_on_de
 
     from spotline.cli import main
 
-    spec = tiny_spec(tmp_path, "stacks", **{"failure.cordon": False, "train.steps": 60})
-    inject_faults(spec.name, [{"kind": "freeze", "rank": 1, "step": 14, "phase": "forward"}])
+    over = {"failure.cordon": False, "failure.test_faults": True, "train.steps": 60}
+    spec = tiny_spec(tmp_path, "stacks", **over)
+    inject_faults(spec, [{"kind": "freeze", "rank": 1, "step": 14, "phase": "forward"}])
     run = spotline.Job(spec).start()
     out = tmp_path / "stacks.json"
     deadline = time.monotonic() + 240
