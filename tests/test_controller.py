@@ -21,6 +21,7 @@ from spotline.checkpoint.manifest import Receipt
 from spotline.checkpoint.transfer import UploadResult, attempt_dir, job_identity
 from spotline.config import load_spec
 from spotline.controller import Controller
+from spotline.controller.clock import Clock
 from spotline.controller.state import (
     Failed,
     Finished,
@@ -83,6 +84,7 @@ class FakeGroup:
 
     def start(self, partition=None, init=True, survivors=None):
         self.adopted = survivors
+        self.starting_polls = self.script.pop("start_polls", 0)  # polls before it is ready
         if self.script.pop("fail_start", False):
             raise WorkerFailure("start", {"boom": [0]})
         self.init = init
@@ -90,6 +92,14 @@ class FakeGroup:
         layers = self.spec.model.n_layers + 2
         pp = self.spec.parallel.pipeline_stages
         self.bounds = list(partition) if partition else [layers * s // pp for s in range(pp + 1)]
+
+    def advance(self, timeout_s=0.0):
+        """Ready at once, or after the script's `start_polls` calls (its time passes)."""
+        if self.starting_polls > 0:
+            self.starting_polls -= 1
+            self.clock.sleep(timeout_s)
+            return False
+        return True
 
     def partition(self):
         # What the start-up measurement saw: every layer costs the same on every stage.
@@ -195,9 +205,9 @@ class FakeGroup:
             self.unsaved.append((self.step, fake_loss(self.step)))
             notice = self.script.get("notices", {}).pop(self.step, None)
             if notice is not None:
-                self.controller.notify(notice)
+                self.controller.door.notify(notice)
             if self.script.get("stop_at_step") == self.step:
-                self.controller.request_stop("maintenance")
+                self.controller.door.request_stop("maintenance")
             s = self.step
             ask = self.save_at if self.save_at > self.saved_through else 0
             stop = 0 < self.stop_at <= s
@@ -430,7 +440,7 @@ class FakeDemand:
         self.calls.append("withdraw")
 
 
-def make(tmp_path, script=None, capacity=2, standby=None, **over):
+def make(tmp_path, script=None, capacity=2, standby=None, stacks=None, **over):
     raw = {
         "name": "ctl",
         "model": {"n_layers": 2},
@@ -454,8 +464,9 @@ def make(tmp_path, script=None, capacity=2, standby=None, **over):
 
     demand = FakeDemand()
     ctl = Controller(
-        spec, store, group, cluster, sleep=clock.sleep, clock=clock, demand=demand, standby=standby
-    )
+        spec, store, group, cluster, clock=Clock(clock, sleep=clock.sleep), demand=demand,
+        standby=standby, stacks=stacks,
+    )  # fmt: skip
     ctl.fake_demand = demand
     ctl.fake_cluster = cluster
     ctl.fake_clock = clock
@@ -494,19 +505,20 @@ def test_states_advance_and_training_never_waits_for_a_commit(tmp_path):
 
 def test_the_status_says_which_device_each_group_runs_on(tmp_path):
     ctl, _ = make(tmp_path)
-    assert ctl.status()["device"] is None  # no group started yet
+    assert ctl.door.status()["device"] is None  # no group started yet
     ctl.step()
     ctl.step()
     FakeGroup.instances[0].device = "gpu"  # what the group decided when it started
-    assert ctl.status()["device"] == "gpu" and ctl.summary()["device"] == "gpu"
+    ctl.step()  # the status is what the loop published after its latest step
+    assert ctl.door.status()["device"] == "gpu" and ctl.door.summary()["device"] == "gpu"
     res = ctl.run()
     assert res["attempts"][0]["device"] == "cpu"  # recorded as the group started
-    assert ctl.status()["device"] == "cpu"  # no live group: the last one's
+    assert ctl.door.status()["device"] == "cpu"  # no live group: the last one's
     # A device: gpu job waiting for its first GPU node says it is a GPU job.
     waiting, _ = make(tmp_path / "gpu", capacity=0, resources={"device": "gpu"})
     waiting.step()
     waiting.step()
-    assert waiting.status()["waiting"] and waiting.status()["device"] == "gpu"
+    assert waiting.door.status()["waiting"] and waiting.door.status()["device"] == "gpu"
 
 
 def test_full_run_commits_every_interval_and_the_end(tmp_path):
@@ -571,7 +583,7 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path):
     res = ctl2.run()
     assert res["state"] == "finished"
     assert FakeGroup.instances[0].restored == [10]
-    events = ctl2.status()["events"]
+    events = ctl2.door.status()["events"]
     assert any(
         "step 20" in e and "failed verification" in e and "falling back to step 10" in e
         for e in events
@@ -586,7 +598,7 @@ def test_a_corrupt_step_is_quarantined_shown_and_never_counted_by_keep_last(tmp_
     ctl2, _ = make(tmp_path, script={"corrupt_steps": {25}}, **{"train.steps": 30})
     assert ctl2.run()["state"] == "finished"
     assert FakeGroup.instances[0].restored == [20]
-    status = ctl2.status()
+    status = ctl2.door.status()
     assert any("quarantined checkpoint step 25" in e for e in status["events"])
     assert status["quarantined_steps"] == [25]
     assert "steps [25]" in dict(status_rows(status))["quarantined"]
@@ -603,7 +615,7 @@ def test_an_unparsable_newest_manifest_falls_back(tmp_path):
     res = ctl2.run()
     assert res["state"] == "finished"
     assert FakeGroup.instances[0].restored == [10]
-    assert any("step 20" in e and "not valid JSON" in e for e in ctl2.status()["events"])
+    assert any("step 20" in e and "not valid JSON" in e for e in ctl2.door.status()["events"])
 
 
 def test_all_checkpoints_corrupt_refuses_to_start_over(tmp_path):
@@ -620,7 +632,7 @@ def test_failed_upload_abandons_that_checkpoint_only(tmp_path):
     res = ctl.run()
     assert res["state"] == "finished"
     assert store.committed_steps() == [20, 25]
-    assert any("step 10 abandoned: rank 1" in e for e in ctl.status()["events"])
+    assert any("step 10 abandoned: rank 1" in e for e in ctl.door.status()["events"])
 
 
 def test_rerun_of_a_finished_job_reports_it_without_starting_workers(tmp_path):
@@ -636,8 +648,8 @@ def test_rerun_of_a_finished_job_reports_it_without_starting_workers(tmp_path):
     assert res["checkpoint_blocked_s"] == first["checkpoint_blocked_s"]
     assert res["steps_per_s"] > 0 and res["final_train_loss"] is not None
     assert store.read_artifact("summary.json") == stored  # the first run's, untouched
-    assert any("already finished at step 25" in e for e in ctl2.status()["events"])
-    assert ctl2.status()["step"] == 25
+    assert any("already finished at step 25" in e for e in ctl2.door.status()["events"])
+    assert ctl2.door.status()["step"] == 25
 
 
 def test_a_finished_job_with_more_steps_asked_trains_on(tmp_path):
@@ -664,7 +676,7 @@ def test_waits_below_min_then_fails(tmp_path):
     ctl, _ = make(tmp_path, capacity=0, **{"elastic.wait_for_capacity_s": 30})
     assert isinstance(ctl.step(), Scheduling)
     assert isinstance(ctl.step(), Waiting)
-    assert "elastic.min_replicas is 1" in ctl.status()["waiting"]
+    assert "elastic.min_replicas is 1" in ctl.door.status()["waiting"]
     res = ctl.run()
     assert res["state"] == "failed"
     assert "elastic.min_replicas" in res["error"]
@@ -709,7 +721,9 @@ def test_replica_and_stage_changes_reshard_instead_of_failing(tmp_path):
     assert res["state"] == "finished"
     group = FakeGroup.instances[0]
     assert group.replicas == 1 and group.restored == [10] and group.resharded is True
-    assert any("resharded from 2 stage(s) x 2 replica(s)" in e for e in ctl2.status()["events"])
+    assert any(
+        "resharded from 2 stage(s) x 2 replica(s)" in e for e in ctl2.door.status()["events"]
+    )
     # The number of pipeline stages may change too (p -> p'): the state is by parameter.
     ctl3, _ = make(tmp_path, capacity=1, **{"train.steps": 30, "parallel.pipeline_stages": 1})
     res = ctl3.run()
@@ -729,7 +743,9 @@ def test_failed_commit_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
     res = ctl.run()
     assert res["state"] == "finished"
     assert store.committed_steps() == [20, 25]
-    assert any("step 10 not committed: bucket unreachable" in e for e in ctl.status()["events"])
+    assert any(
+        "step 10 not committed: bucket unreachable" in e for e in ctl.door.status()["events"]
+    )
     assert len(FakeGroup.instances) == 1  # the group was never torn down for it
 
 
@@ -748,7 +764,7 @@ def test_a_retention_error_does_not_restart_the_group(tmp_path, monkeypatch):
     res = ctl.run()
     assert res["state"] == "finished" and res["failures"] == 0
     assert len(FakeGroup.instances) == 1
-    assert any("retention deferred" in e for e in ctl.status()["events"])
+    assert any("retention deferred" in e for e in ctl.door.status()["events"])
     assert store.committed_steps() == [20, 25]  # retried at the next commit
 
 
@@ -769,9 +785,9 @@ def test_a_held_step_outlives_keep_last_and_a_controller_restart(tmp_path):
     from spotline.checkpoint.coordinator import CommitCoordinator
 
     ctl, store = make(tmp_path, **{"checkpoint.keep_last": 1, "checkpoint.interval_steps": 5})
-    assert ctl.hold_latest() is None  # nothing committed yet
+    assert ctl.door.hold_latest() is None  # nothing committed yet
     run_until(ctl, lambda: 5 in store.committed_steps())
-    assert ctl.hold_latest() == {"step": 5, "uri": store.uri}
+    assert ctl.door.hold_latest() == {"step": 5, "uri": store.uri}
     res = ctl.run()
     assert res["state"] == "finished"
     assert store.committed_steps() == [5, 25]  # 10, 15 and 20 went; 5 is held
@@ -804,7 +820,7 @@ def test_an_unexpected_controller_error_tears_everything_down(tmp_path, monkeypa
     def boom(*a, **k):
         raise KeyError("surprise")
 
-    monkeypatch.setattr(ctl, "_grow_decision", boom)
+    monkeypatch.setattr(ctl.growth, "decide", boom)
     ctl.step()
     assert isinstance(ctl.state, Failed)
     assert "internal error in the controller while running: KeyError" in ctl.state.error
@@ -823,7 +839,7 @@ def test_an_error_in_user_code_run_by_the_controller_is_called_theirs(tmp_path, 
     poll = import_object("user_notice_source:poll", "preemption.sources[0].kind")
     ctl, _ = make(tmp_path)
     run_until(ctl, lambda: ctl.step_count >= 5)
-    monkeypatch.setattr(ctl, "_grow_decision", poll)
+    monkeypatch.setattr(ctl.growth, "decide", poll)
     ctl.step()
     assert isinstance(ctl.state, Failed)
     error = ctl.state.error
@@ -896,7 +912,7 @@ def test_a_restarted_controller_commits_what_every_rank_of_a_group_uploaded(tmp_
     run_until(ctl, lambda: len(FakeGroup.instances) == 2)  # step 10's reports died with it
     # The new group restored from step 10, committed from the receipts in storage.
     assert FakeGroup.instances[1].restored == [10]
-    assert any("every rank of group att0 had uploaded" in e for e in ctl.status()["events"])
+    assert any("every rank of group att0 had uploaded" in e for e in ctl.door.status()["events"])
 
 
 # --- spot capacity ------------------------------------------------------------------
@@ -954,7 +970,7 @@ def test_a_long_notice_keeps_training_on_the_doomed_capacity_until_it_must_save(
     # 30 s left, 10 s margin, 50 ms steps: it stays for hundreds of steps, not one.
     assert jit > 100 and first.saves[-1] == jit and first.replicas == 2
     assert FakeGroup.instances[1].restored == [jit]
-    assert any("just-in-time checkpoint after" in e for e in ctl.status()["events"])
+    assert any("just-in-time checkpoint after" in e for e in ctl.door.status()["events"])
 
 
 def test_a_late_jit_checkpoint_moves_up_when_steps_slow_down(tmp_path):
@@ -973,12 +989,12 @@ def test_a_late_jit_checkpoint_moves_up_when_steps_slow_down(tmp_path):
     # At 1 s a step the planned step is out of reach: the next one saves instead.
     assert 20 < moved < 40 and first.saves[-1] == moved
     assert FakeGroup.instances[1].restored == [moved]
-    assert any("moves up to step" in e for e in ctl.status()["events"])
+    assert any("moves up to step" in e for e in ctl.door.status()["events"])
 
 
 def test_the_first_status_says_when_a_jit_checkpoint_cannot_meet_the_notice(tmp_path):
     def warnings(ctl):
-        return [e for e in ctl.status()["events"] if "warning: a just-in-time" in e]
+        return [e for e in ctl.door.status()["events"] if "warning: a just-in-time" in e]
 
     gcp = {"preemption.sources": [{"kind": "gcp", "endpoint": "http://127.0.0.1:9"}]}
     # Predicted from the state size before anything ran: 1 KB/s cannot move it in 30 s.
@@ -1001,11 +1017,11 @@ def test_the_first_status_says_when_a_jit_checkpoint_cannot_meet_the_notice(tmp_
 def test_a_notice_while_scheduling_drains_the_node_before_the_group_starts(tmp_path):
     ctl, _ = make(tmp_path, capacity=1)
     ctl.step()  # pending -> scheduling
-    ctl.notify(_notice("node-0"))  # lands before any group exists
+    ctl.door.notify(_notice("node-0"))  # lands before any group exists
     ctl.step()  # scheduling: the inbox is read first, in any state
     assert ctl.fake_cluster.drained == ["node-0"]
     assert "node-0" not in FakeGroup.instances[0].node_ids()
-    assert "the next group avoids it" in ctl.rec.notices[0]["outcome"]
+    assert "the next group avoids it" in ctl.jit.notices[0]["outcome"]
 
 
 def test_notice_for_a_node_without_ranks_only_drains_it(tmp_path):
@@ -1021,7 +1037,7 @@ def test_notice_for_a_node_without_ranks_only_drains_it(tmp_path):
 def test_repeated_notice_is_answered_once(tmp_path):
     ctl, _ = make(tmp_path, capacity=1)
     for _ in range(3):
-        assert ctl.notify(_notice("node-9", deadline=123.0)) is True  # acknowledged
+        assert ctl.door.notify(_notice("node-9", deadline=123.0)) is True  # acknowledged
     notices, _ = ctl.inbox.take()
     assert len(notices) == 1
 
@@ -1102,7 +1118,7 @@ def test_ranks_held_for_a_next_group_that_never_starts_are_ended(tmp_path):
     run_until(ctl, lambda: ctl.state.terminal)
     assert ctl.state.name == "failed"
     (first,) = FakeGroup.instances
-    assert first.survivors_out.released and ctl.survivors is None
+    assert first.survivors_out.released and ctl.fleet.survivors is None
 
 
 def test_after_a_teardown_the_group_is_sized_from_settled_capacity(tmp_path):
@@ -1186,7 +1202,7 @@ def test_free_capacity_a_grow_would_not_use_is_explained_once(tmp_path):
     res = ctl.run()
     assert res["state"] == "finished"
     assert [g.replicas for g in FakeGroup.instances] == [1]
-    said = [e for e in ctl.status()["events"] if "growing does not pay" in e]
+    said = [e for e in ctl.door.status()["events"] if "growing does not pay" in e]
     assert len(said) == 1, said
     assert "capacity for 2 replica(s) is free, staying at 1" in said[0]
     assert "0.00 at 2" in said[0]
@@ -1212,21 +1228,29 @@ def test_a_grow_waits_for_a_replica_started_ahead_only_so_long(tmp_path, monkeyp
     assert ctl.clock() - due >= 5.0
     assert [g.replicas for g in FakeGroup.instances] == [1, 2]
     assert not standby.taken  # never ready: the bigger group started its own
-    said = [e for e in ctl.status()["events"] if "started ahead not ready" in e]
+    said = [e for e in ctl.door.status()["events"] if "started ahead not ready" in e]
     assert len(said) == 1 and "growing with processes of its own" in said[0]
     # What ended one on the way is said, once.
-    boom = [e for e in ctl.status()["events"] if e.endswith("ended: boom")]
+    boom = [e for e in ctl.door.status()["events"] if e.endswith("ended: boom")]
     assert boom == ["replica standby-1 started ahead on node node-1 ended: boom"]
 
 
 def test_a_replica_started_ahead_that_fails_is_named_with_its_node():
-    from spotline.runtime.standby import Standby, _Replica
+    from spotline.runtime.standby import Standby
+    from spotline.runtime.starter import ReplicaStart, StartFailed
+
+    class Failing(ReplicaStart):  # its rehearsal's calls raised
+        def advance(self):
+            raise StartFailed("rehearsing failed: RuntimeError: boom")
+
+        def end(self):
+            pass
 
     sb = Standby(spec=None, store=None)
-    r = _Replica("standby-1", "cpu", None, since=0.0, phase="rehearsing")
+    r = Failing(None, None, "cpu", [], "", "standby-1", None, phase="rehearsing")
     r.infos = [{"node_id": "a" * 40}]
     sb._replicas = [r]
-    sb._fail(r, "rehearsing failed: RuntimeError: boom")
+    sb._advance()
     assert sb.starting() == 0
     assert sb.failures == [
         f"replica standby-1 started ahead on node {'a' * 12} ended: "
@@ -1241,7 +1265,7 @@ def test_stop_commits_at_the_next_boundary_and_ends_stopped(tmp_path):
     last = store.committed_steps()[-1]
     assert last == res["steps"] and 13 < last < 25
     assert FakeGroup.instances[-1].shut
-    assert "submitting the job again resumes there" in ctl.status()["events"][-1]
+    assert "submitting the job again resumes there" in ctl.door.status()["events"][-1]
 
 
 def test_stop_while_waiting_for_capacity_ends_stopped(tmp_path):
@@ -1249,7 +1273,7 @@ def test_stop_while_waiting_for_capacity_ends_stopped(tmp_path):
     ctl.step()
     ctl.step()
     assert isinstance(ctl.state, Waiting)
-    ctl.request_stop()
+    ctl.door.request_stop()
     assert isinstance(ctl.step(), Stopped)
 
 
@@ -1357,8 +1381,11 @@ def test_sustained_imbalance_repartitions_at_the_next_checkpoint_boundary(tmp_pa
     assert res["partition"]["measured_imbalance"] == rp[0]["measured_imbalance_after"]
     assert res["attempts"][0]["ended_by"] == "re-partition"
     assert store.load_manifest(400).extra["partition"] == second.bounds
-    assert any("re-partition" in e for e in ctl.status()["events"])
-    assert ctl.trace() is None or ctl.trace()["otherData"]["partition"]["bounds"] == second.bounds
+    assert any("re-partition" in e for e in ctl.door.status()["events"])
+    assert (
+        ctl.door.trace() is None
+        or ctl.door.trace()["otherData"]["partition"]["bounds"] == second.bounds
+    )
 
 
 def test_balanced_stages_are_left_alone(tmp_path):
@@ -1388,10 +1415,10 @@ def test_below_the_threshold_no_repartition(tmp_path):
 def test_asked_repartition_happens_at_the_next_boundary(tmp_path):
     ctl, _ = _unequal(tmp_path, [1.0, 1.0], **{"parallel.partition": "uniform"})
     run_until(ctl, lambda: ctl.step_count >= 5)
-    ctl.request_repartition([3, 9])  # not 8 layers: ignored with a warning
+    ctl.door.request_repartition([3, 9])  # not 8 layers: ignored with a warning
     ctl.step()
-    assert any("ignored" in e for e in ctl.status()["events"])
-    ctl.request_repartition([3, 5])
+    assert any("ignored" in e for e in ctl.door.status()["events"])
+    ctl.door.request_repartition([3, 5])
     ctl.run()
     assert [g.bounds for g in FakeGroup.instances] == [[0, 4, 8], [0, 3, 8]]
     assert FakeGroup.instances[1].restored == [50]
@@ -1405,7 +1432,7 @@ def test_a_node_seen_gone_a_moment_after_its_worker_died_is_a_node_loss(
     Within SPOTLINE_NODE_LOSS_WAIT_S (1 s) that is a spot loss, which uses up no
     failure; after it, a failure of the worker on a live node."""
     ctl, _ = make(tmp_path, script={"kill_at": 15})
-    cluster, clock = ctl.cluster, ctl.clock
+    cluster, clock = ctl.cluster, ctl.fake_clock
     checks: list[float] = []  # the clock at each check after the death
 
     def gone(node_ids):
@@ -1450,7 +1477,7 @@ def test_the_demand_is_withdrawn_when_the_job_is_stopped(tmp_path):
     ctl, _ = make(tmp_path, capacity=0)
     ctl.step()
     ctl.step()
-    ctl.request_stop()
+    ctl.door.request_stop()
     assert isinstance(ctl.step(), Stopped)
     assert ctl.fake_demand.calls[-1] == "withdraw"
 
@@ -1487,7 +1514,7 @@ def test_a_frozen_rank_is_declared_hung_named_and_its_node_cordoned_after_two(tm
     assert "hung 2 times within 1.0h" in ctl.fake_cluster.cordoned.get("node-1").why
     saved = json.loads(store.read_artifact("cordon.json"))
     assert list(saved["cordoned"]) == ["node-1"] and len(saved["hangs"]["node-1"]) == 2
-    rows = dict(status_rows(ctl.status()))
+    rows = dict(status_rows(ctl.door.status()))
     assert rows["cordoned"].startswith("node node-1") and rows["hangs"] == "2"
     assert "expires in 6.0h" in rows["cordoned"]
 
@@ -1549,7 +1576,7 @@ def test_a_straggler_is_reported_and_its_node_left_at_the_next_boundary(tmp_path
     second = FakeGroup.instances[-1]
     assert second.restored[-1] % 10 == 0 and second.restored[-1] == first.losses[-1][0]
     assert "node-1" not in second.node_ids() and second.replicas == 2
-    ctl.request_stop()
+    ctl.door.request_stop()
     run_until(ctl, lambda: ctl.state.terminal)
 
 
@@ -1590,7 +1617,7 @@ def test_faults_listed_for_a_job_not_marked_as_a_test_are_said_once(tmp_path, mo
     (tmp_path / "faults" / "ctl.json").write_text('[{"kind": "slow", "rank": 1}]')
     ctl, _ = make(tmp_path)
     ctl.run()
-    said = [e for e in ctl.status()["events"] if "SPOTLINE_TEST_FAULTS" in e]
+    said = [e for e in ctl.door.status()["events"] if "SPOTLINE_TEST_FAULTS" in e]
     assert len(said) == 1 and "none is applied" in said[0]
     marked, _ = make(tmp_path / "marked", **{"failure.test_faults": True})
-    assert not any("SPOTLINE_TEST_FAULTS" in e for e in marked.status()["events"])
+    assert not any("SPOTLINE_TEST_FAULTS" in e for e in marked.door.status()["events"])

@@ -14,6 +14,7 @@ import pytest
 from spotline import constants
 from spotline.config import load_spec
 from spotline.config.loader import SpecError
+from spotline.controller.clock import Clock
 from spotline.controller.cordons import Cordons
 from spotline.controller.health import (
     DataStall,
@@ -348,8 +349,7 @@ def _cordons(free=("node-0", "node-1", "node-2"), saved=None, **failure):
         SimpleNamespace(owned=True),
         None,
         lambda text, *a, **k: events.append(text),
-        lambda: clock[0],
-        wall=lambda: wall[0],
+        Clock(monotonic=lambda: clock[0], wall=lambda: wall[0]),
     )
     return room, events, wall
 

@@ -108,24 +108,26 @@ class ControllerActor:
             if self.peers is not None:
                 self.peers.close()
 
+    # What other threads ask: the door reads only what the loop published.
+
     def notify(self, notice: dict[str, Any]) -> bool:
         """A preemption notice from a node watcher; True once accepted."""
-        return self.controller.notify(notice)
+        return self.controller.door.notify(notice)
 
     def stop(self, reason: str = "stop requested") -> None:
-        self.controller.request_stop(reason)
+        self.controller.door.request_stop(reason)
 
     def hold_latest(self, seconds: float = 900.0) -> dict[str, Any] | None:
-        return self.controller.hold_latest(seconds)
+        return self.controller.door.hold_latest(seconds)
 
     def repartition(self, sizes: list[int]) -> None:
-        self.controller.request_repartition(sizes)
+        self.controller.door.request_repartition(sizes)
 
     def status(self, since_event: int = 0) -> dict[str, Any]:
-        return self.controller.status(since_event)
+        return self.controller.door.status(since_event)
 
     def result(self) -> dict[str, Any]:
-        return self.controller.result()
+        return self.controller.door.result()
 
     def submit_backfill(self, task: Any, name: str | None = None) -> int:
         return self.controller.backfill_api.submit(task, name)
@@ -134,14 +136,14 @@ class ControllerActor:
         return self.controller.backfill_api.record(task_id)
 
     def trace(self) -> dict[str, Any] | None:
-        return self.controller.trace()
+        return self.controller.door.trace()
 
     def summary(self) -> dict[str, Any]:
-        return self.controller.summary()
+        return self.controller.door.summary()
 
     def stacks(self) -> dict[str, Any]:
         """Every rank's stack now (`spotline stacks`)."""
-        return self.controller.take_stacks()
+        return self.controller.door.take_stacks()
 
 
 def uploaded_runtime_env(spec: JobSpec) -> dict | None:
