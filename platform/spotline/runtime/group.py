@@ -133,7 +133,7 @@ class RayWorkerGroup:
         raise WorkerFailure(what, errors, self._nodes(), causes, silent)
 
     def _nodes(self) -> dict[int, str]:
-        return {i["rank"]: i["node_id"] for i in self._info}
+        return {i["rank"]: i["node_id"] for i in self.worker_info()}
 
     # --- start-up ---------------------------------------------------------------------
 
@@ -438,13 +438,15 @@ class RayWorkerGroup:
         return min(peaks) if peaks and None not in peaks else None
 
     def node_ids(self) -> set[str]:
-        return {i["node_id"] for i in self._info}
+        """The nodes of the ranks known to run (while starting: those that said so)."""
+        return {i["node_id"] for i in self.worker_info()}
 
     def heldout_loss(self) -> float:
         return self._call_all("held-out evaluation", "heldout_loss")[0]
 
     def worker_info(self) -> list[dict[str, Any]]:
-        return list(self._info)
+        """Where each rank runs (rank, pid, node, ...), of the ranks known to run."""
+        return [dict(i) for i in self._info if "node_id" in i]
 
     def shutdown(self) -> None:
         end(self.sidecars + [a for a in self.actors if a is not None], self.pgs)
