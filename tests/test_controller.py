@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, FileEntry, StorageError
 from spotline.checkpoint import coordinator as coordinator_module
 from spotline.checkpoint.manifest import Receipt
@@ -30,6 +31,7 @@ from spotline.controller.state import (
     Pending,
     Running,
     Scheduling,
+    Starting,
     Stopped,
     Waiting,
 )
@@ -94,7 +96,10 @@ class FakeGroup:
         self.bounds = list(partition) if partition else [layers * s // pp for s in range(pp + 1)]
 
     def advance(self, timeout_s=0.0):
-        """Ready at once, or after the script's `start_polls` calls (its time passes)."""
+        """Ready at once, or after the script's `start_polls` calls (its time passes);
+        the script's `fail_starting` fails the start on its way."""
+        if self.script.pop("fail_starting", False):
+            raise WorkerFailure("start", {"replica 1 on node node-1: binding failed": [1, 3]})
         if self.starting_polls > 0:
             self.starting_polls -= 1
             self.clock.sleep(timeout_s)
@@ -414,11 +419,19 @@ class FakeCluster:
 
 
 class FakeClock:
+    """The controller's clock in these tests: time passes only when it sleeps. Its wall
+    time starts at the real one (notices in the scripts carry real deadlines) and moves
+    with it."""
+
     def __init__(self):
         self.now = 0.0
+        self.base = time.time()
 
     def __call__(self):
         return self.now
+
+    def wall(self):
+        return self.base + self.now
 
     def sleep(self, s):
         self.now += s
@@ -464,7 +477,7 @@ def make(tmp_path, script=None, capacity=2, standby=None, stacks=None, **over):
 
     demand = FakeDemand()
     ctl = Controller(
-        spec, store, group, cluster, clock=Clock(clock, sleep=clock.sleep), demand=demand,
+        spec, store, group, cluster, clock=Clock(clock, clock.wall, clock.sleep), demand=demand,
         standby=standby, stacks=stacks,
     )  # fmt: skip
     ctl.fake_demand = demand
@@ -1621,3 +1634,47 @@ def test_faults_listed_for_a_job_not_marked_as_a_test_are_said_once(tmp_path, mo
     assert len(said) == 1 and "none is applied" in said[0]
     marked, _ = make(tmp_path / "marked", **{"failure.test_faults": True})
     assert not any("SPOTLINE_TEST_FAULTS" in e for e in marked.door.status()["events"])
+
+
+# --- a group's start never blocks the loop --------------------------------------------------
+
+
+def test_while_a_group_starts_the_loop_steps_and_status_answers(tmp_path):
+    ctl, _ = make(tmp_path, script={"start_polls": 5})
+    run_until(ctl, lambda: isinstance(ctl.state, Starting))
+    started = ctl.fake_clock.now
+    assert ctl.door.status()["state"] == "starting"
+    run_until(ctl, lambda: isinstance(ctl.state, Running))
+    # Each step moved the start on for at most a poll interval, then came back.
+    assert ctl.fake_clock.now - started <= 6 * constants.SPOTLINE_POLL_INTERVAL_S
+    assert ctl.run()["state"] == "finished"
+
+
+def test_a_stop_during_a_start_is_taken_at_once(tmp_path):
+    ctl, _ = make(tmp_path, script={"start_polls": 10**6})
+    run_until(ctl, lambda: isinstance(ctl.state, Starting))
+    ctl.door.request_stop("operator")
+    ctl.step()
+    assert isinstance(ctl.state, Stopped) and FakeGroup.instances[0].shut
+
+
+def test_a_notice_for_a_starting_groups_node_starts_it_again_without_that_node(tmp_path):
+    ctl, _ = make(tmp_path, script={"start_polls": 3}, capacity=_devices({"nodes": 3}))
+    run_until(ctl, lambda: isinstance(ctl.state, Starting))
+    first = FakeGroup.instances[0]
+    doomed = first.nodes[-1]
+    assert ctl.door.notify(_notice(doomed))
+    ctl.step()  # taken at once: the start ends, and the next one begins off that node
+    assert first.shut and len(FakeGroup.instances) == 2
+    said = [e for e in ctl.door.status()["events"] if "starting the group again" in e]
+    assert len(said) == 1 and "a node of the group being started is doomed" in said[0]
+    assert ctl.run()["state"] == "finished"
+    second = FakeGroup.instances[1]
+    assert doomed not in second.nodes and ctl.rec.attempts[0].ended_by == "preemption notice"
+
+
+def test_a_rank_that_fails_its_start_is_a_failure_and_the_job_starts_again(tmp_path):
+    ctl, _ = make(tmp_path, script={"start_polls": 2, "fail_starting": True})
+    res = ctl.run()
+    assert res["state"] == "finished" and ctl.rec.failures == 1
+    assert "binding failed" in ctl.rec.attempts[0].error

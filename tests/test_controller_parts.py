@@ -3,7 +3,6 @@ book, the typed snapshot and its projections, the inbox. No Ray, no worker group
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -105,9 +104,14 @@ def test_the_save_time_is_measured_once_an_upload_was():
     assert predicted_save_s([], [4.0], 0.5) == pytest.approx(5.0)
 
 
+WALL = 1_000_000.0
+"""The JIT book's wall clock in these tests: it stands still."""
+
+
 def _book(**over):
     events, fig = Events(), Figures()
-    book = JitBook(_spec(**over), JitPolicy(10.0), Pace(), fig, events, 0.5, Clock())
+    clock = Clock(monotonic=lambda: 0.0, wall=lambda: WALL, sleep=lambda s: None)
+    book = JitBook(_spec(**over), JitPolicy(10.0), Pace(), fig, events, 0.5, clock)
     return book, fig, events
 
 
@@ -124,7 +128,7 @@ def _notice(node, deadline, clock=0.0):
 def test_notices_for_the_live_group_wait_for_a_checkpoint_the_others_are_answered():
     book, rec, events = _book()
     drained = []
-    now = time.time()
+    now = WALL
     mine, other = _notice("node-0", now + 120), _notice("node-9", now + 120)
     jit = book.triage([mine, other], 40, {"node-0"}, lambda *a: drained.append(a[0]))
     assert jit == [mine] and drained == ["node-0", "node-9"]
@@ -140,7 +144,7 @@ def test_the_jit_plan_stays_on_a_long_notice_and_answers_it_once_committed():
     book, fig, events = _book()
     book.pace.recent.extend([(90, 1000.0), (100, 1010.0)])  # 1 s a step
     fig.blocked_s, fig.upload_s = [0.0], [9.0]  # a measured save: 9 + 2 x 0.5 = 10 s
-    notice = _notice("node-0", time.time() + 120, clock=3.0)
+    notice = _notice("node-0", WALL + 120, clock=3.0)
     at, deadline = book.plan([notice], 100, replicas=3, replicas_after=2)
     assert 195 <= at <= 200 and deadline == notice["deadline"]
     assert "just-in-time checkpoint after" in events.texts()[-1]
@@ -153,7 +157,7 @@ def test_the_jit_plan_stays_on_a_long_notice_and_answers_it_once_committed():
 
 def test_a_failed_jit_commit_names_the_latest_committed_step():
     book, rec, _ = _book()
-    book.pending.append(_notice("node-0", time.time() + 30))
+    book.pending.append(_notice("node-0", WALL + 30))
     book.answer(120, False, latest=100, now=1.0)
     (n,) = book.notices
     assert n["committed_step"] == 100 and n["outcome"] == "commit failed"
@@ -269,7 +273,7 @@ def test_a_commit_keeps_the_losses_its_group_never_reported():
         upload_s=0.5,
     )
     rec.take_losses(done.manifest.extra["attempt"], done.losses)
-    tel = Telemetry(_spec(), Events())
+    tel = Telemetry(_spec(), Events(), lambda: 1000.0)
     tel.commit(2, done.nbytes, done.upload_s)
     assert rec.losses == {1: 3.0, 2: 2.5} and rec.attempts[0].losses == [(1, 3.0), (2, 2.5)]
     assert tel.fig.upload_bytes == [10] and tel.fig.upload_s == [0.5]

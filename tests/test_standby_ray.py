@@ -41,7 +41,15 @@ def test_a_dead_or_silent_replica_started_ahead_is_dropped_with_its_node_named(
     standby = Standby(spec, store=None)
     standby._replicas = [
         ReplicaStart(
-            spec, None, "cpu", [], "", name, None, actors=[actor], infos=[{"node_id": node}],
+            spec,
+            None,
+            "cpu",
+            [],
+            "",
+            name,
+            None,
+            actors=[actor],
+            infos=[{"node_id": node}],
             phase="ready",
         )  # fmt: skip
         for name, actor, node in (

@@ -10,6 +10,7 @@ from typing import Any
 
 from spotline.checkpoint import CheckpointStore
 from spotline.config.schema import JobSpec
+from spotline.controller.clock import Clock
 from spotline.controller.controller import Controller
 from spotline.runtime.sealed import SealedJob
 
@@ -78,6 +79,7 @@ class ControllerActor:
             pool = BackfillPool(spec)
             sidecar = sidecar_factory(spec, store)
         cluster = RayClusterView(spec, device, ray.get_runtime_context().current_actor)
+        clock = Clock()  # the one clock: the loop's, its starts' and its replicas started ahead
         # The state keepers outlive every group; they go when the job ends.
         self.peers = PeerMemory(spec) if spec.recovery.peer_snapshots else None
         self.controller = Controller(
@@ -92,12 +94,16 @@ class ControllerActor:
                 sidecar_gpu_fraction=spec.backfill.gpu_fraction,
                 avoid=cluster.cordoned,
                 peers=self.peers,
+                clock=clock.monotonic,
             ),
             cluster=cluster,
             backfill=pool,
             demand=RayDemand(spec, device, cordoned=cluster.cordoned),
             peers=self.peers,
-            standby=Standby(spec, store, spec.backfill.gpu_fraction if sidecar else 0.0),
+            standby=Standby(
+                spec, store, spec.backfill.gpu_fraction if sidecar else 0.0, clock.monotonic
+            ),
+            clock=clock,
             stacks=RayStacks(),
         )
 

@@ -67,7 +67,7 @@ def build_rooms(
     coordinator = CommitCoordinator(spec, store, say, wall=clock.wall)
     if demand is not None:
         demand.bind(say)  # its failures are warnings: the job trains on
-    tel = Telemetry(spec, say, checkpoint_uri=store.uri, wall=clock.wall)
+    tel = Telemetry(spec, say, clock.wall, checkpoint_uri=store.uri)
     health = HealthBook(spec, say, tel.metrics)
     artifacts = Artifacts(spec, coordinator, say)
     policy = JitPolicy(constants.SPOTLINE_JIT_MARGIN_S)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from spotline.checkpoint import (
@@ -47,8 +47,8 @@ class Telemetry:
         self,
         spec: JobSpec,
         event,
+        wall: Callable[[], float],
         checkpoint_uri: str | None = None,
-        wall=time.time,
     ):
         self.spec = spec
         self.fig = Figures()
