@@ -192,7 +192,7 @@ class FakeStacks:
 
 
 def test_a_hangs_stacks_are_taken_before_the_teardown_kept_and_shown(tmp_path):
-    from test_controller import make, run_until
+    from controller_fakes import make, run_until
 
     ctl, store = make(
         tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}}, stacks=FakeStacks(frozen=1)
@@ -222,7 +222,7 @@ def test_a_hangs_stacks_are_taken_before_the_teardown_kept_and_shown(tmp_path):
 
 
 def test_a_stack_taker_that_fails_never_holds_the_hang_path_up(tmp_path):
-    from test_controller import make, run_until
+    from controller_fakes import make, run_until
 
     ctl, _ = make(
         tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}}, stacks=FakeStacks(fail=True)
@@ -234,8 +234,8 @@ def test_a_stack_taker_that_fails_never_holds_the_hang_path_up(tmp_path):
 
 
 def test_a_large_group_has_only_its_named_ranks_stacks_taken(tmp_path, monkeypatch):
+    from controller_fakes import make, run_until
     from spotline import constants
-    from test_controller import make, run_until
 
     monkeypatch.setattr(constants, "SPOTLINE_STACKS_ALL_RANKS", 2)
     ctl, _ = make(tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}}, stacks=FakeStacks())
@@ -244,7 +244,7 @@ def test_a_large_group_has_only_its_named_ranks_stacks_taken(tmp_path, monkeypat
 
 
 def test_stacks_on_demand_from_a_running_job_and_a_clear_answer_without_one(tmp_path):
-    from test_controller import make
+    from controller_fakes import make
 
     ctl, _ = make(tmp_path, stacks=FakeStacks(frozen=None))
     assert (

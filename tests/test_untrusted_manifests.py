@@ -174,7 +174,7 @@ def test_each_manifest_is_read_once_until_it_changes(
 
 
 def test_a_finished_job_whose_final_manifest_is_damaged_trains_it_again(tmp_path: Path) -> None:
-    from test_controller import FakeGroup, make
+    from controller_fakes import FakeGroup, make
 
     ctl, store = make(tmp_path)  # commits 10, 20, 25; keep_last 2
     assert ctl.run()["state"] == "finished"
