@@ -3,18 +3,20 @@ book, the typed snapshot and its projections, the inbox. No Ray, no worker group
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 
 from spotline.config import load_spec
-from spotline.controller.inbox import EventLog, Inbox
-from spotline.controller.jit import JitBook, JitPolicy, MoveUp, predicted_save_s
+from spotline.controller.clock import Clock
+from spotline.controller.events import Events as EventLog
+from spotline.controller.inbox import Inbox
+from spotline.controller.notices import JitBook, JitPolicy, MoveUp, predicted_save_s
 from spotline.controller.pace import Pace
 from spotline.controller.repartition import PartitionBook
 from spotline.controller.snapshot import (
     Attempt,
+    Figures,
     Record,
     Snapshot,
     as_result,
@@ -102,10 +104,15 @@ def test_the_save_time_is_measured_once_an_upload_was():
     assert predicted_save_s([], [4.0], 0.5) == pytest.approx(5.0)
 
 
+WALL = 1_000_000.0
+"""The JIT book's wall clock in these tests: it stands still."""
+
+
 def _book(**over):
-    events, rec = Events(), Record()
-    book = JitBook(_spec(**over), JitPolicy(10.0), Pace(), rec, events, poll_s=0.5)
-    return book, rec, events
+    events, fig = Events(), Figures()
+    clock = Clock(monotonic=lambda: 0.0, wall=lambda: WALL, sleep=lambda s: None)
+    book = JitBook(_spec(**over), JitPolicy(10.0), Pace(), fig, events, 0.5, clock)
+    return book, fig, events
 
 
 def _notice(node, deadline, clock=0.0):
@@ -121,38 +128,38 @@ def _notice(node, deadline, clock=0.0):
 def test_notices_for_the_live_group_wait_for_a_checkpoint_the_others_are_answered():
     book, rec, events = _book()
     drained = []
-    now = time.time()
+    now = WALL
     mine, other = _notice("node-0", now + 120), _notice("node-9", now + 120)
     jit = book.triage([mine, other], 40, {"node-0"}, lambda *a: drained.append(a[0]))
     assert jit == [mine] and drained == ["node-0", "node-9"]
-    assert rec.notices == [other] and "no ranks of this job" in other["outcome"]
+    assert book.notices == [other] and "no ranks of this job" in other["outcome"]
     assert all(n["step"] == 40 for n in (mine, other))
     assert [track for _, _, track in events.seen] == ["preemption", "preemption"]
     # Without a group every notice is answered at once: the next group avoids the node.
     book.triage([_notice("node-1", now + 60)], 41, None, lambda *a: None)
-    assert "the next group avoids it" in rec.notices[-1]["outcome"]
+    assert "the next group avoids it" in book.notices[-1]["outcome"]
 
 
 def test_the_jit_plan_stays_on_a_long_notice_and_answers_it_once_committed():
-    book, rec, events = _book()
+    book, fig, events = _book()
     book.pace.recent.extend([(90, 1000.0), (100, 1010.0)])  # 1 s a step
-    rec.blocked_s, rec.upload_s = [0.0], [9.0]  # a measured save: 9 + 2 x 0.5 = 10 s
-    notice = _notice("node-0", time.time() + 120, clock=3.0)
+    fig.blocked_s, fig.upload_s = [0.0], [9.0]  # a measured save: 9 + 2 x 0.5 = 10 s
+    notice = _notice("node-0", WALL + 120, clock=3.0)
     at, deadline = book.plan([notice], 100, replicas=3, replicas_after=2)
     assert 195 <= at <= 200 and deadline == notice["deadline"]
     assert "just-in-time checkpoint after" in events.texts()[-1]
     book.pending.append(notice)
     book.answer(at, True, latest=at, now=10.0)
-    assert book.pending == [] and rec.notices == [notice]
+    assert book.pending == [] and book.notices == [notice]
     assert notice["committed_step"] == at and notice["notice_to_commit_s"] == 7.0
     assert "over preemption.jit_checkpoint_budget_s" in events.texts()[-1]  # 7 s > 5 s
 
 
 def test_a_failed_jit_commit_names_the_latest_committed_step():
     book, rec, _ = _book()
-    book.pending.append(_notice("node-0", time.time() + 30))
+    book.pending.append(_notice("node-0", WALL + 30))
     book.answer(120, False, latest=100, now=1.0)
-    (n,) = rec.notices
+    (n,) = book.notices
     assert n["committed_step"] == 100 and n["outcome"] == "commit failed"
     assert n["notice_to_commit_s"] is None
 
@@ -161,11 +168,10 @@ def test_a_failed_jit_commit_names_the_latest_committed_step():
 
 
 def _partitions(**over):
-    events, rec = Events(), Record()
-    rec.attempts.append(Attempt(replicas=1, attempt="att0"))
-    book = PartitionBook(_spec(**over), rec, events)
-    book.started({"method": "balanced", "bounds": [0, 4, 8], "sizes": [4, 4]}, rec.attempts[-1])
-    return book, rec, events
+    events = Events()
+    book = PartitionBook(_spec(**over), events)
+    book.started({"method": "balanced", "bounds": [0, 4, 8], "sizes": [4, 4]})
+    return book, book, events
 
 
 def test_a_repartition_waits_for_the_next_checkpoint_boundary():
@@ -179,10 +185,9 @@ def test_a_repartition_waits_for_the_next_checkpoint_boundary():
     assert book.pin == [0, 5, 8] and "[5, 3]" in detail
     assert rec.repartitions[-1]["outcome"] == "restarting"
     # The next group starts at the new bounds: the re-partition is done.
-    rec.attempts.append(Attempt(replicas=1, attempt="att1"))
-    book.started({"bounds": [0, 5, 8], "sizes": [5, 3]}, rec.attempts[-1])
+    book.started({"bounds": [0, 5, 8], "sizes": [5, 3]})
     assert rec.repartitions[-1]["outcome"] == "done"
-    assert rec.attempts[-1].partition["repartition"] == len(rec.repartitions) - 1
+    assert book.current["repartition"] == len(rec.repartitions) - 1
 
 
 def test_an_asked_partition_that_does_not_fit_is_ignored_with_a_warning():
@@ -200,7 +205,7 @@ def test_the_stages_measured_imbalance_is_kept_per_attempt():
         {"stage": 1, "replica": 0, "steps": 5, "compute_s": 2.0, "step_s": 2.0, "wait_s": 0.0},
     ]
     book.measure(reports, 10)
-    measured = rec.attempts[-1].partition["measured"]
+    measured = book.current["measured"]
     assert measured["steps"] == 5 and measured["imbalance"] == pytest.approx(1 / 3)
     assert book.summary()["measured_imbalance"] == pytest.approx(1 / 3)
     assert [step for step, _, _ in book.window] == [10]
@@ -257,6 +262,8 @@ def test_a_stored_summary_reads_back_as_it_was_written():
 
 
 def test_a_commit_keeps_the_losses_its_group_never_reported():
+    from spotline.controller.telemetry import Telemetry
+
     rec = Record()
     rec.attempts.append(Attempt(replicas=1, attempt="att0", losses=[(1, 3.0)]))
     done = SimpleNamespace(
@@ -265,9 +272,11 @@ def test_a_commit_keeps_the_losses_its_group_never_reported():
         nbytes=10,
         upload_s=0.5,
     )
-    rec.commit(done)
+    rec.take_losses(done.manifest.extra["attempt"], done.losses)
+    tel = Telemetry(_spec(), Events(), lambda: 1000.0)
+    tel.commit(2, done.nbytes, done.upload_s)
     assert rec.losses == {1: 3.0, 2: 2.5} and rec.attempts[0].losses == [(1, 3.0), (2, 2.5)]
-    assert rec.upload_bytes == [10] and rec.upload_s == [0.5]
+    assert tel.fig.upload_bytes == [10] and tel.fig.upload_s == [0.5]
 
 
 # --- the inbox --------------------------------------------------------------------------
@@ -275,12 +284,13 @@ def test_a_commit_keeps_the_losses_its_group_never_reported():
 
 def test_a_notice_dooms_its_node_until_it_is_forgotten():
     inbox = Inbox()
-    assert inbox.notify(_notice("node-1", 5.0), 0.0) and inbox.notify(_notice("node-1", 5.0), 1)
+    assert inbox.notify(_notice("node-1", 5.0), 0.0, 0.0)
+    assert inbox.notify(_notice("node-1", 5.0), 1.0, 1.0)
     notices, stop = inbox.take()
     assert len(notices) == 1 and stop is None and inbox.doomed() == ["node-1"]
     inbox.forget({"node-1"})
     assert inbox.doomed() == []
     log = EventLog()
-    log.append("a")
-    log.append("b")
+    log.say("a")
+    log.say("b")
     assert log.since(1) == (["b"], 2)

@@ -14,6 +14,7 @@ import pytest
 from spotline import constants
 from spotline.config import load_spec
 from spotline.config.loader import SpecError
+from spotline.controller.clock import Clock
 from spotline.controller.cordons import Cordons
 from spotline.controller.health import (
     DataStall,
@@ -348,8 +349,7 @@ def _cordons(free=("node-0", "node-1", "node-2"), saved=None, **failure):
         SimpleNamespace(owned=True),
         None,
         lambda text, *a, **k: events.append(text),
-        lambda: clock[0],
-        wall=lambda: wall[0],
+        Clock(monotonic=lambda: clock[0], wall=lambda: wall[0]),
     )
     return room, events, wall
 
@@ -536,7 +536,7 @@ def test_faults_in_a_job_not_marked_as_a_test_are_refused_and_said_once(tmp_path
 
 
 def test_a_data_stall_in_a_running_job_is_said_once_and_costs_no_failure_or_cordon(tmp_path):
-    from test_controller import make, run_until
+    from controller_fakes import make, run_until
 
     # Rank 0 waits 60 s for its batches at step 15 in two groups' worth of tries; its
     # peers wait for it in a collective. The hang floor is 20 s.
@@ -556,7 +556,7 @@ def test_a_data_stall_in_a_running_job_is_said_once_and_costs_no_failure_or_cord
 
 
 def test_a_data_stall_past_its_limit_restarts_as_a_data_failure_not_a_hang(tmp_path, monkeypatch):
-    from test_controller import make, run_until
+    from controller_fakes import make, run_until
 
     monkeypatch.setattr(constants, "SPOTLINE_DATA_STALL_LIMIT_S", 40.0)
     ctl, _ = make(
@@ -587,7 +587,7 @@ def test_a_placement_lifts_a_cordon_that_keeps_the_job_below_min_replicas(tmp_pa
     """A resubmitted job whose earlier run cordoned node-1: the cluster now holds only
     node-0 and node-1, and min_replicas is 2. It lifts the cordon (saying so) rather than
     waiting on capacity that is there."""
-    from test_controller import make, run_until
+    from controller_fakes import make, run_until
 
     _cordoned_before(tmp_path, "node-1")
     ctl, _ = make(tmp_path, **{"elastic.min_replicas": 2})
@@ -607,7 +607,7 @@ def test_a_placement_lifts_a_cordon_that_keeps_the_job_below_min_replicas(tmp_pa
 
 
 def test_the_wait_for_capacity_names_the_cordoned_nodes(tmp_path):
-    from test_controller import make
+    from controller_fakes import make
 
     _cordoned_before(tmp_path, "node-1")
     # Nothing fits, with or without node-1: the cordon is not what the job waits on.

@@ -128,7 +128,7 @@ def test_scaling_and_growing_pick_only_allowed_sizes() -> None:
 
 
 def _jit(**over):
-    from spotline.controller.jit import JitPolicy
+    from spotline.controller.notices import JitPolicy
 
     args = dict(step=100, seconds_left=120.0, step_s=1.0, save_s=10.0, replicas=3, replicas_after=2)
     args.update(over)

@@ -44,6 +44,8 @@ _SCENARIO = textwrap.dedent(
     out = {}
     try:
         group.start()
+        while not group.advance(0.25):
+            pass
         out["started"] = True
     except WorkerFailure as e:
         out["error"] = str(e)

@@ -29,6 +29,15 @@ pytestmark = pytest.mark.chaos
 SPOT_NODE = {"num_cpus": 2, "resources": {"spot_gpu": 2}}
 
 
+def _free_port() -> int:
+    """A port nothing listens on now (the dashboard binds it right after)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class SpotCluster:
     def __init__(self) -> None:
         from ray.cluster_utils import Cluster
@@ -36,8 +45,14 @@ class SpotCluster:
         self.cluster = Cluster(
             initialize_head=True,
             # The dashboard serves Ray's state API (what is alive after a failure);
-            # it listens on 127.0.0.1.
-            head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": True},
+            # it listens on 127.0.0.1, on a port of its own: another Ray cluster on this
+            # machine may hold the default one.
+            head_node_args={
+                "num_cpus": 2,
+                "num_gpus": 0,
+                "include_dashboard": True,
+                "dashboard_port": _free_port(),
+            },
         )
         self.spot: list[Any] = []
 

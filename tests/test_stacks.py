@@ -192,10 +192,11 @@ class FakeStacks:
 
 
 def test_a_hangs_stacks_are_taken_before_the_teardown_kept_and_shown(tmp_path):
-    from test_controller import make, run_until
+    from controller_fakes import make, run_until
 
-    ctl, store = make(tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}})
-    ctl.stacks = FakeStacks(frozen=1)
+    ctl, store = make(
+        tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}}, stacks=FakeStacks(frozen=1)
+    )
     run_until(ctl, lambda: len(ctl.rec.attempts) == 2)
     (call,) = ctl.stacks.calls
     assert call == {"ranks": None, "group_shut": False}  # every rank, the group still up
@@ -212,7 +213,7 @@ def test_a_hangs_stacks_are_taken_before_the_teardown_kept_and_shown(tmp_path):
         "stacks taken before the teardown: rank 1: Faults.maybe_freeze "
         f"(spotline/runtime/faults.py:118) (stopped); the stacks taken are at {taken['uri']}"
     ]
-    rows = dict(status_rows(ctl.status()))
+    rows = dict(status_rows(ctl.door.status()))
     assert rows["rank 1 stack"].startswith("Faults.maybe_freeze")
     run_until(ctl, lambda: ctl.state.terminal)
     # The stored summary (what `spotline status/report URI` read) carries them.
@@ -221,10 +222,11 @@ def test_a_hangs_stacks_are_taken_before_the_teardown_kept_and_shown(tmp_path):
 
 
 def test_a_stack_taker_that_fails_never_holds_the_hang_path_up(tmp_path):
-    from test_controller import make, run_until
+    from controller_fakes import make, run_until
 
-    ctl, _ = make(tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}})
-    ctl.stacks = FakeStacks(fail=True)
+    ctl, _ = make(
+        tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}}, stacks=FakeStacks(fail=True)
+    )
     run_until(ctl, lambda: ctl.state.terminal)
     assert ctl.state.name == "finished" and ctl.rec.attempts[0].ended_by == "hang"
     assert any("could not take the hung ranks' stacks: GCS" in e for e in ctl.events.since(0)[0])
@@ -232,24 +234,24 @@ def test_a_stack_taker_that_fails_never_holds_the_hang_path_up(tmp_path):
 
 
 def test_a_large_group_has_only_its_named_ranks_stacks_taken(tmp_path, monkeypatch):
+    from controller_fakes import make, run_until
     from spotline import constants
-    from test_controller import make, run_until
 
     monkeypatch.setattr(constants, "SPOTLINE_STACKS_ALL_RANKS", 2)
-    ctl, _ = make(tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}})
-    ctl.stacks = FakeStacks()
+    ctl, _ = make(tmp_path, {"freeze": {"at": 15, "rank": 1, "times": 1}}, stacks=FakeStacks())
     run_until(ctl, lambda: len(ctl.rec.attempts) == 2)
     assert ctl.stacks.calls[0]["ranks"] == [1]
 
 
 def test_stacks_on_demand_from_a_running_job_and_a_clear_answer_without_one(tmp_path):
-    from test_controller import make
+    from controller_fakes import make
 
-    ctl, _ = make(tmp_path)
-    ctl.stacks = FakeStacks(frozen=None)
-    assert "has no group running to take stacks of (it is pending)" in ctl.take_stacks()["error"]
+    ctl, _ = make(tmp_path, stacks=FakeStacks(frozen=None))
+    assert (
+        "has no group running to take stacks of (it is pending)" in ctl.door.take_stacks()["error"]
+    )
     ctl.step()
     ctl.step()  # running
-    record = ctl.take_stacks()
+    record = ctl.door.take_stacks()
     assert record["job"] == "ctl" and set(record["ranks"]) == {"0", "1", "2", "3"}
     assert ctl.stacks.calls[-1]["ranks"] is None

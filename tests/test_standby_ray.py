@@ -9,7 +9,8 @@ import pytest
 
 from spotline import constants
 from spotline.config import load_spec
-from spotline.runtime.standby import Standby, _Replica
+from spotline.runtime.standby import Standby
+from spotline.runtime.starter import ReplicaStart
 
 pytestmark = pytest.mark.ray
 
@@ -39,17 +40,18 @@ def test_a_dead_or_silent_replica_started_ahead_is_dropped_with_its_node_named(
     spec = load_spec({"name": "standby-check"})
     standby = Standby(spec, store=None)
     standby._replicas = [
-        _Replica(
-            name,
-            "cpu",
+        ReplicaStart(
+            spec,
             None,
-            0.0,
+            "cpu",
+            [],
+            "",
+            name,
+            None,
             actors=[actor],
             infos=[{"node_id": node}],
-            ready=True,
-            placed=True,
             phase="ready",
-        )
+        )  # fmt: skip
         for name, actor, node in (
             ("standby-live", live, "a" * 56),
             ("standby-killed", killed, "b" * 56),

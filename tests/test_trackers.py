@@ -402,7 +402,7 @@ def test_tracking_is_not_part_of_the_training_math(tmp_path):
 
 
 def test_the_controller_sends_figures_and_events_once_per_step(tmp_path):
-    from test_controller import FakeGroup, make
+    from controller_fakes import FakeGroup, make
 
     script = {"kill_at": 17, "lose_node": "node-1"}
 
@@ -446,7 +446,7 @@ def test_the_controller_sends_figures_and_events_once_per_step(tmp_path):
     ],
 )
 def test_the_run_is_closed_on_every_end(tmp_path, monkeypatch, script, over, state):
-    from test_controller import make
+    from controller_fakes import make
 
     closed: list[str] = []
     real = Trackers.close

@@ -174,7 +174,7 @@ def test_each_manifest_is_read_once_until_it_changes(
 
 
 def test_a_finished_job_whose_final_manifest_is_damaged_trains_it_again(tmp_path: Path) -> None:
-    from test_controller import FakeGroup, make
+    from controller_fakes import FakeGroup, make
 
     ctl, store = make(tmp_path)  # commits 10, 20, 25; keep_last 2
     assert ctl.run()["state"] == "finished"
@@ -187,7 +187,7 @@ def test_a_finished_job_whose_final_manifest_is_damaged_trains_it_again(tmp_path
     (group,) = FakeGroup.instances  # a group was started: the job trained again
     assert group.restored == [20]
     assert sorted(res["losses"]) == list(range(21, 26))
-    events = again.status()["events"]
+    events = again.door.status()["events"]
     (said,) = [e for e in events if "already finished at step 25" in e]
     assert "manifest.json" in said and "not valid JSON" in said and "from step 20" in said, said
     assert not any("reporting it from its stored summary" in e for e in events)

@@ -87,8 +87,17 @@ class Committed:
 
 
 class CommitCoordinator:
-    def __init__(self, spec: JobSpec, store: CheckpointStore, event: Event, load_retries: int = 2):
+    def __init__(
+        self,
+        spec: JobSpec,
+        store: CheckpointStore,
+        event: Event,
+        load_retries: int = 2,
+        wall: Callable[[], float] = time.time,
+    ):
         self.spec = spec
+        self.wall = wall
+        """Wall time (the controller's clock): holds and commit stamps are wall times."""
         self.store = store
         self._event = event
         self.load_retries = load_retries
@@ -259,7 +268,7 @@ class CommitCoordinator:
             manifest.total_bytes,
             len(manifest.files),
             upload_s,
-            time.time(),
+            self.wall(),
             manifest,
             losses,
         )
@@ -279,7 +288,7 @@ class CommitCoordinator:
     def retain(self) -> None:
         """Apply checkpoint.keep_last, keeping pinned steps; a storage error is reported
         and retried later, and so is a pinned step past keep_last once it is released."""
-        now = time.time()
+        now = self.wall()
         if not self._retention_due or now < self._retain_after:
             return
         with self._holds_lock:
@@ -308,7 +317,7 @@ class CommitCoordinator:
             if not self.committed:
                 return None
             step = self.committed[-1]
-            self._holds[step] = max(self._holds.get(step, 0.0), time.time() + seconds)
+            self._holds[step] = max(self._holds.get(step, 0.0), self.wall() + seconds)
             self._retention_due = True  # retained away once the hold ends
             holds = dict(self._holds)
         # Stored, so that a restarted controller of this job keeps them too.
@@ -321,7 +330,7 @@ class CommitCoordinator:
             stored = {int(k): float(v) for k, v in json.loads(raw).items()} if raw else {}
         except (ValueError, AttributeError, TypeError):
             stored = {}  # unreadable: it only delays retention, never loads anything
-        now = time.time()
+        now = self.wall()
         with self._holds_lock:
             self._holds.update({k: v for k, v in stored.items() if v > now})
 

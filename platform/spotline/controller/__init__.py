@@ -1,33 +1,31 @@
 """The per-job controller: a loop over states that carry their payload, and its rooms.
 
 What lives here:
-- `controller.py`: the loop and its transitions; it carries decisions out.
-- `state.py`: the states and their payloads.
-- `policies.py`, `jit.py`, `repartition.py`, `recovery.py`, `cordons.py`: policies
-  that return decisions (restart or fail, how many replicas, when to grow, at which
-  step to take a just-in-time checkpoint, when to re-partition the pipeline, every how
-  many steps to take peer copies and which copy to restore, which node to cordon, when
-  a cordon expires or gives way to min_replicas, and when to leave it), tested
-  without Ray.
-- `health.py`: hang bounds, data stalls and stragglers read from the ranks'
-  heartbeats, and the summaries of the stacks taken at hangs.
-- `pace.py`, `capacity.py`: the measured pace the decisions weigh; patient reads of
-  the cluster's capacity and losses.
-- `telemetry.py`: progress ingest, the goodput ledger, metrics and trackers.
-- `snapshot.py`: the job's typed record and snapshot; status, result and summary are
-  projections of it.
-- `inbox.py`: what other threads tell the controller, under a lock, and its events.
-- `artifacts.py`, `backfill_api.py`: what the job keeps beside its checkpoints (hang
-  stacks included); the backfill pool's door for the SDK.
+- `controller.py`: the loop and its transitions; it carries decisions out, and alone
+  writes the job's `Record`.
+- `state.py`: the states and their payloads; `clock.py`: the one clock every room reads.
+- Parts the loop holds and drives: `fleet.py` (the processes: the live group, the ranks
+  it hands on, replicas started ahead), `intake.py` (a poll of the group taken in),
+  `departures.py` (leaving a group at a checkpoint, and the inbox's notices),
+  `sizing.py` (how big the next group can be), `growth.py` (when growing pays; the
+  one owner of the grow's state), `failures.py` (what a failure was), `door.py` (what
+  other threads ask: they read only the published snapshot).
+- Policies that return decisions, tested without Ray: `policies.py`, `notices.py`
+  (just-in-time checkpoints), `repartition.py`, `recovery.py` (peer copies), `cordons.py`,
+  `health.py` (hangs, stalls and stragglers from the ranks' heartbeats).
+- Books and figures (`rooms.py` builds them): `pace.py`, `capacity.py`, `telemetry.py`,
+  `snapshot.py` (the record, the snapshot and its projections: status, result,
+  summary), `inbox.py`, `events.py`, `artifacts.py`, `backfill_api.py`.
 - `actor.py`: the controller as a named Ray actor on the head node.
 
 What it must never do: talk to storage except through the commit coordinator, make
-the training step wait for it, or import spotline.backfill outside the actor (the
-pool is handed in). Policies hold no Ray handles and do no I/O.
+the training step wait for it, block its loop on a group's start, read the time but
+through its clock, or import spotline.backfill outside the actor (the pool is handed
+in). Policies hold no Ray handles and do no I/O.
 """
 
 from spotline.controller.controller import Controller
-from spotline.controller.jit import JitPolicy
+from spotline.controller.notices import JitPolicy
 from spotline.controller.policies import (
     Fail,
     FailurePolicy,

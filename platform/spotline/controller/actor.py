@@ -10,6 +10,7 @@ from typing import Any
 
 from spotline.checkpoint import CheckpointStore
 from spotline.config.schema import JobSpec
+from spotline.controller.clock import Clock
 from spotline.controller.controller import Controller
 from spotline.runtime.sealed import SealedJob
 
@@ -78,6 +79,7 @@ class ControllerActor:
             pool = BackfillPool(spec)
             sidecar = sidecar_factory(spec, store)
         cluster = RayClusterView(spec, device, ray.get_runtime_context().current_actor)
+        clock = Clock()  # the one clock: the loop's, its starts' and its replicas started ahead
         # The state keepers outlive every group; they go when the job ends.
         self.peers = PeerMemory(spec) if spec.recovery.peer_snapshots else None
         self.controller = Controller(
@@ -92,12 +94,16 @@ class ControllerActor:
                 sidecar_gpu_fraction=spec.backfill.gpu_fraction,
                 avoid=cluster.cordoned,
                 peers=self.peers,
+                clock=clock.monotonic,
             ),
             cluster=cluster,
             backfill=pool,
             demand=RayDemand(spec, device, cordoned=cluster.cordoned),
             peers=self.peers,
-            standby=Standby(spec, store, spec.backfill.gpu_fraction if sidecar else 0.0),
+            standby=Standby(
+                spec, store, spec.backfill.gpu_fraction if sidecar else 0.0, clock.monotonic
+            ),
+            clock=clock,
             stacks=RayStacks(),
         )
 
@@ -108,24 +114,26 @@ class ControllerActor:
             if self.peers is not None:
                 self.peers.close()
 
+    # What other threads ask: the door reads only what the loop published.
+
     def notify(self, notice: dict[str, Any]) -> bool:
         """A preemption notice from a node watcher; True once accepted."""
-        return self.controller.notify(notice)
+        return self.controller.door.notify(notice)
 
     def stop(self, reason: str = "stop requested") -> None:
-        self.controller.request_stop(reason)
+        self.controller.door.request_stop(reason)
 
     def hold_latest(self, seconds: float = 900.0) -> dict[str, Any] | None:
-        return self.controller.hold_latest(seconds)
+        return self.controller.door.hold_latest(seconds)
 
     def repartition(self, sizes: list[int]) -> None:
-        self.controller.request_repartition(sizes)
+        self.controller.door.request_repartition(sizes)
 
     def status(self, since_event: int = 0) -> dict[str, Any]:
-        return self.controller.status(since_event)
+        return self.controller.door.status(since_event)
 
     def result(self) -> dict[str, Any]:
-        return self.controller.result()
+        return self.controller.door.result()
 
     def submit_backfill(self, task: Any, name: str | None = None) -> int:
         return self.controller.backfill_api.submit(task, name)
@@ -134,14 +142,14 @@ class ControllerActor:
         return self.controller.backfill_api.record(task_id)
 
     def trace(self) -> dict[str, Any] | None:
-        return self.controller.trace()
+        return self.controller.door.trace()
 
     def summary(self) -> dict[str, Any]:
-        return self.controller.summary()
+        return self.controller.door.summary()
 
     def stacks(self) -> dict[str, Any]:
         """Every rank's stack now (`spotline stacks`)."""
-        return self.controller.take_stacks()
+        return self.controller.door.take_stacks()
 
 
 def uploaded_runtime_env(spec: JobSpec) -> dict | None:

@@ -1,43 +1,23 @@
 """The job controller: a loop over states over a worker group that trains on its own.
 
-`Controller.step()` runs one iteration: it takes what the inbox holds (preemption
-notices, a stop request), in whatever state it is, then runs the current state's
-handler, which returns the next state. States carry their payload (`state.py`);
-policies decide (`policies.py`: restart or fail, how many replicas, when to grow;
-`jit.py`: at which step to take a just-in-time checkpoint; `repartition.py`: when to
-re-partition the pipeline's stages) and this loop carries the decisions out. The
-worker group is injected, so tests drive the machine with a fake group.
+`Controller.step()` runs one iteration: it takes what the inbox holds (notices, a stop)
+in whatever state it is, runs the state's handler, which returns the next state, and
+publishes a snapshot (other threads read only that, through the `Door`). States carry
+their payload (`state.py`); policies decide and the loop carries decisions out with
+the parts it holds, all on one clock (`clock.py`): `fleet` (the processes), `sizing`,
+`growth`, `intake` (a poll taken in), `departures` (leaving at a checkpoint),
+`failures`, and the rooms that keep books (`rooms.py`). The record is its own to write.
 
-The ranks never wait for the controller: they train from their restored step to the
-last one, saving at every checkpoint.interval_steps by themselves. The controller
-polls what they publish (losses, saves, finished uploads) and steers with messages:
-save at step k, stop at step k. Every commit, retention, artifact and status query
-happens here, off the training path, through the commit coordinator (the only
-owner of storage). Telemetry takes the polls in and keeps the ledger; status, result
-and summary are projections of one typed `Snapshot`.
-
-Spot capacity: a notice drains the doomed node at once. When it runs ranks of the
-live group, the JIT policy picks the step to save at (at once, or the latest one whose
-save still fits the deadline); the group saves and stops there, the step commits, and
-the job goes on with what is left. A node lost without notice resumes from the newest
-peer copy or commit. Every restart (a loss, a notice, a grow) keeps the ranks that are
-still good in their processes (recovery.in_place): they re-form at the new shape. Below
-elastic.min_replicas the controller waits up to elastic.wait_for_capacity_s; when
-capacity comes back it grows when `GrowPolicy`'s cost rule says it pays.
-
-Hangs and stragglers (`health.py`): every poll carries each rank's heartbeat; no step
-for longer than the hang bound tears the group down as a failure naming the ranks that
-held it up. A node that hung too often, or straggled too far, is cordoned; a running
-group leaves a cordoned node at the next checkpoint boundary when that pays
-(`cordons.py`). A new group restores from the keepers' peer copies when they are at
-least as new as the newest commit (`recovery.py`).
+The ranks train on their own, saving every checkpoint.interval_steps; the loop polls
+what they publish and steers with messages (save at step k, stop at step k). Storage
+is touched only through the commit coordinator, never on the training path. A
+group's start never blocks the loop (`Starting`): a notice, a loss or a stop during
+it is handled at once. The worker group is injected: tests drive a fake one.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import replace
 from typing import Any
 
 from spotline import constants
@@ -45,12 +25,27 @@ from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError,
 from spotline.checkpoint.peer import PEER_KEY
 from spotline.config.loader import SpecError
 from spotline.config.redact import redact
-from spotline.controller.capacity import lost_nodes
-from spotline.controller.parts import ControllerParts
-from spotline.controller.policies import Fail, Resize, Wait, classify
+from spotline.config.schema import JobSpec
+from spotline.controller.artifacts import trace
+from spotline.controller.clock import Clock
+from spotline.controller.departures import Departures, Gone
+from spotline.controller.door import Door
+from spotline.controller.failures import Failures
+from spotline.controller.fleet import Fleet
+from spotline.controller.growth import Growth
+from spotline.controller.intake import Intake
+from spotline.controller.policies import Fail, FailurePolicy, Resize, ScalingPolicy, Wait
 from spotline.controller.recovery import restored_what
-from spotline.controller.repartition import Leave
-from spotline.controller.snapshot import Attempt
+from spotline.controller.rooms import build_rooms
+from spotline.controller.sizing import Sizing
+from spotline.controller.snapshot import (
+    Attempt,
+    PlanView,
+    Published,
+    as_result,
+    as_summary,
+    take_snapshot,
+)
 from spotline.controller.state import (
     Failed,
     Finished,
@@ -59,31 +54,93 @@ from spotline.controller.state import (
     Pending,
     Running,
     Scheduling,
+    Starting,
     State,
     Stopped,
     Waiting,
 )
 from spotline.registry import user_code_error
-from spotline.runtime.progress import WorkerFailure, WorkerGroup
+from spotline.runtime.cluster import ClusterView
+from spotline.runtime.demand import Demand
+from spotline.runtime.progress import Backfill, Stacks, Standby, WorkerFailure, WorkerGroup
 
 log = logging.getLogger("spotline.controller")
 
-# How often a running job reads the cluster's capacity to see whether growing (or leaving
-# a cordoned node) pays.
-_GROW_CHECK_S = 2.0
-# Restarts that first train on to the next checkpoint boundary.
-_AT_BOUNDARY = ("rebalance", "cordon")
+_ENDED = {"grow": "grow", "preemption": "preemption notice", "rebalance": "re-partition"}
 
 
-class Controller(ControllerParts):
-    """The loop over states and the transitions between them."""
+class Controller:
+    """The loop over states and the transitions between them, over its rooms."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        store: Any,
+        group_factory: Any,
+        cluster: ClusterView,
+        clock: Clock | None = None,
+        backfill: Backfill | None = None,
+        demand: Demand | None = None,
+        peers: Any = None,
+        standby: Standby | None = None,
+        stacks: Stacks | None = None,
+    ):
+        self.spec, self.cluster, self.demand = spec, cluster, demand
+        self.clock = clock = clock or Clock()
+        r = build_rooms(spec, store, cluster, clock, demand, peers, backfill)
+        self.events, self.inbox, self.rec, self.coordinator = r.events, r.inbox, r.rec, r.coordinator  # fmt: skip
+        self.recovery, self.telemetry, self.health, self.jit = r.recovery, r.telemetry, r.health, r.jit  # fmt: skip
+        self.partitions, self.artifacts, self.cordons = r.partitions, r.artifacts, r.cordons
+        self.bubbles, self.backfill_api, self.backfill = r.bubbles, r.backfill_api, backfill
+        self.pace, tel, self.say = r.telemetry.pace, r.telemetry, r.events.say
+        say = self.say
+        self.events.tracker = lambda kind, text: tel.event(self.step_count, kind, text)
+        e = spec.elastic
+        self.failure_policy = FailurePolicy(spec.failure.max_failures)
+        self.scaling_policy = ScalingPolicy(e.min_replicas, e.max_replicas, spec.replica_counts())
+        self.stacks = stacks
+        self.fleet = Fleet(spec, group_factory, standby)
+        self.sizing = Sizing(spec, self.scaling_policy, cluster, self.fleet, self.cordons, self.inbox, clock)  # fmt: skip
+        self.failures = Failures(cluster, self.fleet, self.cordons, self.sizing.replicas_left, clock)  # fmt: skip
+        self.growth = Growth(spec, self.scaling_policy, self.pace, cluster, self.fleet, say, clock)
+        self.published = Published()
+        # What other threads ask (status, notices, stop): never the loop's state.
+        self.door = Door(spec, self.published, self.events, self.inbox, self.coordinator, self.fleet, stacks, clock)  # fmt: skip
+        self.intake = Intake(
+            spec, self.rec, fleet=self.fleet, telemetry=tel, health=self.health,
+            coordinator=self.coordinator, recovery=self.recovery, jit=self.jit,
+            partitions=self.partitions, artifacts=self.artifacts, backfill=backfill,
+            backfill_api=self.backfill_api, bubbles=self.bubbles, stacks=stacks,
+            notify=self.door.notify, write_artifacts=self._write_artifacts, event=say, clock=clock,
+        )  # fmt: skip
+        self.departures = Departures(
+            spec, fleet=self.fleet, intake=self.intake, inbox=self.inbox, jit=self.jit,
+            coordinator=self.coordinator, partitions=self.partitions, pace=self.pace,
+            growth=self.growth, cordons=self.cordons, cluster=cluster, demand=demand,
+            replicas_left=self.sizing.replicas_left, event=say, clock=clock,
+        )  # fmt: skip
+        self.plan_view = PlanView(spec)
+        self.state: State = Pending()
+        self._publish()
+
+    @property
+    def store(self) -> Any:
+        return self.coordinator.store
+
+    @property
+    def step_count(self) -> int:  # the latest step the live group reported
+        return self.intake.step
+
+    @property
+    def group(self) -> WorkerGroup | None:
+        return self.fleet.group
 
     # --- the loop -----------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         while not self.state.terminal:
             self.step()
-        return self.result()
+        return as_result(take_snapshot(self, wait_for_plan=True))
 
     def step(self) -> State:
         state = self.state
@@ -100,7 +157,7 @@ class Controller(ControllerParts):
                 # What the living ranks published in the failing poll (steps, finished
                 # uploads) happened: a commit made from it must keep its steps' losses.
                 try:
-                    self._ingest(e.progress, self.clock() - t0)
+                    self.intake.take(e.progress, self.clock() - t0)
                 except Exception:  # noqa: BLE001 - the failure below is what to act on
                     log.exception("could not take in the last report of the failed group")
             # A rank silent while its peers failed may have gone with its node.
@@ -124,7 +181,7 @@ class Controller(ControllerParts):
             self.telemetry.world = self.group.world_size
         self.telemetry.charge_iteration(state, self.clock() - t0)
         if self.state.terminal:
-            self.rec.finished_at = time.time()
+            self.rec.finished_at = self.clock.wall()
             try:
                 self._write_artifacts(with_trace=False)  # the group is gone; the last trace stands
                 self.cluster.close()
@@ -132,32 +189,24 @@ class Controller(ControllerParts):
                 if self.demand is not None:
                     self.demand.withdraw()
                 self.telemetry.close(self.state.name)  # every end: finished, failed, stopped
+        self._publish()
         return self.state
 
-    _HANDLERS = {
-        Pending: "_pending",
-        Scheduling: "_scheduling",
-        Waiting: "_waiting",
-        Running: "_running",
-        Leaving: "_leaving",
-        Finishing: "_finishing",
-    }
+    def _handle(self, state: State) -> State:  # `Running` -> `_running`, ...
+        return getattr(self, f"_{type(state).__name__.lower()}")(state)
 
-    def _handle(self, state: State) -> State:
-        name = self._HANDLERS.get(type(state))
-        if name is None:
-            raise AssertionError(f"no handler for {state!r}")
-        return getattr(self, name)(state)
+    def _publish(self) -> None:  # the snapshot other threads read, after each step
+        self.published.publish(take_snapshot(self), self._trace)
 
     def _fail(self, reason: str) -> State:
         reason = redact(" ".join(reason.split()))  # one line, and never a secret
         self.rec.error = reason
-        self._event(f"FAILED: {reason}", logging.ERROR, track="end")
+        self.say(f"FAILED: {reason}", logging.ERROR, track="end")
         self._teardown()
         return Failed(error=reason)
 
     def _pending(self, state: Pending) -> State:
-        self._event(f"job {self.spec.name}: checkpoints at {self.store.uri}")
+        self.say(f"job {self.spec.name}: checkpoints at {self.store.uri}")
         # The preflight checked this already; checked again here, before anything is
         # written, because another job may have committed there since.
         self.coordinator.check_owner()
@@ -165,7 +214,7 @@ class Controller(ControllerParts):
         if done is not None:
             # Nothing to train: report the finished job as it ended, from what it stored,
             # starting no worker (and writing nothing over that summary).
-            self._event(
+            self.say(
                 f"job {self.spec.name} already finished at step {done['committed_steps'][-1]}; "
                 "reporting it from its stored summary. Raise train.steps to train further, or "
                 "set checkpoint.uri for a fresh run"
@@ -177,27 +226,27 @@ class Controller(ControllerParts):
         self.jit.check_fit()
         return Scheduling(reason="start", since=self.clock())
 
-    # --- scheduling ----------------------------------------------------------------
+    # --- scheduling and starting ------------------------------------------------------
 
     def _scheduling(self, state: Scheduling) -> State:
         self.cluster.watch()
-        decision = self._placement(state.want)  # cordons in the way of min_replicas lifted
+        decision = self.sizing.next_size(state.want)  # cordons in the way of min_replicas lifted
         if isinstance(decision, Wait):
-            self._event(
+            self.say(
                 f"{decision.reason} Waiting up to {self.spec.elastic.wait_for_capacity_s:.0f}s "
                 "(elastic.wait_for_capacity_s).",
                 logging.WARNING,
             )
             return Waiting(reason=decision.reason, since=self.clock())
-        return self._start_group(decision.replicas)
+        return self._start_group(decision.replicas, state.reason)
 
     def _waiting(self, state: Waiting) -> State:
-        decision = self._placement()
+        decision = self.sizing.next_size()
         now = self.clock()
         if isinstance(decision, Resize):
             self.rec.waited_s += now - state.since
-            self._event(f"capacity is back: {decision.replicas} replica(s) fit")
-            return self._start_group(decision.replicas)
+            self.say(f"capacity is back: {decision.replicas} replica(s) fit")
+            return self._start_group(decision.replicas, "capacity")
         limit = self.spec.elastic.wait_for_capacity_s
         if now - state.since > limit:
             self.rec.waited_s += now - state.since
@@ -211,12 +260,13 @@ class Controller(ControllerParts):
                 f"{state.reason} Gave up after waiting {limit:.0f}s (elastic.wait_for_capacity_s). "
                 f"Add nodes or lower elastic.min_replicas, then resubmit: {resume}."
             )
-        self.sleep(1.0)
+        self.clock.sleep(1.0)
         return state
 
-    def _start_group(self, replicas: int) -> State:
+    def _start_group(self, replicas: int, reason: str) -> State:
+        """Begin a group: it starts while the loop goes on (`Starting`)."""
         pp = self.spec.parallel.pipeline_stages
-        self._event(
+        self.say(
             f"starting {replicas} replica(s) x {pp} stage(s) = {replicas * pp} workers "
             f"(elastic {self.spec.elastic.min_replicas}..{self.spec.elastic.max_replicas})",
             track="start",
@@ -224,27 +274,36 @@ class Controller(ControllerParts):
         if self.rec.resizes and "to_replicas" not in self.rec.resizes[-1]:
             self.rec.resizes[-1]["to_replicas"] = replicas
         self.pace.starting(self.clock())
-        offer = self.recovery.offer(
-            self.rec.attempts,
-            self.coordinator.partitions,
-            max(self.coordinator.committed, default=0),
-            leaving=set(self.inbox.doomed()),
-        )
-        self.rec.step_seconds.clear()
-        group = self.group_factory(replicas)
-        self.group = group
-        attempt = Attempt(replicas=replicas, attempt=group.attempt)
-        self.rec.attempts.append(attempt)
-        pin = self.partitions.for_start(self.coordinator.recorded_partition)
+        latest, doomed = max(self.coordinator.committed, default=0), set(self.inbox.doomed())
+        offer = self.recovery.offer(self.rec.attempts, self.coordinator.partitions, latest, doomed)
+        self.telemetry.fig.step_seconds.clear()
         # A group that restores a checkpoint next leaves its weights empty: no rank
         # runs the random init that the load would overwrite. A peer copy alone does not
         # count: should no rank be able to read it, nothing durable is left to load.
-        survivors = self._take_survivors()  # re-formed in their processes (recovery.in_place)
-        group.start(partition=pin, init=not self.coordinator.has_checkpoint(), survivors=survivors)
-        attempt.device = group.device
-        self._count_kept(group, attempt)
+        pin = self.partitions.for_start(self.coordinator.recorded_partition)
+        group = self.fleet.start(replicas, pin, init=not self.coordinator.has_checkpoint())
+        self.rec.attempts.append(Attempt(replicas=replicas, attempt=group.attempt))
+        start = Starting(reason=reason, since=self.clock(), offer=offer, reached=self.step_count)
+        return self._starting(start, wait_s=0.0)  # a group ready at once trains at once
+
+    def _starting(
+        self, state: Starting, wait_s: float = constants.SPOTLINE_POLL_INTERVAL_S
+    ) -> State:
+        """Move the start on for up to `wait_s`; restore and train once it is ready."""
+        group = self.fleet.group
+        assert group is not None
+        if not group.advance(wait_s):
+            return state
+        attempt = self.rec.attempts[-1]
+        attempt.device, attempt.kept, attempt.ahead = group.device, group.kept, group.ahead
+        if group.kept or group.ahead:
+            ahead = f" ({group.ahead} of them started ahead)" if group.ahead else ""
+            kept = f"{group.kept + group.ahead} of {group.world_size} rank(s)"
+            self.say(f"{kept} re-formed in their processes{ahead}")
         info = group.partition()
-        self.partitions.started(info, attempt)
+        if self.rec.attempts[:-1]:  # the group before: what it ran and measured
+            self.rec.attempts[-2].partition = dict(self.partitions.current)
+        self.partitions.started(info)
         if info.get("bounds"):  # the manifests of this group's commits record them
             self.coordinator.partitions[group.attempt] = list(info["bounds"])
         self.telemetry.peak_flops = group.peak_flops()
@@ -252,201 +311,74 @@ class Controller(ControllerParts):
             self.bubbles.reset_ranks()
         if self.backfill is not None:
             self.backfill.attach(group.executors())
-        reached = self.step_count
-        restored, manifest = self.coordinator.restore(group, self.sleep, peer=offer)
+        return self._restore(group, attempt, state)
+
+    def _restore(self, group: WorkerGroup, attempt: Attempt, state: Starting) -> State:
+        offer = state.offer
+        restored, manifest = self.coordinator.restore(group, self.clock.sleep, peer=offer)
         for done in self.coordinator.take_recovered():  # a dead group's, from its receipts
-            self._committed(done)
-        from_peers = manifest is not None and PEER_KEY in manifest.extra
-        source = offer if from_peers else None
+            self.intake.committed(done)
+        source = offer if manifest is not None and PEER_KEY in manifest.extra else None
         if manifest is not None:
-            attempt.restored_from = manifest.step
-            attempt.restored_bytes = group.restored_bytes
-            attempt.restored_via = "peer memory" if source else "storage"
-            attempt.restored_attempt = source.attempt if source else ""
-            self._event(
-                f"restored {restored_what(manifest, attempt, pp, replicas)}", track="resume"
-            )
+            attempt.restored(manifest.step, group.restored_bytes, source)
+            what = restored_what(manifest, attempt, self.spec.parallel.pipeline_stages, group.replicas)  # fmt: skip
+            self.say(f"restored {what}", track="resume")
         # The copies a later restore may read: this group's, and the one it restored
         # from until this group has its own. Another lineage's never mix in.
         self.recovery.restored(group.attempt, source, attempt.restored_bytes)
         if source is not None:
             self.rec.take_losses(source.attempt, source.losses)
-        self.step_count = restored
-        attempt.start_step = restored
+        self.intake.step = attempt.start_step = restored
         self.telemetry.start_tracking(manifest.step if manifest is not None else None)
-        self.telemetry.ledger.lost(reached - restored)  # trained again from here
+        self.telemetry.ledger.lost(state.reached - restored)  # trained again from here
         if restored >= self.spec.train.steps:
             return Finishing()
         group.run(self.spec.train.steps, self.recovery.run_every())
-        self.pace.group_running(self.clock())
+        self.pace.group_started = self.clock()
+        self.growth.new_group()
         self.health.group_started(self.pace.group_started, restored)
         return Running(target=self.spec.train.steps)
 
     # --- training -------------------------------------------------------------------
 
     def _running(self, state: Running) -> State:
-        progress = self._poll()
+        progress = self.intake.poll()
         if progress.finished is not None:
             return Finishing()
-        if self.inbox.stop_reason is not None:
-            return self._leave("stop", self.step_count + 1, self.inbox.stop_reason)
-        grow = self._grow_decision()
-        if grow is not None:
-            return self._leave("grow", self.step_count + 1, f"capacity for {grow} replica(s)", grow)
-        return (
-            self._asked_partition()
-            or self._rebalance_decision()
-            or self._cordon_decision()
-            or state
-        )
+        return self.departures.due() or state
 
-    # --- leaving a group: preemption, grow, re-partition, stop -------------------------
-
-    def _leave(
-        self,
-        why: str,
-        step: int,
-        detail: str,
-        grow_to: int = 0,
-        deadline: float | None = None,
-        partition: list[int] | None = None,
-    ) -> State:
-        assert self.group is not None
-        step = min(step, self.spec.train.steps)
-        self.group.request(save_at=step, stop_at=step, reason=detail)
-        self._event(f"checkpoint at step {step}, then {why} ({detail})")
-        late = deadline if step > self.step_count + 1 else None
-        return Leaving(
-            why=why,
-            step=step,
-            since=self.clock(),
-            grow_to=grow_to,
-            deadline=late,
-            partition=tuple(partition) if partition is not None else None,
-        )
+    # --- leaving a group: preemption, grow, re-partition, cordon, stop -----------------
 
     def _leaving(self, state: Leaving) -> State:
-        progress = self._poll()
-        if progress.finished is None:
-            if state.deadline is not None:
-                return self._keep_jit_in_time(state)
-            if state.why in _AT_BOUNDARY and self.step_count < state.step:
-                # Training on toward the checkpoint boundary; a stop request goes first.
-                if self.inbox.stop_reason is not None:
-                    return self._leave("stop", self.step_count + 1, self.inbox.stop_reason)
-                return replace(state, since=self.clock())
-            if self.clock() - state.since > constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S:
-                raise WorkerFailure(
-                    "stopping",
-                    {f"no stop within {constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S:.0f}s": [0]},
-                )
-            return state
-        stopped = int(progress.finished["stopped_at"])
-        if stopped >= self.spec.train.steps and state.why != "stop":
-            # The group reached the last step first: the end's own commit answers.
-            return Finishing()
-        committed = stopped in self.coordinator.committed
-        pending = stopped in self.coordinator.pending_steps()
-        if pending and self.clock() - state.since < constants.SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S:
-            return state  # its uploads are still running: they come through the polls
-        self._answer_notices(stopped, committed)
-        if not committed:
-            self._event(
-                f"checkpoint step {stopped} did not commit; the latest committed step is "
-                f"{max(self.coordinator.committed, default=None)}",
-                logging.WARNING,
-            )
-        if state.why == "stop":
-            self.rec.attempts[-1].ended_by = "stop"
-            self._teardown()
-            latest = max(self.coordinator.committed, default=None)
-            self._event(
-                f"stopped at step {stopped} ({self.inbox.stop_reason}); latest committed "
-                f"step {latest} at {self.store.uri}: submitting the job again resumes there",
-                track="end",
-            )
-            return Stopped(reason=self.inbox.stop_reason or "stop requested")
-        ended = {
-            "grow": "grow",
-            "preemption": "preemption notice",
-            "rebalance": "re-partition",
-            "cordon": "cordon",
-        }
-        want = state.grow_to or self._replicas_left()
-        if state.why == "grow":
-            cost = self.pace.restart_cost_s() or 0
-            detail = f"capacity for {state.grow_to} replica(s) (restart cost {cost:.1f}s)"
-        elif state.why == "rebalance":
-            want = self.group.replicas if self.group else want
-            detail = self.partitions.restarting(state.partition, stopped)
-        elif state.why == "cordon":
-            nodes = sorted(
-                set(self.cluster.cordoned) & (self.group.node_ids() if self.group else set())
-            )
-            detail = f"leaving cordoned node(s) {', '.join(n[:12] for n in nodes)}"
-        else:
-            detail = f"leaving node(s) {', '.join(n[:12] for n in self._doomed_here())}"
-        self.rec.attempts[-1].ended_by = ended[state.why]
-        self._restart(state.why, detail)
-        return Scheduling(reason=state.why, since=self.clock(), want=want)
+        out = self.departures.follow(state)
+        return self._gone(out) if isinstance(out, Gone) else out
 
-    def _grow_decision(self) -> int | None:
+    def _gone(self, gone: Gone) -> State:
+        """The group left (`Departures`): record it, end it, and stop or start again."""
+        attempt = self.rec.attempts[-1]
+        if gone.why == "stop":
+            attempt.ended_by = "stop"
+            self._teardown()
+            self.say(gone.detail, track="end")
+            return Stopped(reason=self.inbox.stop_reason or "stop requested")
+        attempt.ended_by = _ENDED.get(gone.why, gone.why)
         group = self.group
         assert group is not None
-        pace, now = self.pace, self.clock()
-        if (
-            group.replicas >= self.spec.elastic.max_replicas
-            or now - pace.grow_checked < _GROW_CHECK_S
-        ):
-            return None
-        pace.grow_checked = now
-        ahead = self._keep_standby()
-        restart_s = pace.restart_cost_s()
-        if restart_s is None:
-            return None  # no start is measured yet
-        capacity = self.cluster.capacity(held_workers=group.world_size + ahead)
-        decision = self.grow_policy.decide(
-            replicas=group.replicas,
-            capacity=capacity,
-            steps_left=self.spec.train.steps - self.step_count,
-            steps_per_s=pace.sps.get(group.replicas, 0.0),
-            restart_s=restart_s,
-            running_s=now - pace.group_started,
-            measured=pace.sps,
-        )
-        if decision is None:
-            pace.grow_wanted = None
-            self._grow_declined(capacity, restart_s, now - pace.group_started)
-            return None
-        # Training on while replicas started ahead get ready, but not for ever: one stuck
-        # in its start, or one failing and started again, must not hold the grow back.
-        if pace.grow_wanted is None:
-            pace.grow_wanted = now
-        sb = self.standby
-        if sb is not None and sb.starting():
-            if now - pace.grow_wanted < constants.SPOTLINE_STANDBY_WAIT_S:
-                return None
-            self._event(
-                f"replica(s) started ahead not ready {now - pace.grow_wanted:.0f}s after the "
-                "grow was due: growing with processes of its own",
-                logging.WARNING,
-            )
-        pace.grow_wanted = None
-        return decision.replicas
-
-    def _restart(self, why: str, detail: str) -> None:
-        assert self.group is not None
-        before = self.group.replicas
+        before = group.replicas
         self.rec.resizes.append(
-            {"step": self.step_count, "from_replicas": before, "why": why, "detail": detail}
-        )
-        self._event(
-            f"restarting at step {self.step_count} from {before} replica(s): {detail}",
+            {"step": self.step_count, "from_replicas": before, "why": gone.why,
+             "detail": gone.detail}
+        )  # fmt: skip
+        self.say(
+            f"restarting at step {self.step_count} from {before} replica(s): {gone.detail}",
             track="restart",
         )
         # The ranks off noticed (and cordoned) nodes go on in their own processes.
-        self._teardown(leaving=set(self._doomed_here()) if why == "preemption" else set())
-        self.pace.restart_from = (self.clock(), why)
+        self._teardown(
+            leaving=set(self.sizing.doomed_here()) if gone.why == "preemption" else set()
+        )
+        self.pace.restart_from = (self.clock(), gone.why)
+        return Scheduling(reason=gone.why, since=self.clock(), want=gone.want)
 
     def _finishing(self, state: Finishing) -> State:
         group = self.group
@@ -456,19 +388,19 @@ class Controller(ControllerParts):
         while last not in self.coordinator.committed and last in self.coordinator.pending_steps():
             if self.clock() > deadline:
                 break
-            self._poll()
+            self.intake.poll()
         if self.jit.pending:
-            self._answer_notices(last, last in self.coordinator.committed)
+            self.departures.answer(last, last in self.coordinator.committed)
         self.rec.heldout_loss = group.heldout_loss()
         self.telemetry.heldout(last, self.rec.heldout_loss)
         if self.backfill is not None:
-            self.backfill.finish(self.spec.backfill.finish_timeout_s, self.sleep)
-            self.telemetry.export_counts(self.backfill_api.finished_counts())
+            self.backfill.finish(self.spec.backfill.finish_timeout_s, self.clock.sleep)
+            self.intake.export_counts()
         self._write_artifacts()
         self._teardown()
         if last not in self.coordinator.committed:
             return self._fail(f"the final checkpoint (step {last}) did not commit")
-        self._event(
+        self.say(
             f"finished {last} steps; held-out loss {self.rec.heldout_loss:.4f}; "
             f"checkpoints: {self.store.step_uri(last)}",
             track="end",
@@ -480,134 +412,86 @@ class Controller(ControllerParts):
     def _on_failure(
         self, error: str, process_died: bool = False, causes: list[BaseException] | None = None
     ) -> State:
-        lost = (
-            lost_nodes(self.cluster, self.group.node_ids(), process_died, self.clock, self.sleep)
-            if self.group is not None
-            else set()
-        )
-        kind = classify(causes or [], error)
-        hang = kind.name == "hang" and not lost
-        if hang:
-            # May cordon a node: before the next size is counted.
-            self.cordons.after_hang(causes or [], self.step_count, self._replicas_left)
-        want = self._replicas_left(exclude=lost)
+        v = self.failures.judge(error, process_died, causes or [], self.step_count)
         r = self.rec
         if r.attempts:
             r.attempts[-1].error = error
-            r.attempts[-1].ended_by = "node lost" if lost else ("hang" if hang else "failure")
-        # A rank lost with its node, or whose process died, leaves its peers' processes
-        # good: they re-form in place. After a hang nothing is kept (a rank is stuck).
-        self._teardown(leaving=lost if (lost or process_died) and not hang else None)
-        self.pace.restart_from = (
-            self.clock(),
-            "node loss" if lost else ("hang" if hang else "failure"),
-        )
-        latest = max(self.coordinator.committed, default=None)
-        if lost:
+            r.attempts[-1].ended_by = "node lost" if v.lost else v.what
+        self._teardown(leaving=set(v.leaving) if v.leaving is not None else None)
+        self.pace.restart_from = (self.clock(), v.what)
+        if v.lost:
             # Losing spot nodes is the normal weather, not a fault of the job: it does not
-            # use up failure.max_failures.
-            r.node_losses += len(lost)
-            self._forget(lost)
-            self._event(
-                f"lost node(s) {', '.join(n[:12] for n in sorted(lost))} at step "
+            # use up failure.max_failures. Their notices and keepers went with them, and
+            # the autoscaler is asked at once to replace them.
+            r.node_losses += len(v.lost)
+            if self.demand is not None:
+                self.demand.keep(force=True)
+            self.inbox.forget(v.lost)
+            self.recovery.forget(set(v.lost))
+            latest = max(self.coordinator.committed, default=None)
+            self.say(
+                f"lost node(s) {', '.join(n[:12] for n in sorted(v.lost))} at step "
                 f"{self.step_count}; resuming from the latest committed step ({latest}) on "
                 f"what is left",
                 logging.WARNING,
                 track="node_loss",
             )
-            return Scheduling(reason="node loss", since=self.clock(), want=want)
-        if kind.retryable:  # only transient faults (hangs included) use up max_failures
+            return Scheduling(reason="node loss", since=self.clock(), want=v.want)
+        if v.kind.retryable:  # only transient faults (hangs included) use up max_failures
             r.failures += 1
-        self._event(
-            f"worker {'hang' if hang else 'failure'} at step {self.step_count}: {error}",
-            logging.WARNING,
-            track="hang" if hang else "failure",
+        self.say(
+            f"worker {v.what} at step {self.step_count}: {error}", logging.WARNING, track=v.what
         )
-        decision = self.failure_policy.decide(r.failures, error, kind)
+        decision = self.failure_policy.decide(r.failures, error, v.kind)
         if isinstance(decision, Fail):
             return self._fail(decision.reason)
-        self._event(decision.reason)
-        return Scheduling(reason="failure", since=self.clock(), want=want)
+        self.say(decision.reason)
+        return Scheduling(reason="failure", since=self.clock(), want=v.want)
 
-    # --- hangs, stragglers and cordons -------------------------------------------------
-
-    def _cordon_decision(self) -> State | None:
-        """Cordon stragglers' nodes, and leave the cordoned nodes of the running group at
-        the next checkpoint boundary when the restart pays (`cordons.Cordons`)."""
-        group = self.group
-        assert group is not None
-        self.cordons.stragglers(self._replicas_left)
-        leave = self.cordons.leave_at(group, self.pace, self.step_count, self._replicas_left())
-        return self._leave("cordon", *leave) if leave is not None else None
+    # --- notices and stops, in any state ----------------------------------------------
 
     def _take_inbox(self) -> None:
-        """Notices, in any state: the doomed node is drained at once (nothing new is
-        placed there); a notice for the live group's nodes starts its JIT checkpoint."""
         notices, stop = self.inbox.take()
-        group = self.group
-        live = group.node_ids() if group else None
-        jit = self.jit.triage(notices, self.step_count, live, self._drain)
-        if stop is not None and not isinstance(self.state, (Running, Leaving, Finishing)):
-            if not self.state.terminal:
+        state = self.state
+        out = self.departures.take_notices(state, notices)
+        if stop is not None and not isinstance(state, (Running, Leaving, Finishing)):
+            if not state.terminal:
                 self._teardown()
                 self.state = Stopped(reason=stop)
-            return
-        if not jit:
-            return
-        self.jit.pending.extend(jit)
-        leaving_for_balance = isinstance(self.state, Leaving) and self.state.why == "rebalance"
-        if (isinstance(self.state, Running) or leaving_for_balance) and group is not None:
-            # A re-partition waiting for its checkpoint boundary gives way to the notice.
-            if leaving_for_balance:
-                self.partitions.update(-1, outcome="dropped for a preemption notice")
-            self.state = self._jit(jit, group)
-        # Already leaving (a grow, a stop): that checkpoint answers the notice too, and
-        # the drained node gets no part of the next group.
+        elif isinstance(out, Gone):
+            self.rec.attempts[-1].ended_by = "preemption notice"
+            self.say(f"{out.detail}: starting the group again without it", logging.WARNING)
+            self._teardown()
+            self.state = Scheduling(reason="preemption", since=self.clock())
+        elif out is not None:
+            self.state = out
 
-    # --- just-in-time checkpoints ---------------------------------------------------
+    # --- the processes ------------------------------------------------------------------
 
-    def _jit(self, notices: list[dict[str, Any]], group: WorkerGroup) -> State:
-        """Leave at the step of the just-in-time checkpoint (JitPolicy)."""
-        doomed = set(self._doomed_here())
-        left = sum(1 for w in group.worker_info() if w["node_id"] not in doomed)
-        after = min(group.replicas, left // self.spec.parallel.pipeline_stages)
-        at, deadline = self.jit.plan(notices, self.step_count, group.replicas, after)
-        return self._leave("preemption", at, "preemption notice", deadline=deadline)
+    def _teardown(self, leaving: set[str] | None = None) -> None:
+        """End the live group; with `leaving` (recovery.in_place) its good replicas go on
+        to the next group, never those on a cordoned or noticed node (`Fleet.end`)."""
+        if self.backfill is not None:
+            self.backfill.detach()
+        if self.group is not None:
+            self.coordinator.abandon(self.group.attempt)
+        keep_off = set(self.cluster.cordoned) | set(self.inbox.doomed()) if leaving else set()
+        said = self.fleet.end(leaving, keep_off)
+        for text in self.fleet.take_failures():
+            self.say(text, logging.WARNING)
+        if said is not None:
+            self.say(said.text, logging.WARNING if said.slow else logging.INFO)
 
-    def _keep_jit_in_time(self, state: Leaving) -> State:
-        """A late JIT step moves up to the next step when steps slowed down so much that
-        reaching it and saving could miss the deadline (JitPolicy.recheck)."""
-        assert self.group is not None
-        at = self.jit.recheck(state.step, self.step_count, state.deadline, self.group.replicas)
-        if at is None:
-            return state
-        self.group.request(save_at=at, stop_at=at, reason="preemption notice")
-        return replace(state, step=at, deadline=None)
+    # --- artifacts ----------------------------------------------------------------------
 
-    # --- stage re-partition -----------------------------------------------------------
+    def _trace(self) -> dict[str, Any] | None:
+        """Chrome-trace JSON of the latest steps of every stage (None for pp=1)."""
+        stragglers, part = self.health.view(self.clock())["stragglers"], self.partitions.summary()
+        return trace(self.spec.name, self.bubbles, self.backfill, part, stragglers)
 
-    def _rebalance_decision(self) -> State | None:
-        group = self.group
-        if group is None:
-            return None
-        now = self.clock()
-        leave = self.partitions.rebalance(
-            now=now,
-            step=self.step_count,
-            replicas=group.replicas,
-            restart_s=self.pace.restart_cost_s(),
-            steps_per_s=self.pace.sps.get(group.replicas, 0.0),
-            running_s=now - self.pace.group_started,
-        )
-        return self._leave_for_partition(leave)
-
-    def _asked_partition(self) -> State | None:
-        asked = self.inbox.take_repartition()
-        if self.group is None:
-            return None
-        return self._leave_for_partition(self.partitions.asked(asked, self.step_count))
-
-    def _leave_for_partition(self, leave: Leave | None) -> State | None:
-        if leave is None:
-            return None
-        return self._leave("rebalance", leave.step, leave.detail, partition=leave.bounds)
+    def _write_artifacts(self, with_trace: bool = True) -> None:
+        """Keep the trace, summary and ledger beside the checkpoints current."""
+        latest = with_trace and self.bubbles is not None and self.bubbles.latest
+        summary = lambda: as_summary(take_snapshot(self))  # noqa: E731 - read when written
+        ledger = self.telemetry.ledger.to_dict()
+        self.artifacts.write(summary, ledger, self._trace if latest else None)

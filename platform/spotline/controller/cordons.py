@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from spotline.config.schema import JobSpec
+from spotline.controller.clock import Clock
 from spotline.controller.health import HangError, HealthBook
 from spotline.controller.policies import next_boundary, restart_pays
+from spotline.runtime.cluster import CordonList
 
 CORDON_ARTIFACT = "cordon.json"
 """The cordons (node, why, when made) and the recent hangs per node, beside the
@@ -63,8 +64,7 @@ class Cordons:
         artifacts: Any,
         demand: Any,
         event: Callable[..., None],
-        clock: Callable[[], float],
-        wall: Callable[[], float] = time.time,
+        clock: Clock,
     ):
         self.spec = spec
         self.f = spec.failure
@@ -74,15 +74,16 @@ class Cordons:
         self.artifacts = artifacts
         self.demand = demand
         self._event = event
-        self.clock = clock
-        self.wall = wall
+        self.clock = clock  # `clock()`: durations; `clock.wall()`: a cordon's stamp
+        self.wall = clock.wall
         self.checked = 0.0
         self.hangs: dict[str, list[float]] = {}  # node -> when its ranks hung (wall)
 
     @property
     def nodes(self):
-        """The cordoned nodes (the cluster view's list, read only here)."""
-        return self.cluster.cordoned
+        """The cordoned nodes (the cluster view's list, read only here; none without
+        a cluster view, as before a job reaches one)."""
+        return self.cluster.cordoned if self.cluster is not None else CordonList()
 
     # --- kept beside the checkpoints ---------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""What other threads tell the controller (preemption notices, stop and re-partition
-requests), and the events it tells them back.
+"""What other threads tell the controller: preemption notices, stop and re-partition
+requests.
 
 Node watchers and the SDK call in from other threads of the controller actor at any
 moment; the state machine takes everything out at the start of each iteration, in
@@ -12,7 +12,6 @@ that node until the controller learns it is gone (`forget`).
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,12 +25,13 @@ class Inbox:
     _repartition: list[int] | None = None
     _doomed: dict[str, float] = field(default_factory=dict)  # node id -> deadline
 
-    def notify(self, notice: dict[str, Any], clock: float) -> bool:
+    def notify(self, notice: dict[str, Any], clock: float, wall: float) -> bool:
+        """A notice received at `clock` (the controller's monotonic reading) and `wall`."""
         key = (notice["source"], notice.get("node_id"), notice["deadline"])
         with self._lock:
             if key not in self._seen:
                 self._seen.add(key)
-                self._notices.append(dict(notice, received_at=time.time(), received_clock=clock))
+                self._notices.append(dict(notice, received_at=wall, received_clock=clock))
             node = notice.get("node_id")
             if node is not None:
                 self._doomed[node] = notice["deadline"]
@@ -70,20 +70,3 @@ class Inbox:
     def stop_reason(self) -> str | None:
         with self._lock:
             return self._stop
-
-
-@dataclass
-class EventLog:
-    """The controller's events, in order, for status() on other threads."""
-
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _events: list[str] = field(default_factory=list)
-
-    def append(self, text: str) -> None:
-        with self._lock:
-            self._events.append(text)
-
-    def since(self, first: int) -> tuple[list[str], int]:
-        """The events from index `first` on, and the index of the next one."""
-        with self._lock:
-            return self._events[first:], len(self._events)

@@ -30,15 +30,6 @@ class Pace:
     restart_from: tuple[float, str] | None = None  # (clock, why) until training again
     starting_since: float | None = None  # clock, while a new group has no step
     group_started: float = 0.0  # clock: when the live group was set running
-    grow_checked: float = 0.0  # clock: the latest look at capacity for a grow
-    declined: int | None = None  # replicas the live group was told a grow to would not pay
-    grow_wanted: float | None = None  # clock: since a grow that pays waits for a standby
-
-    def group_running(self, now: float) -> None:
-        """A new group was set running: what was said or awaited of the last one ends."""
-        self.group_started = now
-        self.declined = None
-        self.grow_wanted = None
 
     def note_rate(self, replicas: int, steps_per_s: float, warm: bool) -> None:
         """The steps per second this job runs at `replicas` replicas, as the grow and

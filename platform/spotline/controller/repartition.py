@@ -97,10 +97,15 @@ def sizes(bounds: list[int]) -> list[int]:
 
 
 class PartitionBook:
-    def __init__(self, spec, rec, event):
+    def __init__(self, spec, event):
         self.spec = spec
-        self.rec = rec  # the job's Record: its attempts and re-partitions
         self._event = event
+        self.repartitions: list[dict[str, Any]] = []
+        """Each re-partition: at which step, from and to which bounds, the imbalance
+        measured before it and predicted after (the group after it measures the rest)."""
+        self.current: dict[str, Any] = {}
+        """The partition the live (or latest) group runs: bounds, how they were chosen,
+        and the stage compute time it measured. Replaced whole, never changed in place."""
         p = spec.parallel
         self.policy = (
             RebalancePolicy(p.rebalance_threshold, p.rebalance_window_steps)
@@ -124,14 +129,14 @@ class PartitionBook:
             self.pin = self.pin or recorded()
         return self.pin
 
-    def started(self, info: dict[str, Any], attempt) -> None:
-        """Note the partition a new group runs (`info`: the group's) in its attempt."""
+    def started(self, info: dict[str, Any]) -> None:
+        """Note the partition a new group runs (`info`: the group's)."""
         part = dict(info)
-        last = self.rec.repartitions[-1] if self.rec.repartitions else None
+        last = self.repartitions[-1] if self.repartitions else None
         if last is not None and last["outcome"] == "restarting":
             self.update(-1, outcome="done")
-            part["repartition"] = len(self.rec.repartitions) - 1
-        attempt.partition = part
+            part["repartition"] = len(self.repartitions) - 1
+        self.current = part
         self.window.clear()
         if not info.get("bounds") or self.spec.parallel.pipeline_stages < 2:
             return
@@ -149,14 +154,12 @@ class PartitionBook:
         """Each stage's compute seconds per step in this poll, and their imbalance."""
         per_stage = stage_compute_s(reports)
         pp = self.spec.parallel.pipeline_stages
-        if len(per_stage) != pp or not self.rec.attempts:
+        if len(per_stage) != pp or not self.current:
             return
         stage_s = [per_stage[s] for s in range(pp)]
         steps = max(int(r.get("steps", 0)) for r in reports)
         self.window.append((step, imbalance(stage_s), stage_s))
-        attempt = self.rec.attempts[-1]
-        # New dicts, never changed in place: status() reads them from another thread.
-        old = attempt.partition.get("measured", {"steps": 0, "stage_s": [0.0] * pp})
+        old = self.current.get("measured", {"steps": 0, "stage_s": [0.0] * pp})
         total = [a + s * steps for a, s in zip(old["stage_s"], stage_s, strict=True)]
         n = old["steps"] + steps
         measured = {
@@ -165,15 +168,13 @@ class PartitionBook:
             "stage_s_per_step": [a / n for a in total],
             "imbalance": imbalance(total),
         }
-        attempt.partition = {**attempt.partition, "measured": measured}
-        if "repartition" in attempt.partition:  # a re-partitioned group: the imbalance after
-            self.update(
-                attempt.partition["repartition"], measured_imbalance_after=measured["imbalance"]
-            )
+        self.current = {**self.current, "measured": measured}
+        if "repartition" in self.current:  # a re-partitioned group: the imbalance after
+            self.update(self.current["repartition"], measured_imbalance_after=measured["imbalance"])
 
     def update(self, index: int, **fields: Any) -> None:
         """Replace (never change in place: status() reads from another thread)."""
-        self.rec.repartitions[index] = {**self.rec.repartitions[index], **fields}
+        self.repartitions[index] = {**self.repartitions[index], **fields}
 
     def rebalance(
         self,
@@ -191,7 +192,7 @@ class PartitionBook:
         if policy is None or now - self._checked < CHECK_S:
             return None
         self._checked = now
-        info = self.rec.attempts[-1].partition
+        info = self.current
         if restart_s is None or "layer_s" not in info or not self.window:
             return None
         from spotline.planning.choice import balanced_partition
@@ -236,7 +237,7 @@ class PartitionBook:
         from spotline.planning.partition import bounds_from_sizes, check_bounds
 
         bounds = bounds_from_sizes(asked)
-        current = self.rec.attempts[-1].partition.get("bounds") or []
+        current = self.current.get("bounds") or []
         problem = check_bounds(
             bounds, current[-1] if current else 0, self.spec.parallel.pipeline_stages
         )
@@ -259,8 +260,8 @@ class PartitionBook:
         ranks run ahead of it at `steps_per_s`: `policies.next_boundary`)."""
         interval = self.spec.checkpoint.interval_steps
         boundary = next_boundary(step, interval, steps_per_s, self.spec.train.steps)
-        before = self.rec.attempts[-1].partition.get("bounds") or []
-        self.rec.repartitions.append(
+        before = self.current.get("bounds") or []
+        self.repartitions.append(
             {
                 "step": boundary,
                 "from_bounds": list(before),
@@ -282,9 +283,9 @@ class PartitionBook:
     def summary(self) -> dict[str, Any] | None:
         """The partition in force (the live or latest group's), with its measured
         imbalance, and every re-partition so far."""
-        if not self.rec.attempts or self.spec.parallel.pipeline_stages < 2:
+        if not self.current or self.spec.parallel.pipeline_stages < 2:
             return None
-        now = self.rec.attempts[-1].partition
+        now = self.current
         measured = now.get("measured", {})
         return {
             "method": now.get("method"),
@@ -294,5 +295,5 @@ class PartitionBook:
             "predicted_uniform_imbalance": now.get("predicted_uniform_imbalance"),
             "measured_imbalance": measured.get("imbalance"),
             "stage_compute_s": measured.get("stage_s_per_step"),
-            "repartitions": list(self.rec.repartitions),
+            "repartitions": list(self.repartitions),
         }

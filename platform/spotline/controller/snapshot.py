@@ -1,18 +1,20 @@
 """What the job knows about itself, typed once; status, result and summary are projections.
 
-`Record` is what the controller writes as the job goes (attempts, losses, commits,
-notices, restarts); `Snapshot` is everything a reader sees at one moment, taken from
-the record and the controller's parts; `status`, `result` and `summary` cut from it
-the dicts users, the CLI and the stored summary read. `PlanView` sets the plan's
-predictions beside what the run measured. Nothing here steers the job or writes.
+`Record` is what the controller's loop writes as the job goes (its groups, losses,
+failures, resizes); `Figures` what telemetry measured; `Snapshot` is everything a
+reader sees at one moment, taken from them and the controller's rooms after each step
+of the loop, and published (`Published`): other threads read only that. `status`,
+`result` and `summary` cut from it the dicts users, the CLI and the stored summary
+read. `PlanView` sets the plan's predictions beside what the run measured. Nothing
+here steers the job.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -46,29 +48,53 @@ class Attempt:
     kept: int = 0  # ranks of the group before that it adopted (processes kept, re-formed)
     ahead: int = 0  # ranks that joined from replicas started ahead (processes kept)
 
+    def restored(self, step: int, nbytes: int, peer: Any = None) -> None:
+        """It restored `step` (reading `nbytes`): from `peer` (a peer-memory offer) or,
+        without one, from storage."""
+        self.restored_from, self.restored_bytes = step, nbytes
+        self.restored_via = "peer memory" if peer is not None else "storage"
+        self.restored_attempt = peer.attempt if peer is not None else ""
+
 
 @dataclass
 class Record:
-    """What the job did, as status, result and summary show it (one typed source)."""
+    """What the loop records as the job goes: its groups and what ended each, the
+    losses, failures, node losses, resizes and the end. Written by the controller's
+    loop alone; the rooms keep their own figures (`Figures`, the JIT book's notices,
+    the partition book's re-partitions) and the snapshot reads them all."""
 
     attempts: list[Attempt] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
     failures: int = 0
     node_losses: int = 0
-    notices: list[dict[str, Any]] = field(default_factory=list)
     resizes: list[dict[str, Any]] = field(default_factory=list)
-    repartitions: list[dict[str, Any]] = field(default_factory=list)
-    """Each re-partition: at which step, from and to which bounds, the imbalance measured
-    before it and predicted after (the next attempt's partition has the measured one)."""
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
     waited_s: float = 0.0
+    heldout_loss: float | None = None
+    error: str | None = None
+    started_at: float = 0.0  # wall clock
+    finished_at: float | None = None
+
+    def take_losses(self, attempt: str | None, losses: list[tuple[int, float]]) -> None:
+        """(step, loss) group `attempt` trained, from its reports, receipts or peer
+        copies: the steps it never reported (it died first) join the record too."""
+        group = {a.attempt: a for a in self.attempts}.get(attempt)
+        reported = {s for s, _ in group.losses} if group is not None else set()
+        for step, loss in losses:
+            self.losses[step] = loss
+            if group is not None and step not in reported:
+                group.losses.append((step, loss))
+        if group is not None:
+            group.losses.sort()
+
+
+@dataclass
+class Figures:
+    """What the ranks' progress measured, kept by telemetry alone (`Telemetry.fig`)."""
+
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
     blocked_s: list[float] = field(default_factory=list)
     upload_s: list[float] = field(default_factory=list)
     upload_bytes: list[int] = field(default_factory=list)
-    heldout_loss: float | None = None
-    error: str | None = None
-    started_at: float = field(default_factory=time.time)
-    finished_at: float | None = None
     steps_trained: int = 0
     tokens_trained: int = 0
     batch: dict[str, Any] | None = None
@@ -87,27 +113,6 @@ class Record:
     """Periodic checkpoints are being skipped (said once, until they keep up again)."""
     saves_in_a_row: int = 0
     """Checkpoints taken since the latest skipped one."""
-
-    def take_losses(self, attempt: str | None, losses: list[tuple[int, float]]) -> None:
-        """(step, loss) group `attempt` trained, from its receipts or its peer copies: the
-        steps its reports never sent (it died first) join the record."""
-        group = {a.attempt: a for a in self.attempts}.get(attempt)
-        reported = {s for s, _ in group.losses} if group is not None else set()
-        for step, loss in losses:
-            self.losses[step] = loss
-            if group is not None and step not in reported:
-                group.losses.append((step, loss))
-        if group is not None:
-            group.losses.sort()
-
-    def commit(self, done) -> None:
-        """A commit (`coordinator.Committed`): the losses up to it as the committing group
-        trained them (a group that died before reporting its last steps would leave
-        them out of the record), its bytes and its upload time."""
-        self.take_losses(done.manifest.extra.get("attempt"), done.losses)
-        self.upload_bytes.append(done.nbytes)
-        if done.upload_s is not None:
-            self.upload_s.append(done.upload_s)
 
 
 @dataclass
@@ -280,20 +285,26 @@ def as_summary(snap: Snapshot) -> dict[str, Any]:
 
 
 def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
-    """The controller's snapshot (`ctl`: a Controller; read only, from any thread)."""
+    """The controller's snapshot (`ctl`: a Controller), taken on its loop's thread."""
     state = ctl.state
     if isinstance(state, Finished) and state.reported is not None:
         return Snapshot.from_summary(state.reported)
-    group, r, tel = ctl.group, ctl.rec, ctl.telemetry
+    group, r, tel = ctl.fleet.group, ctl.rec, ctl.telemetry
+    fig = tel.fig
     replicas = group.replicas if group else None
     committed = ctl.coordinator.committed
     last = committed[-1] if committed else None
     span = (
-        (r.last_step_end - r.first_step_start)
-        if r.first_step_start is not None and r.last_step_end is not None
+        (fig.last_step_end - fig.first_step_start)
+        if fig.first_step_start is not None and fig.last_step_end is not None
         else 0.0
     )
     bubbles = ctl.bubbles.summary() if ctl.bubbles else None
+    now = ctl.clock.wall()
+    partition_now = ctl.partitions.current
+    attempts = [asdict(a) for a in r.attempts]
+    if attempts and group is not None:  # the live group's, as measured so far
+        attempts[-1]["partition"] = dict(partition_now)
     return Snapshot(
         name=ctl.spec.name,
         state=state.name,
@@ -313,8 +324,8 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
             {"step": last, "uri": ctl.store.step_uri(last)} if last is not None else None
         ),
         # Wall clock from the first step to the last: commits, restarts and gaps count.
-        steps_per_s=r.steps_trained / span if span > 0 else 0.0,
-        tokens_per_s=r.tokens_trained / span if span > 0 else 0.0,
+        steps_per_s=fig.steps_trained / span if span > 0 else 0.0,
+        tokens_per_s=fig.tokens_trained / span if span > 0 else 0.0,
         heldout_loss=r.heldout_loss,
         error=r.error,
         restarts=max(0, len(r.attempts) - 1),
@@ -330,7 +341,13 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
         evals=list(tel.evals),
         bubbles=bubbles,
         plan=ctl.plan_view.compare(
-            r, tel.peak_flops, tel.last.get("mfu"), bubbles, replicas, wait_for_plan
+            fig,
+            partition_now.get("bounds"),
+            tel.peak_flops,
+            tel.last.get("mfu"),
+            bubbles,
+            replicas,
+            wait_for_plan,
         ),
         ledger=tel.ledger_summary(),
         cost=tel.cost(),
@@ -338,26 +355,62 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
         batch=tel.batch_view(ctl.step_count, replicas),
         history=list(tel.history),
         losses=dict(sorted(r.losses.items())),
-        attempts=[asdict(a) for a in r.attempts],
-        notices=[dict(n) for n in r.notices],
-        resizes=list(r.resizes),
+        attempts=attempts,
+        notices=[dict(n) for n in ctl.jit.notices],
+        resizes=[dict(x) for x in r.resizes],
         partition=ctl.partitions.summary(),
-        recoveries=list(r.recoveries),
+        recoveries=list(fig.recoveries),
         tracking=tel.trackers.summary(),
         waited_s=r.waited_s,
-        checkpoint_blocked_s=list(r.blocked_s),
-        checkpoint_upload_s=list(r.upload_s),
-        checkpoint_bytes=list(r.upload_bytes),
-        skipped_saves=list(r.skipped_saves),
+        checkpoint_blocked_s=list(fig.blocked_s),
+        checkpoint_upload_s=list(fig.upload_s),
+        checkpoint_bytes=list(fig.upload_bytes),
+        skipped_saves=list(fig.skipped_saves),
         backfill=(
             {"tasks": ctl.backfill.results(), **ctl.backfill.summary()} if ctl.backfill else None
         ),
         health={**ctl.health.view(ctl.clock()), **ctl.cordons.view()},
         peer_memory=ctl.recovery.summary(),
         checkpoint_uri=ctl.store.uri,
-        wall_s=(r.finished_at or time.time()) - r.started_at,
-        updated_at=time.time(),
+        wall_s=(r.finished_at or now) - r.started_at,
+        updated_at=now,
     )
+
+
+class Published:
+    """The latest snapshot the loop published (and, when one was asked for, the latest
+    pipeline trace): other threads read only these, under the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snap: Snapshot | None = None
+        self._trace: dict[str, Any] | None = None
+        self._trace_asked = threading.Event()
+        self._trace_done = threading.Event()
+
+    def publish(self, snap: Snapshot, trace: Callable[[], dict[str, Any] | None]) -> None:
+        with self._lock:
+            self._snap = snap
+        if self._trace_asked.is_set():
+            self._trace_asked.clear()
+            t = trace()
+            with self._lock:
+                self._trace = t
+            self._trace_done.set()
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            assert self._snap is not None, "published at the controller's start"
+            return self._snap
+
+    def trace(self, timeout_s: float) -> dict[str, Any] | None:
+        """The trace as of the loop's next step (it takes at most a poll interval), or
+        the latest one when the loop does not step within `timeout_s`."""
+        self._trace_done.clear()
+        self._trace_asked.set()
+        self._trace_done.wait(timeout_s)
+        with self._lock:
+            return self._trace
 
 
 def _device(ctl, group) -> str | None:
@@ -394,7 +447,8 @@ class PlanView:
 
     def compare(
         self,
-        rec: Record,
+        fig: Figures,
+        bounds: list[int] | None,
         peak_flops: float | None,
         mfu: float | None,
         bubbles: dict[str, Any] | None,
@@ -406,8 +460,8 @@ class PlanView:
         is done, unless `wait`."""
         if not self._ready.wait(60 if wait else 0):
             return {"replicas": replicas, "predicted": None, "measured": None}
-        d = rec.peak_memory_replicas or replicas or self.spec.replica_counts()[0]
-        bounds = (rec.attempts[-1].partition.get("bounds") or None) if rec.attempts else None
+        d = fig.peak_memory_replicas or replicas or self.spec.replica_counts()[0]
+        bounds = bounds or None
         key = (d, replicas or d, peak_flops, tuple(bounds or ()))
         if key not in self._predictions:  # arithmetic on the spec: once per shape
             mem = memory_per_device(self.spec, d, bounds)
@@ -418,12 +472,12 @@ class PlanView:
                 "step_s": step.step_s,
                 "mfu": step.mfu,
             }
-        seconds = sorted(rec.step_seconds)
+        seconds = sorted(fig.step_seconds)
         return {
             "replicas": d,
             "predicted": self._predictions[key],
             "measured": {
-                "memory_bytes": dict(sorted(rec.peak_memory.items())),
+                "memory_bytes": dict(sorted(fig.peak_memory.items())),
                 "bubble_fraction": bubbles["bubble_fraction"] if bubbles else 0.0,
                 "step_s": seconds[len(seconds) // 2] if seconds else None,
                 "mfu": mfu,

@@ -41,6 +41,20 @@ class Waiting(State):
 
 
 @dataclass(frozen=True)
+class Starting(State):
+    """A group is being started (placed, its processes up, the rendezvous); the loop
+    moves it on at each step and handles what arrives meanwhile. `offer`: the peer
+    copy it restores when it is ready (or None); `reached`: the step the job had
+    reached before it (what it trains again is lost work)."""
+
+    name: ClassVar[str] = "starting"
+    reason: str = "start"
+    since: float = 0.0
+    offer: Any = field(default=None, compare=False, hash=False)
+    reached: int = 0
+
+
+@dataclass(frozen=True)
 class Running(State):
     """The group trains on its own toward `target`."""
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from spotline.checkpoint import (
@@ -24,13 +24,14 @@ from spotline.checkpoint import (
 )
 from spotline.config.schema import JobSpec
 from spotline.controller.pace import Pace
-from spotline.controller.snapshot import Record
+from spotline.controller.snapshot import Figures
 from spotline.controller.state import (
     Finishing,
     Leaving,
     Pending,
     Running,
     Scheduling,
+    Starting,
     State,
     Waiting,
 )
@@ -46,11 +47,13 @@ class Telemetry:
         self,
         spec: JobSpec,
         event,
+        wall: Callable[[], float],
         checkpoint_uri: str | None = None,
-        rec: Record | None = None,
     ):
         self.spec = spec
-        self.rec = rec if rec is not None else Record()  # the job's record, shared
+        self.fig = Figures()
+        """What the ranks' progress measured: written here alone."""
+        self.wall = wall  # the controller's wall clock (`clock.Clock.wall`)
         self.pace = Pace()
         self.world = 0  # the latest group's world size
         self._accounted = 0.0  # seconds of this iteration charged from the ranks' figures
@@ -85,48 +88,47 @@ class Telemetry:
     # --- progress ingest -------------------------------------------------------------
 
     def take_steps(self, p, replicas: int, now: float) -> None:
-        """The steps and saves a poll reported, into the record (losses, tokens, step
-        times, blocked seconds) and the pace; the first steps after a restart end it."""
-        r = self.rec
-        attempt = r.attempts[-1]
+        """The steps and saves a poll reported, into the figures (tokens, step times,
+        blocked seconds) and the pace; the first steps after a restart end it."""
+        f = self.fig
         if p.batch is not None:
-            r.batch = p.batch
-        for step, loss, step_s, wall in p.steps:
-            r.tokens_trained += self.batch_at(step, replicas) * self.spec.model.seq_len
-            r.losses[step] = loss
-            r.step_seconds.append(step_s)
-            attempt.losses.append((step, loss))
+            f.batch = p.batch
+        for step, _, step_s, wall in p.steps:
+            f.tokens_trained += self.batch_at(step, replicas) * self.spec.model.seq_len
+            f.step_seconds.append(step_s)
             self.pace.recent.append((step, wall))
-            if r.first_step_start is None:
-                r.first_step_start = wall - step_s
-            r.last_step_end = wall
+            if f.first_step_start is None:
+                f.first_step_start = wall - step_s
+            f.last_step_end = wall
         if p.steps:
-            r.steps_trained += len(p.steps)
+            f.steps_trained += len(p.steps)
             restart = self.pace.stepped(now)
             if restart is not None:
                 why, seconds = restart
-                r.recoveries.append(
+                f.recoveries.append(
                     {
                         "why": why,
                         "seconds": seconds,
                         "resumed_at_step": p.steps[-1][0],
-                        "resumed_at": time.time(),
+                        "resumed_at": self.wall(),
                     }
                 )
                 self._event(f"training again {seconds:.1f}s after the {why}", track="recovery")
-        r.blocked_s.extend(blocked for _, blocked in sorted(p.saves.items()))
+        f.blocked_s.extend(blocked for _, blocked in sorted(p.saves.items()))
 
     def take_memory(self, p, replicas: int) -> None:
         """Peak memory per stage, of the first group only: the plan is compared at one
         shape."""
-        r = self.rec
+        f = self.fig
         for m in p.memory:
-            if r.peak_memory_replicas not in (None, replicas):
+            if f.peak_memory_replicas not in (None, replicas):
                 continue
-            r.peak_memory_replicas = replicas
-            r.peak_memory[m["stage"]] = max(r.peak_memory.get(m["stage"], 0), m["peak_bytes"])
+            f.peak_memory_replicas = replicas
+            f.peak_memory[m["stage"]] = max(f.peak_memory.get(m["stage"], 0), m["peak_bytes"])
 
-    def account(self, p, elapsed: float, group, now: float, book, backfill, partitions) -> None:
+    def account(
+        self, p, elapsed: float, group, now: float, book, backfill, partitions, start_step: int
+    ) -> None:
         """Figures of a poll of `group`: the pipeline's bubbles (`book`, None at pp=1) and
         each stage's compute time (to `partitions`), the chunk that paces `backfill`
         (None: off), the exported figures; the ledger gets the devices' wall time of
@@ -139,9 +141,9 @@ class Telemetry:
         if book is not None and p.bubbles:
             on = backfill is not None and not backfill.governor.decision().paused
             # The depth in force: an adaptive batch deepens the 1F1B schedule as it grows.
-            micro = (self.rec.batch or {}).get("micro_batches")
+            micro = (self.fig.batch or {}).get("micro_batches")
             book.add(p.bubbles, micro or self.spec.grad_accum(replicas), on)
-            if p.steps and p.steps[0][0] > self.rec.attempts[-1].start_step + 1:
+            if p.steps and p.steps[0][0] > start_step + 1:
                 # A group's first step allocates and warms up: not the stages' pace.
                 partitions.measure(p.bubbles, p.steps[-1][0])
         if backfill is not None:
@@ -182,7 +184,7 @@ class Telemetry:
         part = {Pending: "startup_other", Waiting: "waiting"}.get(type(state), "recovery")
         if isinstance(state, (Running, Leaving, Finishing)):
             part = "startup_other"  # the final evaluation, a gap between two polls
-        elif isinstance(state, Scheduling) and state.reason == "start":
+        elif isinstance(state, (Scheduling, Starting)) and state.reason == "start":
             part = "startup_other"
         rest = max(0.0, seconds - self._accounted)
         self.ledger.charge(part, rest, self.world)
@@ -200,7 +202,7 @@ class Telemetry:
     def batch_at(self, step: int, replicas: int | None) -> int:
         """Sequences step `step` trained on: the adaptive schedule's history as the ranks
         reported it, else what the batch policy gives the live group (`replicas`)."""
-        hist = (self.rec.batch or {}).get("history")
+        hist = (self.fig.batch or {}).get("history")
         if self.spec.train.batch_schedule == "adaptive" and hist:
             return next((size for first, size in reversed(hist) if first <= step), hist[0][1])
         return self.spec.global_batch(replicas or self.spec.elastic.max_replicas)
@@ -208,7 +210,7 @@ class Telemetry:
     def batch_view(self, step: int, replicas: int | None) -> dict[str, Any]:
         """The batch of `step`, for status and metrics: schedule, global_batch_size,
         noise_scale, history."""
-        b = self.rec.batch or {}
+        b = self.fig.batch or {}
         return {
             "schedule": self.spec.train.batch_schedule,
             "global_batch_size": self.batch_at(step, replicas),
@@ -338,7 +340,7 @@ class Telemetry:
             "global_batch_size": b_now.get("global_batch_size", spec.global_batch(replicas)),
             "noise_scale": b_now.get("noise_scale"),
         }
-        self.history.append({"step": step, "t": time.time(), "replicas": replicas, **self.last})
+        self.history.append({"step": step, "t": self.wall(), "replicas": replicas, **self.last})
         m = self.metrics
         m.set("spotline_step", step)
         m.set("spotline_target_steps", spec.train.steps)
@@ -405,7 +407,12 @@ class Telemetry:
             self.trackers.event(self._tracked_step, "alert", alert.message())
             self.metrics.inc("spotline_deviation_alerts_total", cause=_cause_key(alert.cause))
 
-    def commit(self, step: int, nbytes: int, blocked_s: float | None, upload_s: float | None):
+    def commit(self, step: int, nbytes: int, upload_s: float | None) -> None:
+        """A committed step: its bytes and upload time into the figures, and out."""
+        self.fig.upload_bytes.append(nbytes)
+        if upload_s is not None:
+            self.fig.upload_s.append(upload_s)
+        blocked_s = self.fig.blocked_s[-1] if self.fig.blocked_s else None
         m = self.metrics
         m.set("spotline_checkpoint_step", step)
         m.set("spotline_checkpoint_bytes", nbytes)
@@ -459,14 +466,14 @@ class Telemetry:
         for state, n in tasks.items():
             self._count("spotline_backfill_tasks_total", n, state=state)
 
-    def export_counts(self, tasks: dict[str, int]) -> None:
-        """The record's counts (notices, node losses, restarts by why) and the backfill
+    def export_counts(self, tasks: dict[str, int], rec, notices: int) -> None:
+        """The record's counts (`notices`, node losses, restarts by why) and the backfill
         tasks finished (`tasks`, by state), as counters."""
         restarts: dict[str, int] = {}
-        for a in self.rec.attempts[:-1]:
+        for a in rec.attempts[:-1]:
             why = (a.ended_by or "unknown").replace(" ", "_")
             restarts[why] = restarts.get(why, 0) + 1
-        self.counts(len(self.rec.notices), self.rec.node_losses, restarts, tasks)
+        self.counts(notices, rec.node_losses, restarts, tasks)
 
     def _count(self, name: str, total: int, **tags: Any) -> None:
         key = (name, *sorted(tags.items()))

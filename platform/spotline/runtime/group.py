@@ -6,7 +6,10 @@ placement group per replica: its stages are the bundles, packed onto a node wher
 they fit (a worker and its sidecar share a bundle, so they share a device). Rank =
 stage * replicas + replica, as DeepSpeed's grid expects.
 
-`hand_over` gives the next group the replicas whose ranks are all still good, and
+`start` begins a group and returns at once; the caller moves it on with `advance`
+until it is ready (`starter.GroupStart`: the one way ranks are started, also driven by
+the replicas started ahead), so a controller never blocks on a start. `hand_over`
+gives the next group the replicas whose ranks are all still good, and
 `start(survivors=...)` adopts them (`survivors.py`): each rank re-forms in its own
 process at its new rank, and only the missing replicas are placed and started anew.
 
@@ -27,10 +30,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from spotline import constants
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.config.schema import JobSpec
-from spotline.runtime.placement import bundle_kinds, usable_nodes, worker_bundle
+from spotline.runtime.placement import usable_nodes
 from spotline.runtime.progress import (
     PROCESS_DIED,
     Progress,
@@ -40,14 +42,9 @@ from spotline.runtime.progress import (
     failure_cause,
     peer_failures,
 )
-from spotline.runtime.rendezvous import (
-    check_one_device,
-    decide_device,
-    rendezvous_url,
-    share_node_devices,
-)
+from spotline.runtime.rendezvous import decide_device
 from spotline.runtime.sealed import SealedJob
-from spotline.runtime.spawn import start_worker
+from spotline.runtime.starter import Calls, GroupStart
 from spotline.runtime.survivors import Survivor, Survivors, adopt, end
 from spotline.train.process import Topology, sticky_cuda_error
 
@@ -68,8 +65,10 @@ class RayWorkerGroup:
         sidecar_gpu_fraction: float = 0.0,
         avoid: set[str] | None = None,
         peers: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = spec
+        self.clock = clock
         self.peers = peers
         """The job's state keepers (`spotline.runtime.keeper.PeerMemory`), or None."""
         self.restored_bytes = 0
@@ -96,6 +95,7 @@ class RayWorkerGroup:
         self.actors: list[Any] = []
         self.sidecars: list[Any] = []  # one per rank, when a sidecar factory is given
         self._info: list[dict[str, Any]] = []
+        self._start: GroupStart | None = None  # in hand between `start` and ready
         self._devices: list[dict[str, Any]] = []  # per rank: device name and peak FLOP/s
         self._partition: dict[str, Any] = {}  # the stage partition in force, and why
         self._runs: list[Any] = []  # each rank's run() ref
@@ -115,37 +115,17 @@ class RayWorkerGroup:
         self, what: str, method: str, *args: Any, per_rank_args=None, timeout_s=None, ranks=None
     ) -> list[Any]:
         """Call `method` on every rank (or on `ranks`, in that order) and wait; any dead or
-        raising rank -> WorkerFailure.
+        raising rank -> WorkerFailure (every peer that failed with it grouped). Only for
+        calls that return quickly: the start never waits this way (`advance`)."""
+        return self._send(what, method, *args, per_rank_args=per_rank_args, ranks=ranks,
+                          timeout_s=timeout_s).wait()  # fmt: skip
 
-        Waits with ray.wait rather than ray.get: when one rank dies, its peers block in
-        a collective, and the dead rank must be seen without waiting on the others.
-        """
-        import ray
-
-        futures = []
+    def _send(
+        self, what: str, method: str, *args: Any, per_rank_args=None, timeout_s=None, ranks=None
+    ) -> Calls:
         called = list(range(len(self.actors))) if ranks is None else list(ranks)
-        for rank in called:
-            a = per_rank_args[rank] if per_rank_args else args
-            futures.append(getattr(self.actors[rank], method).remote(*a))
-        rank_of = {f: r for r, f in zip(called, futures, strict=True)}
-        results: dict[int, Any] = {}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending = list(futures)
-        while pending:
-            ready, pending = ray.wait(
-                pending, num_returns=1, timeout=constants.SPOTLINE_POLL_INTERVAL_S
-            )
-            for f in ready:
-                try:
-                    results[rank_of[f]] = ray.get(f)
-                except Exception as e:  # noqa: BLE001 - grouped and re-raised below
-                    self._raise_failure(what, rank_of[f], e, futures, rank_of)
-            if deadline is not None and time.monotonic() > deadline and pending:
-                late = sorted(rank_of[f] for f in pending)
-                raise WorkerFailure(
-                    what, {f"no answer within {timeout_s:.0f}s": late}, self._nodes()
-                )
-        return [results[r] for r in called]
+        calls = {r: per_rank_args[r] if per_rank_args else args for r in called}
+        return Calls.send(what, self.actors, method, calls, self._nodes(), timeout_s, self.clock)
 
     def _raise_failure(self, what, first_rank, first_exc, futures, rank_of) -> None:
         """WorkerFailure for `first_rank`'s error, with every peer that failed with it."""
@@ -153,7 +133,7 @@ class RayWorkerGroup:
         raise WorkerFailure(what, errors, self._nodes(), causes, silent)
 
     def _nodes(self) -> dict[int, str]:
-        return {i["rank"]: i["node_id"] for i in self._info}
+        return {i["rank"]: i["node_id"] for i in self.worker_info()}
 
     # --- start-up ---------------------------------------------------------------------
 
@@ -163,150 +143,52 @@ class RayWorkerGroup:
         init: bool = True,
         survivors: Survivors | None = None,
     ) -> None:
-        """Place and start the ranks. `partition`: the layer bounds to run at (a resumed
-        job's recorded ones, or a re-partition); None: parallel.partition decides.
-        `init=False`: the ranks leave their weights empty for the `restore` that
-        follows (a rank refuses to train before it loaded one). `survivors`: ranks of
-        the previous group to adopt (see the module); this group owns them from here
+        """Begin placing and starting the ranks, and return at once: `advance` moves the
+        start on (`starter.GroupStart`). `partition`: the layer bounds to run at (a
+        resumed job's recorded ones, or a re-partition); None: parallel.partition
+        decides. `init=False`: the ranks leave their weights empty for the `restore`
+        that follows (a rank refuses to train before it loaded one). `survivors`: ranks
+        of the previous group to adopt (see the module); this group owns them from here
         and ends those it has no place for."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         # Decided from the nodes there are now, at every start: an 'auto' job that began
         # on CPU moves to GPUs at its next start once a GPU node is up.
-        nodes = usable_nodes()
-        self.device = decide_device(self.requested_device, nodes)
-        topos = [Topology(self.pp, self.replicas, r) for r in range(self.world_size)]
-        bundles = [worker_bundle(self.spec, self.device, t.stage) for t in topos]
-        # New replica index -> the surviving replica that takes it.
+        usable = usable_nodes()
+        self.device = decide_device(self.requested_device, usable)
         adopted = adopt(survivors or Survivors(), self.replicas, self.device, self.avoid)
-        # Cordoned nodes are excluded by Ray's own node-id label on every bundle.
-        avoid = sorted(self.avoid)
-        selector = [{"ray.io/node-id": f"!in({','.join(avoid)})"}] * self.pp if avoid else None
-        stages = bundles[:: self.replicas]  # one replica's bundles, by stage
-        self.pgs = [adopted[r].pg if r in adopted else None for r in range(self.replicas)]
-        fresh = [r for r in range(self.replicas) if r not in adopted]
-        for r in fresh:
-            self.pgs[r] = placement_group(
-                stages,
-                strategy="PACK",
-                name=f"spotline:{self.spec.name}:replica-{r}:{self.attempt}",
-                bundle_label_selector=selector,
-            )
-        timeout = constants.SPOTLINE_WORKER_START_TIMEOUT_S
-        waits = [self.pgs[r].ready() for r in fresh]
-        ready, _ = ray.wait(waits, num_returns=len(waits), timeout=timeout)
-        self.actors = [None] * self.world_size
-        for r, sv in adopted.items():
-            for stage, actor in enumerate(sv.actors):
-                self.actors[stage * self.replicas + r] = actor
-        if len(ready) < len(waits):
-            why = ""
-            if self.device == "gpu" and not any(n.get("GPU", 0) > 0 for n in nodes):
-                why = (
-                    f"resources.device is {self.requested_device} and no live node has a GPU "
-                    "(the group waits for GPU nodes, it never runs on CPU); "
-                )
-            raise WorkerFailure(
-                "placement",
-                {
-                    f"{why}{len(fresh) * self.pp} {self.device.upper()} workers of "
-                    f"{bundle_kinds(stages)} could not be placed within "
-                    f"{timeout:.0f}s (cluster has {ray.available_resources()} free); add nodes or "
-                    "lower elastic.min_replicas / resources.cpus_per_worker / resources.stages": [
-                        t.rank for t in topos if t.replica in fresh
-                    ]
-                },
-            )
-        # Kept while the workers live: it holds their secrets in the object store.
-        self._sealed = SealedJob(self.spec, self.store)
-        for rank, topo in enumerate(topos):
-            bundle = bundles[rank]
-            where = PlacementGroupSchedulingStrategy(
-                self.pgs[topo.replica], placement_group_bundle_index=topo.stage
-            )
-            if self.actors[rank] is None:
-                self.actors[rank] = start_worker(
-                    self.spec,
-                    self._sealed,
-                    topo,
-                    self.attempt,
-                    where,
-                    bundle,
-                    self.sidecar_gpu_fraction,
-                )
-            if self.sidecar is not None:
-                self.sidecars.append(self.sidecar(topo, where, bundle, self.attempt))
-        kept = [t.rank for t in topos if t.replica in adopted]
-        new = [t.rank for t in topos if t.replica not in adopted]
-        self.ahead = sum(1 for r in kept if adopted[topos[r].replica].ahead)
-        self.kept = len(kept) - self.ahead
-        infos: list[dict[str, Any]] = [{} for _ in topos]  # shown once whole
-        if kept:
-            reformed = self._call_all(
-                "re-form",
-                "reform",
-                per_rank_args={r: (topos[r], self.attempt) for r in kept},
-                timeout_s=timeout,
-                ranks=kept,
-            )
-            log.info(
-                "%d rank(s) re-formed in their own processes (pids %s), %d of them started "
-                "ahead; %d started anew",
-                len(kept),
-                ", ".join(str(i["pid"]) for i in reformed),
-                self.ahead,
-                len(new),
-            )
-            for r, info in zip(kept, reformed, strict=True):
-                was = adopted[topos[r].replica].infos[topos[r].stage]
-                # It keeps the environment it was bound with: CUDA read it once.
-                infos[r] = info | {
-                    k: was.get(k) for k in ("device", "local_rank", "visible_devices")
-                }
-        for r, info in zip(
-            new, self._call_all("start", "info", timeout_s=timeout, ranks=new), strict=True
-        ):
-            infos[r] = info
-        self._info = infos
-        check_one_device(self.device, [i["gpu_ids"] for i in self._info])
-        # Each new rank sees its node's GPUs and drives the one Ray gave it (LOCAL_RANK).
-        shares = share_node_devices([(i["node_id"], i["gpu_ids"]) for i in self._info])
-        ifname = self.spec.resources.socket_ifname
-        envs = self._call_all(
-            "start",
-            "bind",
-            per_rank_args={r: (self.device, *shares[r], ifname) for r in new},
-            timeout_s=timeout,
-            ranks=new,
-        )
-        for r, env in zip(new, envs, strict=True):
-            self._info[r].update(
-                device=self.device,
-                local_rank=int(env["LOCAL_RANK"]),
-                visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
-            )
-        # Rank 0 hosts the torch.distributed store, already listening when its port is
-        # handed to the others.
-        addr = self._info[0]["ip"]
-        port = ray.get(self.actors[0].host_store.remote(addr), timeout=timeout)
-        log.info(
-            "rendezvous of %d %s ranks at %s",
-            self.world_size,
+        self._start = GroupStart(
+            self.spec,
+            SealedJob(self.spec, self.store),  # kept while the workers live: secrets
             self.device,
-            rendezvous_url(addr, port),
+            self.replicas,
+            self.attempt,
+            adopted,
+            self.avoid,
+            usable,
+            self.clock,
+            partition=partition,
+            init=init,
+            sidecar=self.sidecar,
+            sidecar_gpu_fraction=self.sidecar_gpu_fraction,
+            peers=self.peers,
+            requested_device=self.requested_device,
         )
-        self._partition = self._choose_partition(partition, timeout)
-        bounds = self._partition["bounds"]
-        self._devices = self._call_all(
-            "rendezvous", "setup", addr, port, bounds, init, timeout_s=timeout
-        )
-        pairs = None
-        if self.peers is not None:  # None back: no peer snapshots fit the nodes' budget
-            pairs = self.peers.place([i["node_id"] for i in self._info], self.replicas, bounds)
-        if pairs is not None:
-            self._call_all("peer memory", "set_peers", per_rank_args=pairs, timeout_s=timeout)
+        st = self._start
+        # The same lists, filled in as the start goes: a shutdown meanwhile ends them.
+        self.actors, self.pgs, self._info, self.sidecars = st.actors, st.pgs, st.infos, st.sidecars
+        self.kept, self.ahead = st.kept, st.ahead
+
+    def advance(self, timeout_s: float = 0.0) -> bool:
+        """Move the start on, waiting at most `timeout_s` for a call to return: True once
+        every rank is set up and the group can restore. A rank that fails, or a phase
+        that outruns SPOTLINE_WORKER_START_TIMEOUT_S, raises WorkerFailure."""
+        st = self._start
+        if st is None:
+            return True
+        if not st.advance(timeout_s):
+            return False
+        self._devices, self._partition = st.devices, st.partition
+        self._start = None
+        return True
 
     def hand_over(self, leaving: set[str], grace_s: float) -> Survivors:
         """The replicas of this ended group the next one may adopt: every rank of one
@@ -356,25 +238,6 @@ class RayWorkerGroup:
                 self.actors[k] = None
             self.pgs[r] = None
         return out
-
-    def _choose_partition(self, pinned: list[int] | None, timeout: float) -> dict[str, Any]:
-        """The layer bounds of the stages, and what they were chosen from (see
-        `spotline.planning.choice.choose_partition`). A balanced job measures first: every worker's
-        matmul speed (one rank at a time on CPU, where workers share the host's cores;
-        all at once on GPUs), and on replica 0 of each stage every layer's forward +
-        backward time."""
-        from spotline.planning.choice import choose_partition
-
-        probes = None
-        if self.spec.parallel.partition == "balanced" and self.pp > 1:
-            if self.device == "gpu":
-                probes = self._call_all("probe", "probe", timeout_s=timeout)
-            else:
-                probes = [
-                    self._call_all("probe", "probe", timeout_s=timeout, ranks=[r])[0]
-                    for r in range(self.world_size)
-                ]
-        return choose_partition(self.spec, self.replicas, probes, pinned)
 
     def partition(self) -> dict[str, Any]:
         """The stage partition in force: bounds, layers per stage, and (balanced) the
@@ -575,13 +438,15 @@ class RayWorkerGroup:
         return min(peaks) if peaks and None not in peaks else None
 
     def node_ids(self) -> set[str]:
-        return {i["node_id"] for i in self._info}
+        """The nodes of the ranks known to run (while starting: those that said so)."""
+        return {i["node_id"] for i in self.worker_info()}
 
     def heldout_loss(self) -> float:
         return self._call_all("held-out evaluation", "heldout_loss")[0]
 
     def worker_info(self) -> list[dict[str, Any]]:
-        return list(self._info)
+        """Where each rank runs (rank, pid, node, ...), of the ranks known to run."""
+        return [dict(i) for i in self._info if "node_id" in i]
 
     def shutdown(self) -> None:
         end(self.sidecars + [a for a in self.actors if a is not None], self.pgs)

@@ -285,11 +285,6 @@ class PeerMemory:
         new = [n for n in ring if n not in self._keepers]
         for node in new:  # a keeper alive, or only slow, keeps its copies
             self._keepers[node] = self._start(node, fits[node]["budget"], fits[node]["need"])
-        # Ray places a keeper only where its reservation fits: one it could not place
-        # is started again without it (it still keeps within its budget), and said.
-        for node, answer in self._ask("nbytes", dict.fromkeys(new, ())).items():
-            if answer is None and fits[node]["need"]:
-                self._restart_unreserved(node, fits[node])
         out = []
         for node in nodes_of_ranks:
             buddy = ring[(ring.index(node) + 1) % len(ring)]
@@ -297,25 +292,6 @@ class PeerMemory:
             far = keeper_name(self.spec.name, buddy) if buddy != node and self.level.buddy else None
             out.append((name, far))
         return out
-
-    def _restart_unreserved(self, node: str, fit: dict[str, Any]) -> None:
-        import ray
-
-        ray.kill(self._keepers.pop(node), no_restart=True)
-        name = keeper_name(self.spec.name, node)
-        deadline = time.monotonic() + ASK_TIMEOUT_S
-        while time.monotonic() < deadline:  # the name is free once Ray saw the kill
-            try:
-                ray.get_actor(name)
-            except ValueError:
-                break
-            time.sleep(0.1)
-        self._keepers[node] = self._start(node, fit["budget"], 0)
-        self.changes.append(
-            f"state keeper on node {node[:12]} could not reserve {human_bytes(fit['need'])} "
-            "of memory from Ray (the node's memory is promised elsewhere); it runs without "
-            "the reservation, within recovery.peer_memory"
-        )
 
     def _start(self, node: str, budget: int | None, reserve: int) -> Any:
         """A keeper pinned to `node`, reserving `reserve` bytes from Ray (0: none)."""

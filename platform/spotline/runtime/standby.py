@@ -21,48 +21,38 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from spotline import constants
 from spotline.checkpoint import CheckpointStore
 from spotline.config.schema import JobSpec
-from spotline.runtime.placement import worker_bundle
 from spotline.runtime.progress import describe_failure
 from spotline.runtime.rendezvous import share_node_devices
 from spotline.runtime.sealed import SealedJob
-from spotline.runtime.spawn import start_worker
-from spotline.runtime.survivors import Survivor, end
+from spotline.runtime.starter import ReplicaStart, StartFailed
+from spotline.runtime.survivors import Survivor
 from spotline.train.process import Topology
 
 log = logging.getLogger("spotline.standby")
 
 
-@dataclass
-class _Replica:
-    """One replica started ahead, and the phase it is in (see `_advance`)."""
-
-    name: str
-    device: str
-    pg: Any
-    since: float
-    actors: list[Any] = field(default_factory=list)
-    infos: list[dict[str, Any]] = field(default_factory=list)
-    pending: list[Any] = field(default_factory=list)  # the refs of the phase in hand
-    ready: bool = False
-    placed: bool = False
-    phase: str = "placing"  # starting, binding, hosting, rehearsing, ready
-
-
 class Standby:
     """The job's replicas started ahead (see the module)."""
 
-    def __init__(self, spec: JobSpec, store: CheckpointStore, gpu_fraction: float = 0.0):
+    def __init__(
+        self,
+        spec: JobSpec,
+        store: CheckpointStore,
+        gpu_fraction: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.spec = spec
         self.store = store
         self.gpu_fraction = gpu_fraction
         """Of each worker's GPU left to its sidecar, which the group starts (`start_worker`)."""
-        self._replicas: list[_Replica] = []
+        self.clock = clock
+        self._replicas: list[ReplicaStart] = []
         self._sealed: SealedJob | None = None  # held while any of them lives
         self.failures: list[str] = []
         """Why each one that failed or timed out ended, until the controller says it."""
@@ -109,18 +99,18 @@ class Standby:
         # A ready replica may have died since (its process killed, out of memory, its
         # node gone before Ray said so): the next group must not count on it.
         dead = not_answering(good, constants.SPOTLINE_STANDBY_CHECK_TIMEOUT_S)
-        taken = {r.name for r in good} - set(dead)
+        taken = {r.label for r in good} - set(dead)
         out = []
         for r in self._replicas:
-            if r.name in taken:
+            if r.label in taken:
                 out.append(Survivor(r.actors, r.pg, r.infos, ahead=True))
                 continue
-            if r.name in dead:
+            if r.label in dead:
                 self.failures.append(
-                    f"replica {r.name} started ahead{_where(r)} is not alive ({dead[r.name]}); "
-                    "the next group starts its own processes in its place"
+                    f"replica {r.label} started ahead{r.where()} is not alive "
+                    f"({dead[r.label]}); the next group starts its own processes in its place"
                 )
-            end(r.actors, [r.pg])
+            r.end()
         if out:
             log.info("%d replica(s) started ahead join the next group", len(out))
         self._replicas = []
@@ -128,136 +118,77 @@ class Standby:
 
     def release(self) -> None:
         for r in self._replicas:
-            end(r.actors, [r.pg])
+            r.end()
         self._replicas = []
 
     # --- the phases -------------------------------------------------------------------
 
     def _start(self, device: str, avoid: set[str]) -> None:
-        from ray.util.placement_group import placement_group
-
-        pp = self.spec.parallel.pipeline_stages
-        name = f"standby-{uuid.uuid4().hex[:8]}"
-        stages = [worker_bundle(self.spec, device, s) for s in range(pp)]
-        off = ",".join(sorted(avoid))  # Ray's own node-id label, as the group places
-        pg = placement_group(
-            stages,
-            strategy="PACK",
-            name=f"spotline:{self.spec.name}:{name}",
-            bundle_label_selector=[{"ray.io/node-id": f"!in({off})"}] * pp if avoid else None,
-        )
-        self._replicas.append(_Replica(name, device, pg, time.monotonic(), pending=[pg.ready()]))
-
-    def _end(self, r: _Replica, why: str) -> None:
-        log.info("replica %s started ahead ends: %s", r.name, why)
-        end(r.actors, [r.pg])
-        self._replicas.remove(r)
-
-    def _fail(self, r: _Replica, why: str) -> None:
-        self.failures.append(f"replica {r.name} started ahead{_where(r)} ended: {why}")
-        self._end(r, why)
-
-    def _advance(self) -> None:
-        """Take each replica one phase on where its calls returned; never waits."""
-        import ray
-
-        for r in list(self._replicas):
-            if r.ready:
-                continue
-            done, _ = ray.wait(r.pending, num_returns=len(r.pending), timeout=0)
-            if len(done) < len(r.pending):
-                limit = constants.SPOTLINE_WORKER_START_TIMEOUT_S
-                if time.monotonic() - r.since > limit:
-                    self._fail(r, f"still {r.phase} after {limit:.0f}s")
-                continue
-            try:
-                results = ray.get(r.pending)
-            except Exception as e:  # noqa: BLE001 - it is ended; the group starts its own
-                self._fail(r, f"{r.phase} failed: {type(e).__name__}: {e}")
-                continue
-            if r.phase == "placing":
-                r.placed = True
-                self._spawn(r)  # -> "starting"
-            elif r.phase == "starting":
-                r.infos = results
-                shares = share_node_devices([(i["node_id"], i["gpu_ids"]) for i in results])
-                ifname = self.spec.resources.socket_ifname
-                r.pending = [
-                    a.bind.remote(r.device, *share, ifname)
-                    for a, share in zip(r.actors, shares, strict=True)
-                ]
-                r.phase = "binding"
-            elif r.phase == "binding":
-                for info, env in zip(r.infos, results, strict=True):
-                    info.update(
-                        device=r.device,
-                        local_rank=int(env["LOCAL_RANK"]),
-                        visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
-                    )
-                r.pending = [r.actors[0].host_store.remote(r.infos[0]["ip"])]
-                r.phase = "hosting"
-            elif r.phase == "hosting":
-                # The rehearsal: an engine among its own ranks, dropped at `reform`.
-                addr, port = r.infos[0]["ip"], results[0]
-                r.pending = [a.setup.remote(addr, port, None, False, True) for a in r.actors]
-                r.phase = "rehearsing"
-            else:
-                r.ready = True
-                r.pending = []
-                r.phase = "ready"
-                log.info("replica %s started ahead is ready", r.name)
-
-    def _spawn(self, r: _Replica) -> None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         if self._sealed is None:
             self._sealed = SealedJob(self.spec, self.store)
         pp = self.spec.parallel.pipeline_stages
-        for stage in range(pp):
-            topo = Topology(pp, 1, stage)  # a placeholder: `reform` gives it its rank
-            where = PlacementGroupSchedulingStrategy(r.pg, placement_group_bundle_index=stage)
-            bundle = worker_bundle(self.spec, r.device, stage)
-            name = f"spotline:{self.spec.name}:{r.name}/stage-{stage}"
-            r.actors.append(
-                start_worker(
-                    self.spec, self._sealed, topo, r.name, where, bundle, self.gpu_fraction, name
-                )
+        label = f"standby-{uuid.uuid4().hex[:8]}"
+        self._replicas.append(
+            ReplicaStart.place(
+                self.spec,
+                self._sealed,
+                device,
+                # Placeholders: `reform` gives each its rank in the group it joins.
+                [Topology(pp, 1, stage) for stage in range(pp)],
+                label,
+                label,
+                avoid,
+                self.clock,
+                rehearse=True,
+                gpu_fraction=self.gpu_fraction,
+                names=[f"spotline:{self.spec.name}:{label}/stage-{s}" for s in range(pp)],
             )
-        r.pending = [a.info.remote() for a in r.actors]
-        r.phase = "starting"
+        )
+
+    def _end(self, r: ReplicaStart, why: str) -> None:
+        log.info("replica %s started ahead ends: %s", r.label, why)
+        r.end()
+        self._replicas.remove(r)
+
+    def _advance(self) -> None:
+        """Take each replica one phase on where its calls returned; never waits. Its
+        ranks see only its own devices: it binds alone."""
+        for r in list(self._replicas):
+            try:
+                r.advance()
+                if r.phase == "started":
+                    r.bind(share_node_devices([(i["node_id"], i["gpu_ids"]) for i in r.infos]))
+            except StartFailed as e:
+                self.failures.append(f"replica {r.label} started ahead{r.where()} ended: {e}")
+                self._end(r, str(e))
 
 
-def _where(r: _Replica) -> str:
-    nodes = sorted({i["node_id"][:12] for i in r.infos if i.get("node_id")})
-    return f" on node {', '.join(nodes)}" if nodes else ""
-
-
-def not_answering(replicas: list[_Replica], timeout_s: float) -> dict[str, str]:
+def not_answering(replicas: list[ReplicaStart], timeout_s: float) -> dict[str, str]:
     """Why each of `replicas` with a rank that does not answer a no-op call (`info`)
-    within `timeout_s` is not alive, by name. One wait for every rank of every replica:
-    the check costs at most `timeout_s` however many there are."""
+    within `timeout_s` is not alive, by label. One wait for every rank of every
+    replica: the check costs at most `timeout_s` however many there are."""
     import ray
 
-    calls: dict[Any, _Replica] = {}
+    calls: dict[Any, ReplicaStart] = {}
     why: dict[str, str] = {}
     for r in replicas:
         for a in r.actors:
             try:
                 calls[a.info.remote()] = r
             except Exception as e:  # noqa: BLE001 - a handle that cannot take a call
-                why[r.name] = describe_failure(e)
+                why[r.label] = describe_failure(e)
     if not calls:
         return why
     done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
     answered = set(done)
     for ref, r in calls.items():
-        if r.name in why:
+        if r.label in why:
             continue
         if ref not in answered:
-            why[r.name] = f"no answer within {timeout_s:.0f}s (SPOTLINE_STANDBY_CHECK_TIMEOUT_S)"
+            why[r.label] = f"no answer within {timeout_s:.0f}s (SPOTLINE_STANDBY_CHECK_TIMEOUT_S)"
             continue
         try:
             ray.get(ref)
         except Exception as e:  # noqa: BLE001 - what ended it is the answer
-            why[r.name] = describe_failure(e)
+            why[r.label] = describe_failure(e)
     return why

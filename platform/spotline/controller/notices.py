@@ -10,7 +10,6 @@ outcome. Policies and the book do no I/O and hold no Ray handles.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,18 +96,22 @@ class JitBook:
     """The notices a just-in-time checkpoint answers, the steps it saves at (from
     `JitPolicy`), and the check that one can meet the shortest notice.
 
-    `pace`: the job's measured pace (`pace.Pace`); `rec`: its record, whose notices
-    list gets every notice once its outcome is known; `event(text, level, track)`.
+    `pace`: the job's measured pace (`pace.Pace`); `fig`: telemetry's figures (the
+    saves' blocked and upload times); `event(text, level, track)`; `clock`: the
+    controller's (`clock.Clock`: a notice's deadline is wall time).
     """
 
-    def __init__(self, spec, policy: JitPolicy, pace, rec, event, poll_s: float):
+    def __init__(self, spec, policy: JitPolicy, pace, fig, event, poll_s: float, clock):
         self.spec = spec
         self.policy = policy
         self.pace = pace
-        self.rec = rec
+        self.fig = fig
         self._event = event
         self.poll_s = poll_s
+        self.clock = clock
         self.pending: list[dict[str, Any]] = []  # notices the next leave answers
+        self.notices: list[dict[str, Any]] = []
+        """Every notice once its outcome is known (status and the result show them)."""
         self._fit_checked = False  # the check from the first measured save is done
 
     def triage(self, notices, step: int, live: set[str] | None, drain) -> list[dict[str, Any]]:
@@ -118,7 +121,7 @@ class JitBook:
         jit: list[dict[str, Any]] = []
         for n in notices:
             node = n.get("node_id")
-            left = n["deadline"] - time.time()
+            left = n["deadline"] - self.clock.wall()
             where = f"node {node[:12]}" if node else "an unnamed node"
             self._event(
                 f"preemption notice ({n['source']}: {n['reason']}) for {where}, "
@@ -137,7 +140,7 @@ class JitBook:
                     if live is not None
                     else "no group running; the node is drained, the next group avoids it"
                 )
-                self.rec.notices.append(n)
+                self.notices.append(n)
         return jit
 
     def plan(self, notices, step: int, replicas: int, replicas_after: int) -> tuple[int, float]:
@@ -147,7 +150,7 @@ class JitBook:
         save_s = self.save_s(replicas)
         at = self.policy.decide(
             step=step,
-            seconds_left=deadline - time.time(),
+            seconds_left=deadline - self.clock.wall(),
             step_s=self.pace.wall_step_s() or 0.0,
             save_s=save_s,
             replicas=replicas,
@@ -157,7 +160,7 @@ class JitBook:
         plan = "at once" if at == step + 1 else f"after {at - step} more step(s)"
         self._event(
             f"just-in-time checkpoint {plan} (step {at}; predicted save {save_s:.1f}s, "
-            f"{deadline - time.time():.0f}s to the deadline)"
+            f"{deadline - self.clock.wall():.0f}s to the deadline)"
         )
         return at, deadline
 
@@ -171,7 +174,7 @@ class JitBook:
             planned=planned,
             step_s=step_s,
             save_s=self.save_s(replicas),
-            seconds_left=deadline - time.time(),
+            seconds_left=deadline - self.clock.wall(),
         )
         if move is None:
             return None
@@ -186,7 +189,7 @@ class JitBook:
     def save_s(self, replicas: int | None) -> float:
         """The save time to plan with: the measured one, or before the first commit the
         state size at an assumed rate."""
-        measured = predicted_save_s(self.rec.blocked_s, self.rec.upload_s, self.poll_s)
+        measured = predicted_save_s(self.fig.blocked_s, self.fig.upload_s, self.poll_s)
         if measured is not None:
             return measured
         return planned_save_s(self.spec, replicas or self.spec.replica_counts()[0])
@@ -214,17 +217,17 @@ class JitBook:
         for n in self.pending:
             n["committed_step"] = step if committed else latest
             n["notice_to_commit_s"] = now - n["received_clock"] if committed else None
-            n["committed_at"] = time.time() if committed else None
-            n["before_deadline_s"] = n["deadline"] - time.time()
+            n["committed_at"] = self.clock.wall() if committed else None
+            n["before_deadline_s"] = n["deadline"] - self.clock.wall()
             n["outcome"] = "just-in-time checkpoint committed" if committed else "commit failed"
-            self.rec.notices.append(n)
+            self.notices.append(n)
         if self.pending and committed:
             first = self.pending[0]
             took = now - first["received_clock"]
             budget = self.spec.preemption.jit_checkpoint_budget_s
             self._event(
                 f"just-in-time checkpoint step {step} committed {took:.1f}s after the notice, "
-                f"{first['deadline'] - time.time():.0f}s before the deadline"
+                f"{first['deadline'] - self.clock.wall():.0f}s before the deadline"
                 + (
                     f"; that is over preemption.jit_checkpoint_budget_s ({budget:.0f}s)"
                     if took > budget
