@@ -129,9 +129,12 @@ def ray_auth_mode(args: argparse.Namespace, ray_address: str | None, token_exist
     turns it on when a token exists. None: an explicit address (Ray decides silently),
     or a command that never touches Ray."""
     address = ray_address or getattr(args, "address", None)
-    if args.cmd in ("run", "sweep") and not address:
+    starts = args.cmd in ("run", "sweep")
+    if starts and not address:
         return "token"
-    if args.cmd in _READERS and address in (None, "auto") and not _reads_storage(args):
+    if (starts and address == "auto") or (
+        args.cmd in _READERS and address in (None, "auto") and not _reads_storage(args)
+    ):
         return "token" if token_exists() else None
     return None
 
