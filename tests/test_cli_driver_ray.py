@@ -56,7 +56,13 @@ def _config(tmp_path: Path) -> Path:
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)  # `spotline run` starts a local cluster of its own
+    # As a new user runs it: no auth mode of their own, so Spotline states Ray's.
+    env.pop("RAY_AUTH_MODE", None)
     return env
+
+
+# Ray's notice of the token-authentication mode it chose by itself.
+_AUTH_NOTICE = "Token authentication is"
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -145,11 +151,13 @@ def _summary(text: str) -> dict[str, str]:
 
 
 def test_a_running_job_is_watched_by_name_and_sigterm_stops_it_with_a_commit(
-    ray_session, tmp_path: Path
+    ray_session, tmp_path: Path, monkeypatch
 ):
     # `ray_session`: this process's own cluster runs beside the one `spotline run`
     # starts, as another cluster often does on a workstation; Ray's "auto" would pick
     # either of the two.
+    # Where each job last ran is recorded here, not in this machine's ~/.spotline.
+    monkeypatch.setenv("SPOTLINE_HOME", str(tmp_path / "home"))
     config = _config(tmp_path)
     store = CheckpointStore(f"file://{tmp_path}/ckpt")
     driver = _Driver(tmp_path, "first", str(config))
@@ -158,14 +166,15 @@ def test_a_running_job_is_watched_by_name_and_sigterm_stops_it_with_a_commit(
 
         # Another process finds the job by name on the cluster `spotline run` started,
         # and with no name, as the one running job.
-        named = _cli("status", NAME, "--json")
+        named = _cli("status", NAME, "--json", "-")
         assert named.returncode == 0, named.stderr[-3000:]
         st = json.loads(named.stdout)
         assert st["name"] == NAME and st["state"] in ("running", "checkpointing")
         assert st["step"] >= 5 and st["committed_steps"]
-        bare = _cli("status", "--json")
+        bare = _cli("status", "--json", "-")
         assert bare.returncode == 0, bare.stderr[-3000:]
         assert json.loads(bare.stdout)["name"] == NAME
+        assert _AUTH_NOTICE not in named.stderr + bare.stderr
         report = _cli("report", NAME, "--out", str(tmp_path / "report"))
         assert report.returncode == 0, report.stderr[-3000:]
         assert (tmp_path / "report" / "loss.png").is_file()
@@ -200,10 +209,17 @@ def test_a_running_job_is_watched_by_name_and_sigterm_stops_it_with_a_commit(
     assert "SIGTERM received" not in text and "PC: @" not in text and "Traceback" not in text
     assert not driver.left_behind(), "the driver's Ray cluster outlived it"
     # What the job stored says so, for `spotline status` and a rerun.
-    stored = _cli("status", store.uri, "--json")
+    stored = _cli("status", store.uri, "--json", "-")
     assert stored.returncode == 0, stored.stderr[-3000:]
     summary = json.loads(stored.stdout)
     assert (summary["state"], summary["step"]) == ("stopped", stopped)
+    # By name too, now that its cluster is gone: from where it last ran.
+    by_name = _cli("status", NAME, "--json", "-")
+    assert by_name.returncode == 0, by_name.stderr[-3000:]
+    assert json.loads(by_name.stdout) == summary
+    assert "reading it from where it last ran" in by_name.stderr
+    assert store.uri in by_name.stderr
+    assert _AUTH_NOTICE not in text + stored.stderr + by_name.stderr
 
     # Run again: it resumes from the step it stopped at and trains to the (now near) end.
     end = f"train.steps={stopped + 30}"

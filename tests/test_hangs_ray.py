@@ -117,7 +117,7 @@ def test_a_frozen_ranks_stack_is_taken_while_it_is_stopped_and_stacks_come_on_de
             break
         if st["failures"] >= 1 and st["state"] == "running" and st["step"] >= 12:
             address = ray.get_runtime_context().gcs_address
-            assert main(["stacks", spec.name, "--address", address, "--out", str(out)]) == 0
+            assert main(["stacks", spec.name, "--address", address, "--json", str(out)]) == 0
         time.sleep(0.5)
     result = run.wait(verbose=False)
     assert result.state == "finished", result.error

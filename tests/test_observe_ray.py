@@ -132,7 +132,7 @@ def test_status_table_of_the_running_and_the_finished_job(observed, capsys):
     ):
         assert field in out
     assert "finished" in out and "80 / 80" in out and "0 of 2" in out  # nothing runs now
-    assert main(["status", result.checkpoint_uri, "--json"]) == 0
+    assert main(["status", result.checkpoint_uri, "--json", "-"]) == 0
     summary = json.loads(capsys.readouterr().out)
     rows = dict(status_rows(summary))
     assert rows["last checkpoint"].startswith("step 80")

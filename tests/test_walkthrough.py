@@ -26,7 +26,7 @@ def test_auto_looks_at_every_local_cluster_when_there_are_several(monkeypatch):
     assert cluster.cluster_candidates("auto") == ["auto"]
 
 
-def test_the_readme_installs_transformers_before_it_uses_it():
+def test_the_readme_and_the_manual_install_transformers_before_using_it():
     import re
 
     import tomllib
@@ -36,7 +36,10 @@ def test_the_readme_installs_transformers_before_it_uses_it():
         "optional-dependencies"
     ]
     assert any(r.startswith("transformers") for r in extras["hf"])
-    for block in re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), re.S):
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
+    assert "from transformers" in text
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         if "from transformers" in block:
             before = block[: block.index("from transformers")]
             assert re.search(r"pip install .*\[[^]]*\bhf\b", before), block

@@ -1,5 +1,6 @@
-"""`spotline` command line: run, validate, plan, submit, sweep, status, report, trace,
-stacks.
+"""`spotline` command line: run, validate, plan, submit, status, report, trace, stacks,
+prepare, tokenizer, sweep, export. The commands, their options and help live in
+`spotline.cli_args`; this module carries them out.
 
 Every way a command can fail ends in one line on stderr that says what happened and
 what to do, and a non-zero exit: 2 for bad input (spec, URI, file, arguments), 1 for a
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from spotline.checkpoint import CheckpointMismatchError, CorruptCheckpointError, StorageError
+from spotline.cli_args import build_parser
 from spotline.config import SpecError
 from spotline.config.redact import (
     install_log_redaction,
@@ -41,32 +45,6 @@ USER_ERRORS = (
     CheckpointMismatchError,
     CorruptCheckpointError,
 )
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML job spec, e.g. configs/quickstart.yaml")
-    p.add_argument(
-        "--config", dest="config_opt", metavar="CONFIG", help="same as the positional CONFIG"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field, e.g. --set train.steps=50 (repeatable)",
-    )
-    p.add_argument("--spec-b64", help=argparse.SUPPRESS)
-    p.add_argument("--secrets-module", help=argparse.SUPPRESS)
-
-
-def _add_storage_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--endpoint-url", default=None, help="S3-compatible endpoint (MinIO, a test server)"
-    )
-
-
-def _add_overwrite_arg(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--overwrite", action="store_true", help=f"replace {what}")
 
 
 def _job_from_args(args):
@@ -100,151 +78,18 @@ def _job_from_args(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spotline", description=__doc__)
-    parser.add_argument(
-        "--debug", action="store_true", help="show Python tracebacks (also SPOTLINE_DEBUG=1)"
-    )
-    sub = parser.add_subparsers(dest="cmd", required=True)
-
-    run = sub.add_parser("run", help="run a job to completion in this driver")
-    _add_spec_args(run)
-    run.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address (default: RAY_ADDRESS or a new local cluster)",
-    )
-    run.add_argument("--json", metavar="PATH", help="also write the result as JSON")
-
-    val = sub.add_parser(
-        "validate", help="check a spec (and its storage and corpus) without running it"
-    )
-    _add_spec_args(val)
-    val.add_argument("--offline", action="store_true", help="skip the storage and corpus checks")
-
-    plan = sub.add_parser(
-        "plan",
-        help="predict memory, bubble, step time, checkpoint and cost before launch",
-    )
-    _add_spec_args(plan)
-    plan.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=None,
-        help="FLOP/s per device to plan at, in TFLOP/s (default: this machine's device)",
-    )
-    plan.add_argument(
-        "--device-memory-gb",
-        type=float,
-        default=None,
-        help="memory of one device (default: resources.device_memory_gb, else this machine)",
-    )
-    plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
-
-    submit = sub.add_parser("submit", help="submit through Ray's job submission API")
-    _add_spec_args(submit)
-    submit.add_argument(
-        "--address", required=True, help="dashboard address, e.g. http://127.0.0.1:8265"
-    )
-    submit.add_argument("--working-dir", default=".")
-
-    status = sub.add_parser(
-        "status", help="a job's state, speed, bubbles, checkpoints and goodput, as a table"
-    )
-    status.add_argument(
-        "job",
-        nargs="?",
-        help="a running job's name, or a checkpoint URI of any job (default: the one "
-        "running job on the cluster)",
-    )
-    status.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
-    status.add_argument(
-        "--watch", nargs="?", type=float, const=2.0, metavar="SECONDS", help="refresh until it ends"
-    )
-    status.add_argument("--json", action="store_true", help="print the raw summary as JSON")
-
-    report = sub.add_parser("report", help="PNG plots: loss, step time, bubbles, goodput")
-    report.add_argument("job", help="a running job's name, or a checkpoint URI")
-    report.add_argument("--out", default="spotline-report", help="directory for the PNGs")
-    report.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
-
-    trace = sub.add_parser(
-        "trace", help="write a job's pipeline timeline as Chrome-trace JSON (Perfetto)"
-    )
-    trace.add_argument(
-        "job", help="a running job's name, or a checkpoint URI (file://, s3://, a path)"
-    )
-    trace.add_argument("--out", default="spotline-trace.json", help="where to write the JSON")
-    trace.add_argument("--address", default="auto", help="Ray cluster (for a running job)")
-
-    stacks = sub.add_parser(
-        "stacks", help="take the stacks of a running job's ranks now (py-spy, from each node)"
-    )
-    stacks.add_argument(
-        "job", nargs="?", help="a running job's name (default: the one running job on the cluster)"
-    )
-    stacks.add_argument("--address", default="auto", help="Ray cluster the job runs on")
-    stacks.add_argument("--out", metavar="PATH", help="also write every rank's threads as JSON")
-
-    prep = sub.add_parser(
-        "prepare", help="tokenize text, JSONL or Parquet into a sharded token dataset"
-    )
-    prep.add_argument("input", help="a file, directory, glob or fsspec URI of the raw data")
-    prep.add_argument(
-        "--tokenizer",
-        required=True,
-        help="'byte', or a tokenizer.json (or its directory or URI); never downloaded from a hub",
-    )
-    prep.add_argument("--out", required=True, help="where to write it (a path or fsspec URI)")
-    prep.add_argument("--field", default="text", help="JSONL: the field holding the text")
-    prep.add_argument("--column", default=None, help="Parquet: the column (default: --field)")
-    prep.add_argument("--workers", type=int, default=None, help="processes (default: cores)")
-    _add_overwrite_arg(prep, "a dataset (or other files) already at --out")
-    _add_storage_args(prep)
-
-    tok = sub.add_parser("tokenizer", help="tokenizer helpers")
-    tok_sub = tok.add_subparsers(dest="tok_cmd", required=True)
-    train_tok = tok_sub.add_parser(
-        "train", help="train a byte-level BPE tokenizer with the `tokenizers` library"
-    )
-    train_tok.add_argument(
-        "input", nargs="+", help="text files or directories ('stdlib': Python's sources)"
-    )
-    train_tok.add_argument("--vocab-size", type=int, default=8192)
-    train_tok.add_argument("--out", required=True, help="directory for tokenizer.json & co")
-    _add_overwrite_arg(train_tok, "files already in --out")
-
-    sweep = sub.add_parser(
-        "sweep", help="sweep job fields with Ray Tune (ASHA, PBT); every trial is a job"
-    )
-    sweep.add_argument("sweep_file", help="a sweep YAML (see configs/sweep.yaml)")
-    sweep.add_argument(
-        "--resume", action="store_true", help="continue the interrupted sweep of this file"
-    )
-    sweep.add_argument("--address", default=None, help="Ray cluster address (as for run)")
-    sweep.add_argument("--json", metavar="PATH", help="also write the trials as JSON")
-
-    export = sub.add_parser(
-        "export", help="write a committed checkpoint as a Hugging Face model directory"
-    )
-    export.add_argument("checkpoint", help="the job's checkpoint URI (checkpoint.uri)")
-    export.add_argument("--format", choices=["hf"], default="hf")
-    export.add_argument("--out", required=True, help="a directory or fsspec URI")
-    export.add_argument("--step", type=int, default=None, help="default: the latest commit")
-    export.add_argument(
-        "--signing-key-env", default=None, help="as checkpoint.signing_key_env of the job"
-    )
-    _add_overwrite_arg(export, "a model (or other files) already in --out")
-    _add_storage_args(export)
-
+    parser = build_parser()
     # Credentials in a URI argument (s3://KEY:SECRET@bucket) are masked wherever a
     # message, log line or library error echoes them, with or without their URI.
     register_secrets(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("SPOTLINE_DEBUG", "") not in ("", "0")
     install_log_redaction()
+    state_ray_auth_mode(args)
     _interrupts.install()
     try:
-        return _dispatch(args)
+        with _json_on_stdout(args):
+            return _dispatch(args)
     except Exception as e:
         if debug:
             raise
@@ -262,6 +107,80 @@ def main(argv: list[str] | None = None) -> int:
 # SIGTERM (Kubernetes, `ray job stop`, a scheduler) and Ctrl-C: the first stops a job
 # running in this driver at its next step boundary with a commit; see `interrupts`.
 _interrupts = Interrupts()
+
+# Commands that read a running job from this machine's clusters when given a name.
+_READERS = ("status", "report", "trace", "stacks")
+
+
+def state_ray_auth_mode(args: argparse.Namespace) -> None:
+    """Tell Ray the token-authentication mode it would choose itself, before it is
+    imported, so that it does not announce its choice on every command (Ray reads
+    RAY_AUTH_MODE once, at import). A mode the user set is left alone."""
+    if os.environ.get("RAY_AUTH_MODE") or "ray" in sys.modules:
+        return
+    mode = ray_auth_mode(args, os.environ.get("RAY_ADDRESS"), _ray_token_exists)
+    if mode:
+        os.environ["RAY_AUTH_MODE"] = mode
+
+
+def ray_auth_mode(args: argparse.Namespace, ray_address: str | None, token_exists) -> str | None:
+    """The mode Ray would turn on for this command, where Ray would announce it: a new
+    local cluster turns token mode on; attaching to a cluster found on this machine
+    turns it on when a token exists. None: an explicit address (Ray decides silently),
+    or a command that never touches Ray."""
+    address = ray_address or getattr(args, "address", None)
+    starts = args.cmd in ("run", "sweep")
+    if starts and not address:
+        return "token"
+    if (starts and address == "auto") or (
+        args.cmd in _READERS and address in (None, "auto") and not _reads_storage(args)
+    ):
+        return "token" if token_exists() else None
+    return None
+
+
+def _reads_storage(args: argparse.Namespace) -> bool:
+    from spotline.locate import is_uri
+
+    return args.cmd != "stacks" and bool(args.job) and is_uri(args.job)
+
+
+def _ray_token_exists() -> bool:
+    """Whether Ray would find a token: RAY_AUTH_TOKEN, or the file at RAY_AUTH_TOKEN_PATH
+    or ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return Path(path).expanduser().is_file()
+
+
+@contextlib.contextmanager
+def _json_on_stdout(args: argparse.Namespace):
+    """With `--json -`, stdout carries the JSON alone: everything else the command
+    prints goes to stderr while it runs."""
+    if getattr(args, "json", None) != "-":
+        yield
+        return
+    args.json_stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def _shown(args: argparse.Namespace) -> bool:
+    """Whether the command prints its usual output: not when `--json -` replaces it."""
+    return getattr(args, "json", None) != "-"
+
+
+def _write_json(args: argparse.Namespace, payload, default=str) -> None:
+    """The command's result as JSON to `--json PATH` ('-': stdout), if given."""
+    path = getattr(args, "json", None)
+    if not path:
+        return
+    text = json.dumps(payload, indent=2, default=default)
+    if path == "-":
+        print(text, file=getattr(args, "json_stdout", None) or sys.stdout, flush=True)
+    else:
+        Path(path).write_text(text + "\n")
 
 
 def _explain(e: Exception, args: argparse.Namespace | None = None) -> tuple[int, str]:
@@ -313,8 +232,6 @@ def _no_cluster(e: Exception, args: argparse.Namespace | None) -> str:
 
 
 def _sweep(args) -> int:
-    from pathlib import Path
-
     from spotline.config.sweep import load_sweep
     from spotline.job import Job
     from spotline.tune import Tuner, from_sweep_spec
@@ -332,7 +249,7 @@ def _sweep(args) -> int:
     grid = tuner.fit()
     metric, mode = sweep.scheduler.metric, sweep.scheduler.mode
     rows = [_trial_row(r, metric) for r in grid]
-    for row in rows:
+    for row in rows if _shown(args) else ():
         print(
             f"{row['trial']}: {row['state']} at step {row['step']}, {row['metric']} "
             f"{row['value']}, {row['config']}"
@@ -343,9 +260,7 @@ def _sweep(args) -> int:
     except RuntimeError:
         print("best: no trial reported a result")
     print(f"sweep state: {Path(tuner.run_config.storage_path) / tuner.run_config.name}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2, default=str)
+    _write_json(args, rows)
     return 0 if not grid.errors else 1
 
 
@@ -363,12 +278,32 @@ def _stacks(args) -> int:
     record = ray.get(controller.stacks.remote(), timeout=wait)
     if record.get("error"):
         raise SpecError(record["error"])
-    for line in stacks_lines(record):
+    for line in stacks_lines(record) if _shown(args) else ():
         print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2, default=_text)
-        print(f"wrote {args.out}")
+    _write_json(args, record, default=_text)
+    return 0
+
+
+def _status(args) -> int:
+    if args.watch and args.json == "-":
+        raise SpecError(
+            "status: --watch refreshes the table that --json - replaces; drop --watch, or "
+            "give --json a file to write the last summary to"
+        )
+    fetch = summary_source(args.job, args.address)
+    last: list[dict] = []
+
+    def fetched() -> dict:
+        last[:] = [fetch()]
+        return last[0]
+
+    if _shown(args):
+        from spotline.report import print_status
+
+        print_status(fetched, watch=args.watch)
+    else:
+        fetched()
+    _write_json(args, last[0] if last else None)
     return 0
 
 
@@ -418,11 +353,10 @@ def _dispatch(args) -> int:
     if args.cmd == "run":
         job = _job_from_args(args)
         _interrupts.run = job.start(address=args.address)
-        result = _interrupts.run.wait()
-        print(result.summary())
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result.__dict__, f, indent=2, default=str)
+        result = _interrupts.run.wait()  # events on stderr with --json -
+        if _shown(args):
+            print(result.summary())
+        _write_json(args, result.__dict__)
         if result.state == "stopped":  # on this driver's SIGTERM or Ctrl-C
             print(f"spotline: {_one_line(_interrupts.stopped(result))}", file=sys.stderr)
             return _interrupts.code
@@ -432,38 +366,33 @@ def _dispatch(args) -> int:
         from spotline.preflight import check_offline, preflight
 
         (check_offline if args.offline else preflight)(job.spec)
-        print(f"{job.spec.name}: OK (spec hash {job.spec.spec_hash()})")
+        if _shown(args):
+            print(f"{job.spec.name}: OK (spec hash {job.spec.spec_hash()})")
         from spotline.planning.plan import make_plan
 
-        for warning in make_plan(job.spec).warnings:  # the checks `spotline plan` makes
+        warnings = make_plan(job.spec).warnings  # the checks `spotline plan` makes
+        for warning in warnings:
             print(f"spotline: warning: {warning}", file=sys.stderr)
+        spec_hash = job.spec.spec_hash()
+        _write_json(args, {"name": job.spec.name, "spec_hash": spec_hash, "warnings": warnings})
         return 0
     if args.cmd == "plan":
         job = _job_from_args(args)
         plan = job.plan(peak_tflops=args.peak_tflops, device_memory_gb=args.device_memory_gb)
-        print(plan.render())
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(plan.to_dict(), f, indent=2)
+        if _shown(args):
+            print(plan.render())
+        _write_json(args, plan.to_dict())
         return 0
     if args.cmd == "submit":
         handle = _job_from_args(args).submit(args.address, args.working_dir)
-        print(
-            f"submitted {handle.submission_id}; follow with: ray job logs -f {handle.submission_id}"
-        )
+        if _shown(args):
+            sid = handle.submission_id
+            print(f"submitted {sid}; follow with: ray job logs -f {sid}")
+        _write_json(args, {"submission_id": handle.submission_id, "address": args.address})
         return 0
     if args.cmd == "status":
-        fetch = summary_source(args.job, args.address)
-        if args.json:
-            print(json.dumps(fetch(), indent=2, default=str))
-            return 0
-        from spotline.report import print_status
-
-        print_status(fetch, watch=args.watch)
-        return 0
+        return _status(args)
     if args.cmd == "report":
-        from pathlib import Path
-
         from spotline.report import write_report
 
         summary = summary_source(args.job, args.address)()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotline import constants
+from spotline import constants, job_index
 from spotline.config import JobSpec, apply_overrides, load_spec
 from spotline.config.loader import register_spec_secrets, validate_dict
 from spotline.config.redact import install_log_redaction, split_secrets, write_secrets_package
@@ -484,7 +484,9 @@ class Job:
         local = address is None and not os.environ.get("RAY_ADDRESS")
         store = preflight(self.spec, local_cluster=local)
         connect_ray(address)
-        return JobRun(self.spec, start_controller(self.spec, store))
+        run = JobRun(self.spec, start_controller(self.spec, store))
+        job_index.record(self.spec, store.uri, address)  # `spotline status NAME` once it ends
+        return run
 
     def run(self, address: str | None = None, verbose: bool = True) -> JobResult:
         """Run to completion in this driver; returns losses, figures and the checkpoint URI."""
@@ -532,4 +534,6 @@ class Job:
                 runtime_env=runtime_env,
                 metadata={"spotline_job": self.spec.name},
             )
+        if not store.uri.startswith("file:"):  # a path on the cluster means nothing here
+            job_index.record(self.spec, store.uri, address)
         return SubmittedJob(sid, address)

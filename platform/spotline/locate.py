@@ -1,12 +1,15 @@
 """Where a job named on the command line is: a running job's controller on a Ray
 cluster (the one this machine is on, or each of several), or a finished job's
-checkpoint URI, from which its summary and trace are read back. Used by `spotline
-status`, `report` and `trace`; it starts nothing and writes nothing.
+checkpoint URI, from which its summary and trace are read back. A name that no running
+controller answers to is looked up where that job last ran on this machine
+(`spotline.job_index`). Used by `spotline status`, `report` and `trace`; it starts
+nothing and writes nothing.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 
 from spotline.config import SpecError
 from spotline.runtime.cluster import cluster_candidates, connect_ray
@@ -84,11 +87,16 @@ def running_job(address: str) -> str:
     return names[0]
 
 
-def job_store(target: str):
+def job_store(target: str, endpoint_url: str | None = None, signing_key_env: str | None = None):
     """The store of a finished job at `target`; SpecError when nothing of a job is there."""
     from spotline.checkpoint import SUMMARY_ARTIFACT, CheckpointStore, StoreFields
 
-    store = CheckpointStore(target, fields=StoreFields.argument("JOB"))
+    store = CheckpointStore(
+        target,
+        endpoint_url=endpoint_url,
+        signing_key_env=signing_key_env,
+        fields=StoreFields.argument("JOB"),
+    )
     if store.root_missing():
         raise SpecError(
             f"{target} does not exist; give the job's checkpoint.uri with {{job}} filled in "
@@ -108,8 +116,9 @@ def summary_source(target: str | None, address: str):
     from spotline.checkpoint import SUMMARY_ARTIFACT
     from spotline.report import load_json
 
-    if target is not None and is_uri(target):
-        store = job_store(target)
+    found = _stored_or_live(target, address)
+    if not isinstance(found, _Live):
+        store = found
 
         def from_store() -> dict:
             summary = load_json(store.read_artifact(SUMMARY_ARTIFACT))
@@ -123,23 +132,64 @@ def summary_source(target: str | None, address: str):
         return from_store
     import ray
 
-    controller = live_controller(target or running_job(address), address)
-    return lambda: ray.get(controller.summary.remote())
+    return lambda: ray.get(found.controller.summary.remote())
 
 
 def read_trace(target: str, address: str, required: bool) -> dict | None:
     from spotline.checkpoint import TRACE_ARTIFACT
     from spotline.report import load_json
 
-    if is_uri(target):
-        trace = load_json(job_store(target).read_artifact(TRACE_ARTIFACT))
-    else:
+    found = _stored_or_live(target, address)
+    if isinstance(found, _Live):
         import ray
 
-        trace = ray.get(live_controller(target, address).trace.remote())
+        trace = ray.get(found.controller.trace.remote())
+    else:
+        trace = load_json(found.read_artifact(TRACE_ARTIFACT))
     if trace is None and required:
         raise SpecError(
             f"{target} has no pipeline trace: traces exist for jobs with "
             "parallel.pipeline_stages >= 2, written beside the checkpoints at every commit"
         )
     return trace
+
+
+class _Live:
+    """A running job's controller, as `_stored_or_live` found it."""
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+
+
+def _stored_or_live(target: str | None, address: str):
+    """The job `target` names: the store at a URI; a running job's controller (`_Live`);
+    or, for a name no running controller answers to (or when no cluster answers), the
+    store where that job last ran on this machine."""
+    if target is not None and is_uri(target):
+        return job_store(target)
+    if target is None:
+        return _Live(live_controller(running_job(address), address))
+    try:
+        return _Live(live_controller(target, address))
+    except (SpecError, ConnectionError) as e:
+        stored = last_run_store(target)
+        if stored is None:
+            raise e from None
+        return stored
+
+
+def last_run_store(name: str):
+    """The store of the job `name` where it last ran on this machine, saying so on
+    stderr; None when this machine has no record of it."""
+    from spotline.job_index import last_run
+
+    entry = last_run(name)
+    if entry is None:
+        return None
+    uri = entry["checkpoint_uri"]
+    when = f" (started {entry['started']})" if entry.get("started") else ""
+    print(
+        f"spotline: {name} is not running; reading it from where it last ran{when}: {uri}",
+        file=sys.stderr,
+    )
+    return job_store(uri, entry.get("endpoint_url"), entry.get("signing_key_env"))

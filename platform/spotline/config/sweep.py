@@ -39,6 +39,7 @@ class FifoSchedulerSpec(_Section):
     metric: str = "train_loss"
     """A reported figure: train_loss, eval_loss, tokens_per_s, goodput or step."""
     mode: Literal["min", "max"] = "min"
+    """'min' or 'max': whether a lower or a higher metric is better."""
 
 
 class AshaSchedulerSpec(_Section):
@@ -46,7 +47,9 @@ class AshaSchedulerSpec(_Section):
 
     kind: Literal["asha"]
     metric: str = "train_loss"
+    """A reported figure: train_loss, eval_loss, tokens_per_s, goodput or step."""
     mode: Literal["min", "max"] = "min"
+    """'min' or 'max': whether a lower or a higher metric is better."""
     grace_period: int = Field(50, gt=0)
     """Training steps a trial runs before it may be stopped (the first rung)."""
     reduction_factor: float = Field(2.0, gt=1.0)
@@ -62,7 +65,9 @@ class PbtSchedulerSpec(_Section):
 
     kind: Literal["pbt"]
     metric: str = "train_loss"
+    """A reported figure: train_loss, eval_loss, tokens_per_s, goodput or step."""
     mode: Literal["min", "max"] = "min"
+    """'min' or 'max': whether a lower or a higher metric is better."""
     perturbation_interval: int = Field(100, gt=0)
     """Training steps between a trial's exploits (at most one per train.log_every)."""
     quantile_fraction: float = Field(0.25, gt=0.0, le=0.5)
