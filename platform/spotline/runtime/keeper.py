@@ -50,6 +50,7 @@ from spotline.checkpoint.peer import PEER_KEY, PeerCopy, PeerOffer, newest_compl
 from spotline.config.schema import JobSpec
 from spotline.planning.memory import human_bytes
 from spotline.planning.peer_memory import LEVELS, PeerLevel, fit_level, rank_copy_bytes
+from spotline.storage.retry import poll
 
 log = logging.getLogger("spotline.keeper")
 
@@ -303,13 +304,16 @@ class PeerMemory:
 
         ray.kill(self._keepers.pop(node), no_restart=True)
         name = keeper_name(self.spec.name, node)
-        deadline = time.monotonic() + ASK_TIMEOUT_S
-        while time.monotonic() < deadline:  # the name is free once Ray saw the kill
+
+        def taken() -> bool:
             try:
                 ray.get_actor(name)
             except ValueError:
-                break
-            time.sleep(0.1)
+                return False
+            return True
+
+        # The name is free once Ray saw the kill.
+        poll(taken, lambda still: not still, within_s=ASK_TIMEOUT_S, every_s=0.1)
         self._keepers[node] = self._start(node, fit["budget"], 0)
         self.changes.append(
             f"state keeper on node {node[:12]} could not reserve {human_bytes(fit['need'])} "
