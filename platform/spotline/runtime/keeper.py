@@ -305,15 +305,12 @@ class PeerMemory:
         ray.kill(self._keepers.pop(node), no_restart=True)
         name = keeper_name(self.spec.name, node)
 
-        def taken() -> bool:
-            try:
-                ray.get_actor(name)
-            except ValueError:
-                return False
+        def free() -> bool:  # the name is, once Ray saw the kill
+            with contextlib.suppress(ValueError):
+                return ray.get_actor(name) is None
             return True
 
-        # The name is free once Ray saw the kill.
-        poll(taken, lambda still: not still, within_s=ASK_TIMEOUT_S, every_s=0.1)
+        poll(free, bool, within_s=ASK_TIMEOUT_S, every_s=0.1)
         self._keepers[node] = self._start(node, fit["budget"], 0)
         self.changes.append(
             f"state keeper on node {node[:12]} could not reserve {human_bytes(fit['need'])} "
