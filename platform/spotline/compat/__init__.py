@@ -22,7 +22,7 @@ from typing import Any
 class Pinned:
     """The installed version of one library, and the lookups of its private names.
 
-    `attribute` and `module` find what they name now; `defined` reads a module's source
+    `module` and `attribute` find what they name now; `defined` reads a module's source
     without running it, for names that only exist once an object is built (an instance
     attribute, a parameter's mapping) or in a subpackage too slow to import with every
     importer of the seam (Ray Data, Ray Tune: about a second each)."""
@@ -36,11 +36,17 @@ class Pinned:
             f"pinned {self.pin} (pyproject.toml)"
         )
 
-    def module(self, name: str) -> ModuleType:
+    def module(self, name: str, *names: str) -> ModuleType:
+        """The module `name`, checked to hold each of `names` (dotted: `Class.method`).
+        A seam calls through the module at each use, so a patch of the library's own
+        module (a test's) reaches the seam too."""
         try:
-            return importlib.import_module(name)
+            found = importlib.import_module(name)
         except ImportError:
             raise self.missing(f"module {name}") from None
+        for dotted in names:
+            self.attribute(found, dotted)
+        return found
 
     def attribute(self, owner: Any, dotted: str) -> Any:
         """`owner.<dotted>`; `owner` a module, a class or a module's name."""

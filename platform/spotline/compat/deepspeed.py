@@ -21,15 +21,18 @@ from spotline.compat import Pinned
 PIN = "deepspeed==0.19.8"  # pyproject.toml's
 _ds = Pinned("deepspeed", deepspeed.__version__, PIN)
 
-_comm = _ds.module("deepspeed.comm.comm")
-_ds.attribute(_comm, "cdb")
+_comm = _ds.module("deepspeed.comm.comm", "cdb")
 _groups = _ds.module("deepspeed.utils.groups")
-_pipe = _ds.attribute("deepspeed.runtime.pipe.engine", "PipelineEngine")
-_ds.attribute(_pipe, "_INSTRUCTION_MAP")
-_ds.attribute(_pipe, "_aggregate_total_loss")
-_stage3 = _ds.attribute("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3")
-_ds.attribute(_stage3, "_get_param_partition_rank")
-_ds.attribute(_stage3, "_reassign_or_swap_out_partitioned_parameters")
+_ds.module(
+    "deepspeed.runtime.pipe.engine",
+    "PipelineEngine._INSTRUCTION_MAP",
+    "PipelineEngine._aggregate_total_loss",
+)
+_ds.module(
+    "deepspeed.runtime.zero.stage3",
+    "DeepSpeedZeroOptimizer_Stage3._get_param_partition_rank",
+    "DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters",
+)
 _ds.defined(
     "deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat"
 )

@@ -18,34 +18,28 @@ from spotline.compat import Pinned
 PIN = "ray==2.60.0"  # pyproject.toml's
 _ray = Pinned("ray", ray.__version__, PIN)
 
-# Each name is looked up here and called through its module, so a test that patches
-# Ray's own module (a fake list of local clusters) reaches the seam too.
-_constants = _ray.module("ray._private.ray_constants")
-_ray.attribute(_constants, "ENABLE_RAY_CLUSTER")
-_services = _ray.module("ray._private.services")
-for _name in (
+_constants = _ray.module("ray._private.ray_constants", "ENABLE_RAY_CLUSTER")
+_services = _ray.module(
+    "ray._private.services",
     "find_gcs_addresses",
     "get_ray_address_from_environment",
     "parse_address",
     "resolve_ip_for_localhost",
     "canonicalize_bootstrap_address",
-):
-    _ray.attribute(_services, _name)
-_state = _ray.module("ray._private.state")
-_ray.attribute(_state, "available_resources_per_node")
-_worker = _ray.module("ray._private.worker")
-_ray.attribute(_worker, "global_worker")
-_raylet = _ray.module("ray._raylet")
-_ray.attribute(_raylet, "GcsClient")
-_ray.attribute(_raylet, "InnerGcsClient.get_draining_nodes")
-_ray.attribute(_raylet, "InnerGcsClient.drain_node")
+)
+_state = _ray.module("ray._private.state", "available_resources_per_node")
+_worker = _ray.module("ray._private.worker", "global_worker")
+_raylet = _ray.module(
+    "ray._raylet",
+    "GcsClient",
+    "InnerGcsClient.get_draining_nodes",
+    "InnerGcsClient.drain_node",
+)
 _PREEMPTION = _ray.attribute("ray.core.generated.autoscaler_pb2", "DrainNodeReason").Value(
     "DRAIN_NODE_REASON_PREEMPTION"
 )
-_py_modules = _ray.module("ray._private.runtime_env.py_modules")
-_ray.attribute(_py_modules, "upload_py_modules_if_needed")
-_working_dir = _ray.module("ray._private.runtime_env.working_dir")
-_ray.attribute(_working_dir, "upload_working_dir_if_needed")
+_py_modules = _ray.module("ray._private.runtime_env.py_modules", "upload_py_modules_if_needed")
+_working_dir = _ray.module("ray._private.runtime_env.working_dir", "upload_working_dir_if_needed")
 
 _COORDINATOR = "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator"
 _PRIORITY = "ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator"

@@ -13,16 +13,14 @@ from spotline.compat import Pinned
 PIN = "torch==2.13.0"  # pyproject.toml's
 _torch = Pinned("torch", torch.__version__, PIN)
 
-# Looked up here, called through their module at each use.
-for _name in (
+_torch.module(
+    _c10d.__name__,
     "_abort_process_group",
     "_get_default_store",
     "default_pg_timeout",
     "default_pg_nccl_timeout",
-):
-    _torch.attribute(_c10d, _name)
-_c10d_ext = _torch.module("torch._C._distributed_c10d")
-_torch.attribute(_c10d_ext, "_dump_fr_trace_json")
+)
+_c10d_ext = _torch.module("torch._C._distributed_c10d", "_dump_fr_trace_json")
 
 TorchDispatchMode = _torch.attribute("torch.utils._python_dispatch", "TorchDispatchMode")
 """The base class of a mode that sees every tensor operation (torch's `__torch_dispatch__`)."""
