@@ -17,8 +17,9 @@
   writes, boto3's managed transfer for step files): a checkpoint root as storage, and
   `errors`, a storage failure in words (`StorageError`).
 
-This room is the foundation under data/ and checkpoint/: it imports only constants,
-the registry and config's redaction, never the domain rooms, the runtime or Ray. It
+This room is the foundation under data/ and checkpoint/: of the rest of Spotline it
+imports only the constants and config's one redaction function, never another room,
+the runtime or Ray. It
 never decides which checkpoint step is committed, good or due for deletion, never
 unpickles what it reads, and never lets a secret into a message. Optional S3 packages
 are imported only when an s3:// URI is used.

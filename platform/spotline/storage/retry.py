@@ -25,8 +25,6 @@ from typing import Any, TypeVar
 
 import tenacity
 
-from spotline.registry import UserCodeError
-
 T = TypeVar("T")
 
 # Errors (by class name, anywhere in the class's MRO) that a dropped or refused
@@ -51,6 +49,8 @@ NETWORK_ERRORS = frozenset(
 _RETRY_LATER_CODES = frozenset(
     {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable", "503"}
 )
+# The class of an error raised in the user's own code (`registry.UserCodeError`).
+_USER_CODE_ERROR = "UserCodeError"
 BACKOFF = tenacity.wait_random_exponential(multiplier=0.2, max=5.0)
 """The wait before each new try, unless a caller names a fixed one: exponential, with
 jitter so that ranks retrying together do not retry in step, at most 5 s."""
@@ -66,11 +66,15 @@ def exception_chain(exc: BaseException) -> Iterator[BaseException]:
         e = e.__cause__ or e.__context__
 
 
+def _class_names(obj: object) -> set[str]:
+    return {c.__name__ for c in type(obj).__mro__}
+
+
 def network_cause(e: BaseException) -> BaseException | None:
     """The dropped or refused connection behind `e` (itself, or what it was raised
     from: fsspec's HTTP filesystem reports one as a missing file), or None."""
     for link in exception_chain(e):
-        if {c.__name__ for c in type(link).__mro__} & NETWORK_ERRORS:
+        if _class_names(link) & NETWORK_ERRORS:
             return link
     return None
 
@@ -87,10 +91,12 @@ def is_transient(e: BaseException) -> bool:
 
 
 def is_users(e: BaseException) -> bool:
-    """Whether `e` is an error in the user's own code (a Ray task error carries it as
-    its `cause`), which no retry can mend."""
+    """Whether `e` is an error in the user's own code (`registry.UserCodeError`, told by
+    its class name as this room imports no other; a Ray task error carries it as its
+    `cause`), which no retry can mend."""
     return any(
-        isinstance(link, UserCodeError) or isinstance(getattr(link, "cause", None), UserCodeError)
+        _USER_CODE_ERROR in _class_names(link)
+        or _USER_CODE_ERROR in _class_names(getattr(link, "cause", None))
         for link in exception_chain(e)
     )
 
