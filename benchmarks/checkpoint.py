@@ -13,7 +13,7 @@ parameters), trains one step so that Adam's moments exist, and then, --repeats t
              a synchronous save and upload of the same state.
              blocked_fraction = blocked / sync.
 2. bytes     every file all ranks wrote (state.safetensors and meta.json) over
-             `spotline.planning.jit.checkpoint_bytes(spec)`, the fp32 master and both Adam
+             `spotline.planning.checkpoint_time.checkpoint_bytes(spec)`, the fp32 master and both Adam
              moments of every parameter: bytes_ratio.
 3. upload    MB/s of Spotline's `upload_dir` (the upload part of 1, sha256 of every
              file and the commit-ready file entries included) against a bare boto3
@@ -729,7 +729,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from spotline.config import SpecError
-    from spotline.planning.jit import checkpoint_bytes
+    from spotline.planning.checkpoint_time import checkpoint_bytes
 
     ctx = machine_context()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="spotline-bench-ckpt-"))

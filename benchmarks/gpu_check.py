@@ -97,7 +97,7 @@ def _train(rank: int, world: int, port: int, args, arm: str) -> dict[str, Any]:
     import torch
 
     from spotline.config import load_spec
-    from spotline.metrics.flops import device_peak
+    from spotline.metrics.mfu import device_peak
     from spotline.train.process import Topology, init_distributed
     from spotline.train.trainer import Trainer
 

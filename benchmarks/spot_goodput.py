@@ -100,15 +100,12 @@ class SpotCluster:
         ray.init(address=self.cluster.address, log_to_driver=False, logging_level="ERROR")
 
     def drain(self, slot: int, deadline_s: float) -> None:
-        import ray
-        from ray.core.generated import autoscaler_pb2
+        from spotline.compat.ray import drain_for_preemption
 
-        gcs = ray._private.worker.global_worker.gcs_client
-        gcs.drain_node(
+        drain_for_preemption(
             self.slots[slot].node_id,
-            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
             "spot preemption (benchmark trace)",
-            int((time.time() + deadline_s) * 1000),
+            time.time() + deadline_s,
         )
 
     def remove(self, slot: int) -> None:

@@ -372,9 +372,9 @@ def test_an_upload_takes_the_writers_digest_instead_of_hashing_again(
 
 def test_a_storage_call_retries_a_dropped_connection_and_never_a_denied_one(tmp_path: Path):
     """Checkpoints retry through the same rule as data's shard downloads
-    (`storage.fs.is_transient`): a reset connection passes on the next try; a denied
+    (`storage.retry.is_transient`): a reset connection passes on the next try; a denied
     access or a missing file goes up at once."""
-    from spotline.checkpoint.storage import StepStorage
+    from spotline.storage.checkpoint_root import StepStorage
 
     storage = StepStorage(str(tmp_path))
     calls: list[str] = []

@@ -12,7 +12,7 @@ import torch
 
 from spotline.config import GptModelSpec, load_spec
 from spotline.metrics import gpu
-from spotline.metrics.flops import (
+from spotline.metrics.mfu import (
     DEVICE_PEAK_FLOPS,
     measure_matmul_flops,
     mfu,
@@ -267,7 +267,7 @@ def test_a_rank_samples_only_the_gpu_it_drives(fresh_nvml_cache, monkeypatch) ->
 
 
 def test_each_rank_exports_its_own_gpu_under_its_labels(fresh_nvml_cache, monkeypatch) -> None:
-    from spotline.metrics.export import export_gpu_samples
+    from spotline.metrics.prometheus import export_gpu_samples
 
     class Recorded:
         def __init__(self) -> None:

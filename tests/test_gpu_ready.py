@@ -76,7 +76,7 @@ def test_auto_precision_is_bf16_on_a_gpu_and_fp32_on_cpu():
 @pytest.mark.unit
 def test_the_plan_uses_the_precision_in_force_and_its_peak():
     from spotline.job import Job
-    from spotline.planning.memory import memory_per_device, precision
+    from spotline.planning.memory_model import memory_per_device, precision
 
     gpu = _gpt(**{"resources.device": "gpu"})
     cpu = _gpt(**{"resources.device": "cpu"})
@@ -93,7 +93,7 @@ def test_the_plan_uses_the_precision_in_force_and_its_peak():
 
 @pytest.mark.unit
 def test_the_plan_counts_only_the_inputs_of_recomputed_blocks():
-    from spotline.planning.memory import memory_per_device
+    from spotline.planning.memory_model import memory_per_device
 
     def act(every: int) -> int:
         spec = _gpt(**{"resources.device": "cpu", "parallel.activation_checkpointing": every})
@@ -433,7 +433,7 @@ def test_recomputed_and_compiled_blocks_train_the_same_losses(tmp_path):
 
 @pytest.mark.unit
 def test_hfu_counts_the_recomputed_forwards():
-    from spotline.metrics.flops import hardware_flops_per_token, model_flops_per_token
+    from spotline.metrics.mfu import hardware_flops_per_token, model_flops_per_token
     from spotline.models.flops import layer_flops_per_token
 
     def extra(every: int) -> float:

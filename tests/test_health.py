@@ -28,7 +28,7 @@ from spotline.controller.health import (
     is_collective_timeout,
 )
 from spotline.controller.policies import classify
-from spotline.metrics.export import Metrics
+from spotline.metrics.prometheus import Metrics
 from spotline.runtime.cluster import CordonList
 from spotline.runtime.faults import Faults, refusal
 from spotline.runtime.progress import RankBeat

@@ -280,7 +280,7 @@ def test_spot_config_is_sized_for_the_infra(
 
 
 def test_grafana_dashboard_references_only_exported_series() -> None:
-    from spotline.metrics.export import METRICS, exported_name
+    from spotline.metrics.prometheus import METRICS, exported_name
 
     dash = json.loads((INFRA / "grafana" / "spotline.json").read_text())
     exported = {exported_name(m.name) for m in METRICS}
@@ -307,7 +307,7 @@ def test_prometheus_scrapes_rays_service_discovery_file() -> None:
 
 
 def test_every_series_is_declared_once() -> None:
-    from spotline.metrics.export import METRICS
+    from spotline.metrics.prometheus import METRICS
 
     names = [m.name for m in METRICS]
     assert len(names) == len(set(names))

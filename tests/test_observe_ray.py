@@ -16,7 +16,7 @@ import pytest
 
 import spotline
 from conftest import tiny_spec
-from spotline.metrics.export import exported_name
+from spotline.metrics.prometheus import exported_name
 
 pytestmark = pytest.mark.ray
 

@@ -10,7 +10,7 @@ import pytest
 from spotline.config import load_spec
 from spotline.config.loader import SpecError
 from spotline.models import model_def
-from spotline.planning.memory import StageMemoryModel, memory_per_device
+from spotline.planning.memory_model import StageMemoryModel, memory_per_device
 from spotline.planning.partition import (
     NoPartitionFits,
     balanced_bounds,

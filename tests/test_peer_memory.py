@@ -373,7 +373,7 @@ def test_levels_degrade_in_the_stated_order():
 
 
 def test_a_nodes_keeper_holds_its_own_ranks_and_the_previous_nodes():
-    from spotline.planning.jit import checkpoint_bytes
+    from spotline.planning.checkpoint_time import checkpoint_bytes
     from spotline.planning.peer_memory import node_peer_memory, node_ranks, rank_copy_bytes
 
     # A replica's stages are packed together; nodes fill up in replica order.

@@ -17,9 +17,9 @@ from spotline.bubbles.schedule import theory_fraction
 from spotline.cli import main
 from spotline.config import load_spec
 from spotline.config.loader import SpecError
-from spotline.metrics.memory import TensorMemory
+from spotline.metrics.tensor_memory import TensorMemory
 from spotline.models import model_def
-from spotline.planning.memory import memory_per_device
+from spotline.planning.memory_model import memory_per_device
 from spotline.planning.plan import make_plan
 from spotline.planning.step import predict_step, stage_flops_per_token
 

@@ -181,8 +181,8 @@ def _spec(**over):
 
 
 def test_jit_fit_is_predicted_from_the_busiest_ranks_share() -> None:
-    from spotline.planning.jit import jit_fit_problem, save_bytes_per_rank
-    from spotline.planning.memory import stage_params
+    from spotline.planning.checkpoint_time import jit_fit_problem, save_bytes_per_rank
+    from spotline.planning.memory_model import stage_params
 
     spec = _spec()
     biggest = max(stage_params(spec))
@@ -205,7 +205,7 @@ def test_jit_fit_is_predicted_from_the_busiest_ranks_share() -> None:
 
 
 def test_jit_fit_from_measured_figures() -> None:
-    from spotline.planning.jit import jit_fit_problem
+    from spotline.planning.checkpoint_time import jit_fit_problem
 
     spec = _spec()
     assert jit_fit_problem(spec, 1, save_s=40.0, step_s=2.0) is None

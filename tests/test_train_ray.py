@@ -52,7 +52,7 @@ def test_quickstart_shape_trains_and_commits(reference):
     # About 1x the state: fp32 master + 2 moments of every parameter once (the module
     # weights are fp32 here, the master itself, and not written twice); the metas hold
     # RNG state and the index.
-    from spotline.planning.jit import checkpoint_bytes
+    from spotline.planning.checkpoint_time import checkpoint_bytes
 
     tensors = sum(f.size for f in m.files if f.path.endswith(".safetensors"))
     assert 1.0 <= tensors / checkpoint_bytes(spec) < 1.1

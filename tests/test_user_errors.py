@@ -222,8 +222,8 @@ def test_export_from_a_path_that_does_not_exist_says_so(tmp_path, capsys) -> Non
 
 
 def test_the_spec_and_the_store_agree_on_checkpoint_schemes() -> None:
-    from spotline.checkpoint.storage import BACKENDS as _BACKENDS
     from spotline.config.urls import CHECKPOINT_SCHEMES
+    from spotline.storage.checkpoint_root import BACKENDS as _BACKENDS
 
     assert set(_BACKENDS) == set(CHECKPOINT_SCHEMES)
 

@@ -442,7 +442,7 @@ def _dispatch(args) -> int:
         return _sweep(args)
     if args.cmd == "export":
         from spotline.checkpoint import CheckpointStore, StoreFields
-        from spotline.export import export_hf
+        from spotline.hf_export import export_hf
 
         store = CheckpointStore(
             args.checkpoint,

@@ -451,8 +451,8 @@ class Job:
         CPU at resources.cpus_per_worker threads); none for a GPU job planned here
         without a GPU. `device_memory_gb` stands in for resources.device_memory_gb.
         """
-        from spotline.metrics.flops import device_peak
-        from spotline.planning.memory import precision
+        from spotline.metrics.mfu import device_peak
+        from spotline.planning.memory_model import precision
         from spotline.planning.plan import make_plan
         from spotline.preflight import check_offline, device_memory_bytes, node_shape
 

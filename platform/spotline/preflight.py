@@ -28,8 +28,8 @@ from spotline.config.loader import SpecError
 from spotline.config.redact import redact
 from spotline.config.schema import JobSpec
 from spotline.data import open_dataset
-from spotline.planning.jit import checkpoint_bytes
-from spotline.planning.memory import memory_problem
+from spotline.planning.checkpoint_time import checkpoint_bytes
+from spotline.planning.memory_model import memory_problem
 from spotline.storage.fs import explain_read_error
 
 

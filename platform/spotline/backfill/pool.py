@@ -26,7 +26,7 @@ from spotline.backfill.governor import BackfillDecision, SlowdownGovernor
 from spotline.backfill.tasks import PythonTask
 from spotline.checkpoint import Manifest
 from spotline.config.schema import JobSpec
-from spotline.registry import UserCodeError
+from spotline.storage.retry import try_again
 
 log = logging.getLogger("spotline.backfill")
 
@@ -202,15 +202,14 @@ class BackfillPool:
                 with self._lock:
                     self._busy.add(ex)  # out of rotation until a ping answers
                     self._probes[self._executors[ex].stats.remote()] = ex
-            retries = getattr(rec.task, "retries", 0)
-            if isinstance(getattr(e, "cause", None) or e, UserCodeError):
-                retries = 0  # the same code fails the same way on any executor
-            if rec.attempts <= retries:
+            tries = getattr(rec.task, "retries", 0) + 1
+            # On another executor, any failure may pass but one in the user's code.
+            if try_again(e, rec.attempts, tries, transient=lambda _: True):
                 rec.state = "queued"
                 with self._lock:
                     self._queue.append(tid)
                 self._event(
-                    f"backfill {rec.name} failed (attempt {rec.attempts} of {retries + 1}), "
+                    f"backfill {rec.name} failed (attempt {rec.attempts} of {tries}), "
                     f"retrying: {rec.error}",
                     logging.WARNING,
                 )

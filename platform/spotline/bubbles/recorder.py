@@ -198,10 +198,10 @@ class StepRecorder:
     def attach(self, engine: Any) -> None:
         if not self._clock_given:
             self._use(clock_for(getattr(engine, "device", None)))
-        table = dict(engine._INSTRUCTION_MAP)  # the class's, unless the instance has its own
-        engine._INSTRUCTION_MAP = {cls: self._timed(cls.__name__, fn) for cls, fn in table.items()}
-        aggregate = engine._aggregate_total_loss
-        engine._aggregate_total_loss = lambda: self._run("LossSync", aggregate)
+        from spotline.compat.deepspeed import wrap_loss_reduction, wrap_pipeline_instructions
+
+        wrap_pipeline_instructions(engine, lambda cls, fn: self._timed(cls.__name__, fn))
+        wrap_loss_reduction(engine, lambda aggregate: lambda: self._run("LossSync", aggregate))
 
     def _use(self, clock: HostClock | DeviceClock) -> None:
         self.clock = clock

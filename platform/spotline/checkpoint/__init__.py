@@ -7,9 +7,9 @@ The room is layered; arrows point down:
   quarantine -> restore fallback. The controller talks to storage only through it.
 - `store.CheckpointStore`: the facade other rooms use, over `uploads` (files, the rate
   pacer, receipts), `reads` (ranged reads, verification), `catalog` (listings, the
-  manifest commit, quarantine records) and `probes` (preflight checks).
-- `storage` with its `backends` and `s3`: the one storage layer of a checkpoint root,
-  retries through tenacity; it uses `spotline.storage.fs` for what data/ shares.
+  manifest commit, quarantine records) and `probes` (preflight checks). Under them
+  all lies the checkpoint root as storage (`spotline.storage.checkpoint_root`, with
+  its `backends` and `s3`), retried through `spotline.storage.retry`.
 - `reshard`: the index readers, the planner that maps a saved step onto any new shape,
   and the verified (sha256) ranged reads; used by train/, backfill and export.
 - `layout`: what a step's files are (safetensors entries, chunk hashes, meta files),
@@ -26,12 +26,7 @@ its step, or put a secret in a message. Imports nothing heavy: the S3 client pac
 load only when an s3:// URI is used.
 """
 
-from spotline.checkpoint.errors import (
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    StorageError,
-    StoreFields,
-)
+from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError
 from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
@@ -39,6 +34,7 @@ from spotline.checkpoint.store import (
     TRACE_ARTIFACT,
     CheckpointStore,
 )
+from spotline.storage.errors import StorageError, StoreFields
 from spotline.storage.fs import hash_file
 
 __all__ = [

@@ -32,8 +32,8 @@ from typing import Any
 
 from spotline.checkpoint.errors import CorruptCheckpointError
 from spotline.checkpoint.manifest import Manifest, ManifestError, check_relpath
-from spotline.checkpoint.storage import MANIFEST_NAME, StepStorage
 from spotline.config.redact import redact
+from spotline.storage.checkpoint_root import MANIFEST_NAME, StepStorage
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 

@@ -34,9 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import tenacity
-
-from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, StorageError
+from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError
 from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.retention import apply_retention
 from spotline.checkpoint.store import (
@@ -48,6 +46,8 @@ from spotline.checkpoint.store import (
 from spotline.checkpoint.transfer import UploadResult, attempt_dir, build_manifest
 from spotline.config.identity import mismatch_reason, written_by_this
 from spotline.config.schema import JobSpec
+from spotline.storage.errors import StorageError
+from spotline.storage.retry import retrying
 
 Event = Callable[..., None]
 
@@ -501,24 +501,20 @@ class CommitCoordinator:
         (those go up: fall back, or restart the group). `source`: the root URI the step
         lies under, when it is not this job's own (checkpoint.resume_from)."""
 
-        def say(state: tenacity.RetryCallState) -> None:
-            e = state.outcome.exception() if state.outcome else None
+        def say(attempt: int, e: BaseException) -> None:
             self._event(
                 f"loading checkpoint step {manifest.step} failed ({e}); retrying "
-                f"({state.attempt_number}/{self.load_retries})",
+                f"({attempt}/{self.load_retries})",
                 logging.WARNING,
             )
 
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(self.load_retries + 1),
-            wait=tenacity.wait_fixed(1.0),
-            sleep=sleep,
-            retry=tenacity.retry_if_exception(_load_error),
-            before_sleep=say,
-            reraise=True,
-        )
         return retrying(
-            lambda: group.restore(manifest, source) if source else group.restore(manifest)
+            lambda: group.restore(manifest, source) if source else group.restore(manifest),
+            self.load_retries + 1,
+            _load_error,
+            wait_s=1.0,
+            sleep=sleep,
+            on_retry=say,
         )
 
     def _check_compatible(self, m: Manifest, source: CheckpointStore | None = None) -> None:
@@ -602,9 +598,7 @@ class CommitCoordinator:
 
 def _load_error(e: BaseException) -> bool:
     """A load error worth retrying: not corruption or an outage (fall back or report),
-    not a dead worker (restart the group), not an interrupt."""
-    return (
-        isinstance(e, Exception)
-        and not isinstance(e, (CorruptCheckpointError, StorageError))
-        and not getattr(e, "process_died", False)
+    not a dead worker (restart the group); never the user's (the retry policy's rule)."""
+    return not isinstance(e, (CorruptCheckpointError, StorageError)) and not getattr(
+        e, "process_died", False
     )

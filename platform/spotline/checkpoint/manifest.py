@@ -33,7 +33,6 @@ class ManifestError(ValueError):
 
 
 SIGNATURE_FIELD = "signature"
-MIN_SIGNING_KEY_BYTES = 16
 
 
 def _canonical(raw: dict) -> bytes:

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from spotline import constants
-from spotline.checkpoint.errors import StorageError
-from spotline.checkpoint.s3 import S3Backend, import_s3fs
-from spotline.checkpoint.storage import StepStorage
+from spotline.storage.checkpoint_root import StepStorage
+from spotline.storage.errors import StorageError
+from spotline.storage.s3 import S3Backend, import_s3fs
 
 
 def run_with_deadline(fn: Callable[[], Any], timeout_s: float) -> Any:

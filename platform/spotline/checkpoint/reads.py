@@ -2,7 +2,7 @@
 fragments) and the streamed verification of every file against its manifest entry.
 
 Every path read here comes from a manifest or an index, so it goes through
-`StepStorage.file_path` and never leaves its step. A missing file or one whose size or
+`entry_path` and never leaves its step. A missing file or one whose size or
 sha256 differs is a CorruptCheckpointError, which the coordinator's restore treats as
 a reason to fall back, never as an outage to retry.
 """
@@ -13,13 +13,25 @@ import hashlib
 
 from spotline.checkpoint.errors import CorruptCheckpointError
 from spotline.checkpoint.manifest import FileEntry, Manifest
-from spotline.checkpoint.storage import StepStorage
+from spotline.storage import UnsafePathError, join_under
+from spotline.storage.checkpoint_root import StepStorage
 from spotline.storage.fs import HASH_CHUNK_BYTES
+
+
+def entry_path(storage: StepStorage, step: int, relpath: str) -> str:
+    """Where a file a manifest or index names lies, never outside the step (on a local
+    root, not through a symlink either): CorruptCheckpointError naming it otherwise."""
+    try:
+        return join_under(storage.step_path(step), relpath, local=storage.is_local)
+    except UnsafePathError as e:
+        raise CorruptCheckpointError(
+            step, str(relpath), f"leaves the step directory ({e.why})", uri=storage.uri
+        ) from None
 
 
 def read_range(storage: StepStorage, step: int, relpath: str, start: int, length: int) -> bytes:
     """`length` bytes at `start` of a file of `step` (a ranged GET on S3)."""
-    remote = storage.file_path(step, relpath)
+    remote = entry_path(storage, step, relpath)
     with storage.io(f"reading {relpath} of step {step}", passthrough=(FileNotFoundError,)):
         try:
             return storage.retrying(
@@ -35,7 +47,7 @@ def verify_remote(storage: StepStorage, manifest: Manifest) -> None:
     """Hash every file of ``manifest`` in storage (streamed); raise CorruptCheckpointError."""
     step = manifest.step
     for entry in manifest.files:
-        remote = storage.file_path(step, entry.path)
+        remote = entry_path(storage, step, entry.path)
         h = hashlib.sha256()
         size = 0
         with storage.io(f"verifying {entry.path} of step {step}", passthrough=(FileNotFoundError,)):

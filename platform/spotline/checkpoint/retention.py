@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from spotline.checkpoint import catalog
 from spotline.checkpoint.catalog import Steps
-from spotline.checkpoint.storage import StepStorage
+from spotline.storage.checkpoint_root import StepStorage
 
 
 def plan_retention(

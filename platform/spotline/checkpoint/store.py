@@ -1,7 +1,8 @@
 """The checkpoint store: one root URI of checkpoint steps, as the rest of Spotline uses it.
 
-`CheckpointStore` is a facade over the layers of this room: `storage` (the root, its
-backend and filesystem, retries), `uploads` (files, the rate pacer, receipts), `reads`
+`CheckpointStore` is a facade over the layers of this room, on top of the checkpoint
+root's storage (`spotline.storage.checkpoint_root`: the root, its backend and
+filesystem, retries): `uploads` (files, the rate pacer, receipts), `reads`
 (ranged reads, verification), `catalog` (listings, the manifest commit, quarantine) and
 `probes` (preflight). Its methods only pass on to them. Beside them it writes and reads
 the job's artifacts, and checks that a root holds this job's checkpoints
@@ -20,24 +21,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from spotline.checkpoint import catalog, probes, reads, uploads
-from spotline.checkpoint.errors import (
-    SPEC_FIELDS,
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    StorageError,
-    StoreFields,
-)
+from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError
 from spotline.checkpoint.layout import FileDigest
-from spotline.checkpoint.manifest import FileEntry, Manifest, Receipt
-from spotline.checkpoint.storage import (
+from spotline.checkpoint.manifest import FileEntry, Manifest, Receipt, check_relpath
+from spotline.checkpoint.uploads import ReceiptScan
+from spotline.config.identity import foreign_job, mismatch_reason, resumable_by
+from spotline.storage.checkpoint_root import (
     ARTIFACTS_DIR,
     MANIFEST_NAME,
     QUARANTINE_NAME,
     RECEIPTS_DIR,
     StepStorage,
 )
-from spotline.checkpoint.uploads import ReceiptScan
-from spotline.config.identity import foreign_job, mismatch_reason, resumable_by
+from spotline.storage.errors import SPEC_FIELDS, StorageError, StoreFields
 from spotline.storage.fs import hash_file
 
 __all__ = [
@@ -87,6 +83,10 @@ class CheckpointStore(StepStorage):
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r})"
+
+    def artifact_path(self, relpath: str) -> str:
+        """Where an artifact lies (`relpath` checked: it never leaves the artifacts)."""
+        return f"{self.backend.root}/{ARTIFACTS_DIR}/{check_relpath(relpath)}"
 
     # --- writing ----------------------------------------------------------------------
 

@@ -18,10 +18,10 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from spotline.checkpoint.backends import TRANSFER_THREADS
 from spotline.checkpoint.layout import FileDigest
 from spotline.checkpoint.manifest import FileEntry, ManifestError, Receipt, check_relpath
-from spotline.checkpoint.storage import RECEIPTS_DIR, StepStorage
+from spotline.storage.backends import TRANSFER_THREADS
+from spotline.storage.checkpoint_root import RECEIPTS_DIR, StepStorage
 from spotline.storage.fs import hash_file
 
 

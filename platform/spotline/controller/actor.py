@@ -159,8 +159,7 @@ def uploaded_runtime_env(spec: JobSpec) -> dict | None:
     env = spec.runtime_env.ray()
     if env is None:
         return None
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    from spotline.compat.ray import upload_py_modules_if_needed, upload_working_dir_if_needed
 
     env = upload_py_modules_if_needed(env, include_gitignore=True)
     env = upload_working_dir_if_needed(env, include_gitignore=True)

@@ -38,7 +38,7 @@ class Artifacts:
 
     def _store_tokenizer(self) -> None:
         from spotline.data.tokenizer import tokenizer_files
-        from spotline.export import TOKENIZER_ARTIFACTS
+        from spotline.hf_export import TOKENIZER_ARTIFACTS
 
         try:
             files = tokenizer_files(self.spec)

@@ -9,6 +9,7 @@ They decide nothing themselves.
 from __future__ import annotations
 
 from spotline import constants
+from spotline.storage.retry import poll
 
 
 def settled_capacity(cluster, want: int, clock, sleep, held: int = 0) -> int:
@@ -16,12 +17,14 @@ def settled_capacity(cluster, want: int, clock, sleep, held: int = 0) -> int:
     own ranks kept for the next group occupy), read again (for up to
     SPOTLINE_CAPACITY_SETTLE_S) while it is short of `want`: sizing from the first
     reading after a teardown would start too small."""
-    deadline = clock() + constants.SPOTLINE_CAPACITY_SETTLE_S
-    capacity = cluster.capacity(held_workers=held)
-    while capacity < want and clock() < deadline:
-        sleep(0.2)
-        capacity = cluster.capacity(held_workers=held)
-    return capacity
+    return poll(
+        lambda: cluster.capacity(held_workers=held),
+        lambda capacity: capacity >= want,
+        within_s=constants.SPOTLINE_CAPACITY_SETTLE_S,
+        every_s=0.2,
+        clock=clock,
+        sleep=sleep,
+    )
 
 
 def lost_nodes(cluster, nodes: set[str], patient: bool, clock, sleep) -> set[str]:
@@ -29,12 +32,14 @@ def lost_nodes(cluster, nodes: set[str], patient: bool, clock, sleep) -> set[str
     error; after a worker reported dead (`patient`) the checks go on for
     SPOTLINE_NODE_LOSS_WAIT_S, as its node can be seen gone a moment after its
     processes."""
-    deadline = clock() + (constants.SPOTLINE_NODE_LOSS_WAIT_S if patient else 0.0)
-    while True:
-        lost = cluster.gone(nodes)
-        if lost or clock() >= deadline:
-            return lost
-        sleep(0.25)
+    return poll(
+        lambda: cluster.gone(nodes),
+        bool,
+        within_s=constants.SPOTLINE_NODE_LOSS_WAIT_S if patient else 0.0,
+        every_s=0.25,
+        clock=clock,
+        sleep=sleep,
+    )
 
 
 def replicas_left(cluster, workers: list[dict], gone: set[str], ahead: int = 0) -> int:

@@ -13,8 +13,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from spotline.planning.jit import jit_fit_problem
-from spotline.planning.jit import predicted_save_s as planned_save_s
+from spotline.planning.checkpoint_time import jit_fit_problem
+from spotline.planning.checkpoint_time import predicted_save_s as planned_save_s
 
 
 class JitPolicy:

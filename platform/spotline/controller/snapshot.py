@@ -20,7 +20,7 @@ from typing import Any
 
 from spotline.controller.pace import RECENT_STEPS
 from spotline.controller.state import Finished, Waiting
-from spotline.planning.memory import memory_per_device
+from spotline.planning.memory_model import memory_per_device
 from spotline.planning.step import predict_step
 
 log = logging.getLogger("spotline.controller")

@@ -36,9 +36,9 @@ from spotline.controller.state import (
     Waiting,
 )
 from spotline.metrics.deviation import DeviationMonitor, likely_cause
-from spotline.metrics.export import Metrics
-from spotline.metrics.flops import hardware_flops_per_token, mfu, model_flops_per_token
 from spotline.metrics.ledger import GoodputLedger
+from spotline.metrics.mfu import hardware_flops_per_token, mfu, model_flops_per_token
+from spotline.metrics.prometheus import Metrics
 from spotline.metrics.trackers import Trackers
 
 

@@ -134,8 +134,10 @@ def _glob_base(pattern: str) -> str:
 
 
 def _split_remote(uri: str, fs) -> tuple[str, str]:
+    from fsspec.core import strip_protocol
+
     protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
-    return protocol, fs._strip_protocol(uri)
+    return protocol, strip_protocol(uri)
 
 
 def filesystem(uri: str, endpoint_url, storage_options, what: str):

@@ -45,14 +45,8 @@ from spotline.config.redact import redact
 from spotline.data.errors import DataError, ShardError, storage_kwargs
 from spotline.data.streams import Mixture, ShardedStream, split_point
 from spotline.storage import UnsafePathError, check_relpath, join_under
-from spotline.storage.fs import (
-    explain_read_error,
-    hash_file,
-    is_remote,
-    local_path,
-    network_cause,
-    retrying,
-)
+from spotline.storage.fs import explain_read_error, hash_file, is_remote, local_path
+from spotline.storage.retry import network_cause, retrying
 
 if TYPE_CHECKING:
     from spotline.config.schema import JobSpec
@@ -257,7 +251,7 @@ class ShardCache:
 
     def _download(self, uri: str, fs, path: str, target: Path, sha: str, size: int) -> None:
         """Copy the shard into the cache, verified; a dropped connection or a throttle is
-        retried (`storage.fs.retrying`), a missing or damaged shard never is."""
+        retried (`storage.retry.retrying`), a missing or damaged shard never is."""
         tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.part")
 
         def fetch() -> tuple[int, str]:

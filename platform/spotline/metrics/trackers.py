@@ -44,7 +44,7 @@ from spotline.config.tracking import (
     TensorBoardTrackerSpec,
     WandbTrackerSpec,
 )
-from spotline.metrics.export import Metrics
+from spotline.metrics.prometheus import Metrics
 
 log = logging.getLogger("spotline.trackers")
 

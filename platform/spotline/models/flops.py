@@ -2,8 +2,8 @@
 
 Counted on the meta device, where nothing is allocated, so any model (a 70B one on a
 laptop) is measured without its weights. `spotline.planning` cuts stages and predicts
-step times from these figures; `spotline.metrics.flops` counts HFU with them. The
-conventions are those of `spotline.metrics.flops` (6·N + 12·T·d per token).
+step times from these figures; `spotline.metrics.mfu` counts HFU with them. The
+conventions are those of `spotline.metrics.mfu` (6·N + 12·T·d per token).
 """
 
 from __future__ import annotations

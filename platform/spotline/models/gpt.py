@@ -123,7 +123,7 @@ def flops_per_token(spec: GptModelSpec, vocab_size: int) -> float:
     """Training FLOPs per token: 3 x forward, forward = L x (24d^2 + 4Td) + 2dV.
 
     Only matmuls count (2mnk each); attention over the full T (no causal discount);
-    the embeddings are gathers (0). This is PaLM's 6N + 12LTd (see metrics/flops.py).
+    the embeddings are gathers (0). This is PaLM's 6N + 12LTd (see metrics/mfu.py).
     """
     d, t = spec.d_model, spec.seq_len
     block = 2 * d * 3 * d + 2 * d * d + 2 * d * 4 * d * 2 + 2 * 2 * t * d

@@ -7,9 +7,9 @@ and the controller (re-partitions, JIT timing). Its modules, each importing only
 above it:
 
 - `partition`: the cut arithmetic (uniform, explicit, balanced); pure, no torch;
-- `memory`: memory per device of a stage (`StageMemoryModel`), the job's precision;
+- `memory_model`: memory per device of a stage (`StageMemoryModel`), the job's precision;
 - `step`: per-stage FLOPs and micro-batch times, the predicted step, bubble and MFU;
-- `jit`: checkpoint bytes, the predicted save, the notices and whether a save fits;
+- `checkpoint_time`: checkpoint bytes, the predicted save, the notices and whether a save fits;
 - `choice`: the cut a job runs at (`choose_partition`) and is planned at;
 - `plan`: `make_plan`, the `Plan` that `spotline plan` renders, its warnings.
 

@@ -14,7 +14,7 @@ from typing import Any
 from spotline.config.loader import SpecError
 from spotline.config.schema import JobSpec
 from spotline.models import model_def
-from spotline.planning.memory import StageMemoryModel
+from spotline.planning.memory_model import StageMemoryModel
 from spotline.planning.partition import (
     NoPartitionFits,
     balanced_bounds,

@@ -1,7 +1,7 @@
 """Peer memory predicted from the spec: what one node's state keeper holds, and how the
 job degrades when that does not fit the node's budget.
 
-A rank's peer copy is exactly what its checkpoint holds (`planning.jit` sizes the
+A rank's peer copy is exactly what its checkpoint holds (`planning.checkpoint_time` sizes the
 busiest one): its ZeRO share of its stage's fp32 master weights and Adam moments, and
 on replica 0 the stage's 16-bit weights. A node's keeper holds the copies of the node's
 own ranks and of the ranks on the node before it in the ring (its buddies), each for
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from spotline.config.schema import JobSpec
 from spotline.models import layer_tensor_sizes, model_def
-from spotline.planning.memory import ADAM_BYTES, MASTER_BYTES, human_bytes, precision
+from spotline.planning.memory_model import ADAM_BYTES, MASTER_BYTES, human_bytes, precision
 from spotline.planning.partition import stage_bounds
 
 

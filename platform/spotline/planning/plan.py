@@ -1,8 +1,8 @@
 """The whole plan: what a job will need and do, predicted from the spec before launch.
 
-Memory per device (`planning.memory`), the step time, bubble and MFU
+Memory per device (`planning.memory_model`), the step time, bubble and MFU
 (`planning.step`), the checkpoint and its just-in-time save against the notices
-(`planning.jit`), the cost of a billion tokens, and warnings, each with the field to
+(`planning.checkpoint_time`), the cost of a billion tokens, and warnings, each with the field to
 change: a stage that cannot fit, a save that cannot commit in time, a bubble over
 `BUBBLE_WARN_FRACTION` (`bubble_warning` tells its two causes apart). `spotline plan`
 prints `Plan.render()`; the job's summary puts the plan beside what the run measured.
@@ -16,8 +16,7 @@ from typing import Any
 
 from spotline import constants
 from spotline.config.schema import JobSpec
-from spotline.planning.choice import flops_balanced_bounds, planned_bounds
-from spotline.planning.jit import (
+from spotline.planning.checkpoint_time import (
     NoticeFit,
     checkpoint_bytes,
     jit_fit_problem,
@@ -25,7 +24,8 @@ from spotline.planning.jit import (
     predicted_save_s,
     save_bytes_per_rank,
 )
-from spotline.planning.memory import StageMemory, memory_per_device, memory_problem, precision
+from spotline.planning.choice import flops_balanced_bounds, planned_bounds
+from spotline.planning.memory_model import StageMemory, memory_per_device, memory_problem, precision
 from spotline.planning.partition import sizes_from_bounds
 from spotline.planning.peer_memory import LEVELS, NodePeerMemory, node_peer_memory
 from spotline.planning.step import StepPrediction, predict_step, stage_flops_per_token

@@ -1,7 +1,7 @@
 """One training step predicted from the spec: its time, its bubble and its MFU.
 
 Each stage's training FLOPs per micro-batch (its blocks' 6·N + 12·T·d per token, and
-the head's share on the last stage, the conventions of `spotline.metrics.flops`; per
+the head's share on the last stage, the conventions of `spotline.metrics.mfu`; per
 layer from `spotline.models.flops`) at the device's FLOP/s, played through the real
 1F1B schedule (`bubbles.schedule.simulate`, backward = 2 x forward). The simulated step
 gives the bubble (time stages wait on each other) as well. Data-parallel collectives
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spotline.config.schema import JobSpec
-from spotline.metrics.flops import mfu
+from spotline.metrics.mfu import mfu
 from spotline.models import ModelDef, model_def
 from spotline.models.flops import layer_flops_per_token
 from spotline.planning.partition import stage_bounds

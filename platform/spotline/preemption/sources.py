@@ -268,17 +268,16 @@ class RayDrainSource(NoticeSource):
         if self._client is not None:
             return self._client
         import ray
-        import ray._raylet
+
+        from spotline.compat import ray as ray_internals
 
         address = self.endpoint
         if address is None and ray.is_initialized():
-            self._client = ray._private.worker.global_worker.gcs_client
+            self._client = ray_internals.gcs_client()
             return self._client
         if address is None:
-            from ray._private.services import canonicalize_bootstrap_address
-
             try:
-                address = canonicalize_bootstrap_address(None)
+                address = ray_internals.bootstrap_address()
             except Exception as e:  # a malformed RAY_ADDRESS, a stale cluster file
                 self._warn_once(f"no Ray cluster address found: {e}")
                 return None
@@ -293,7 +292,7 @@ class RayDrainSource(NoticeSource):
         except OSError as e:
             logger.debug("ray-drain: GCS %s unreachable: %s", address, e)
             return None
-        self._client = ray._raylet.GcsClient(address=address)
+        self._client = ray_internals.gcs_client(address)
         return self._client
 
     def poll_all(self) -> list[Notice]:
@@ -302,10 +301,10 @@ class RayDrainSource(NoticeSource):
             return []
         from ray.exceptions import RpcError
 
+        from spotline.compat.ray import draining_nodes
+
         try:
-            draining: dict[str, int] = client.get_draining_nodes(
-                timeout=SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S
-            )
+            draining = draining_nodes(SPOTLINE_RAY_DRAIN_RPC_TIMEOUT_S, client)
         except (RpcError, TimeoutError, OSError) as e:
             logger.debug("ray-drain: GetDrainingNodes failed: %s", e)
             return []

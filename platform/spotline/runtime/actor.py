@@ -43,9 +43,9 @@ from spotline.checkpoint.transfer import Uploader
 from spotline.config.loader import SpecError
 from spotline.config.redact import install_log_redaction
 from spotline.config.schema import JobSpec
-from spotline.metrics.export import Metrics, export_gpu_samples
-from spotline.metrics.flops import device_peak
-from spotline.metrics.memory import measure_peak
+from spotline.metrics.mfu import device_peak
+from spotline.metrics.prometheus import Metrics, export_gpu_samples
+from spotline.metrics.tensor_memory import measure_peak
 from spotline.preemption import make_source
 from spotline.registry import blames_user_code
 from spotline.runtime.cpu import pin_process

@@ -36,9 +36,9 @@ def bind_to_loopback() -> None:
     `ray.init()`'s local cluster, and each node of a `ray.cluster_utils.Cluster` (tests
     and benchmarks build multi-node clusters that way, one raylet per node, all on
     loopback). Attaching to an existing cluster is unchanged."""
-    from ray._private import ray_constants
+    from spotline.compat.ray import listen_on_loopback_only
 
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read by Ray each time it resolves the node IP
+    listen_on_loopback_only()
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # and by any Ray process started here
 
 
@@ -85,9 +85,9 @@ def cluster_candidates(address: str | None) -> list[str | None]:
     a local cluster that `spotline run` started is seldom that one."""
     if address not in (None, "auto") or os.environ.get("RAY_ADDRESS"):
         return [address]
-    from ray._private.services import find_gcs_addresses
+    from spotline.compat.ray import local_gcs_addresses
 
-    found = sorted(find_gcs_addresses())
+    found = sorted(local_gcs_addresses())
     return list(found) if len(found) > 1 else [address]
 
 
@@ -101,13 +101,13 @@ def check_reachable(address: str | None) -> None:
         return
     target = target.removeprefix("ray://").partition("/")[0]
     try:
-        from ray._private import services
+        from spotline.compat import ray as ray_internals
 
         if target == "auto":
-            target = services.get_ray_address_from_environment("auto", None)
-        host, port = services.parse_address(target) or ("", "")
+            target = ray_internals.address_from_environment("auto")
+        host, port = ray_internals.parse_address(target) or ("", "")
         # Ray itself dials a loopback address at the node's own IP.
-        hosts = dict.fromkeys([host, services.resolve_ip_for_localhost(host)])
+        hosts = dict.fromkeys([host, ray_internals.node_ip_for(host)])
     except Exception:  # noqa: BLE001 - no cluster found, or no address: ray.init tells
         return
     timeout = constants.SPOTLINE_RAY_CONNECT_TIMEOUT_S
@@ -255,7 +255,7 @@ class RayClusterView:
         exclude: set[str] = frozenset(),
         lifted: set[str] = frozenset(),
     ) -> int:
-        from ray._private.state import available_resources_per_node
+        from spotline.compat.ray import free_resources_per_node
 
         # A draining node takes no new work, but its resources show as free again once
         # the job's own workers on it are gone: count only live nodes that are not
@@ -264,7 +264,7 @@ class RayClusterView:
         alive = self._alive_nodes()
         nodes = [
             res
-            for node, res in available_resources_per_node().items()
+            for node, res in free_resources_per_node().items()
             if node not in draining
             and node not in self._noticed
             and (node not in self.cordoned or node in lifted)
@@ -313,7 +313,8 @@ class RayClusterView:
 
     def drain(self, node_id: str, deadline: float, reason: str) -> bool:
         import ray
-        from ray.core.generated import autoscaler_pb2
+
+        from spotline.compat.ray import drain_for_preemption
 
         if node_id == ray.get_runtime_context().get_node_id():
             log.warning(
@@ -323,14 +324,8 @@ class RayClusterView:
             )
             return False
         self._noticed.add(node_id)
-        gcs = ray._private.worker.global_worker.gcs_client
         try:
-            accepted, why = gcs.drain_node(
-                node_id,
-                autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                f"spotline: {reason}",
-                int(deadline * 1000),
-            )
+            accepted, why = drain_for_preemption(node_id, f"spotline: {reason}", deadline)
         except Exception as e:  # noqa: BLE001 - the node may already be gone
             log.warning("draining node %s failed: %s", node_id[:12], e)
             return False

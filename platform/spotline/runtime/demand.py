@@ -90,11 +90,9 @@ class RayDemand:
 
     def _actor(self) -> Any:
         if self._coordinator is None:
-            from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-                get_or_create_autoscaling_coordinator,
-            )
+            from spotline.compat.ray import autoscaling_coordinator
 
-            self._coordinator = get_or_create_autoscaling_coordinator()
+            self._coordinator = autoscaling_coordinator()
         return self._coordinator
 
     def keep(self, force: bool = False) -> None:
@@ -143,19 +141,15 @@ class RayDemand:
         """What sends `bundles` to Ray's autoscaling coordinator (a private module of
         Ray's: it may move in another Ray version)."""
         import ray
-        from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import (
-            ResourceRequestPriority,
-        )
+
+        from spotline.compat.ray import request_resources
 
         coordinator = self._actor()
 
         def send(bundles: list[dict[str, float]]) -> None:
             ray.get(
-                coordinator.request_resources.remote(
-                    requester_id=self.requester,
-                    resources=bundles,
-                    expire_after_s=constants.SPOTLINE_DEMAND_EXPIRE_S,
-                    priority=ResourceRequestPriority.HIGH,
+                request_resources(
+                    coordinator, self.requester, bundles, constants.SPOTLINE_DEMAND_EXPIRE_S
                 ),
                 timeout=constants.SPOTLINE_DEMAND_RPC_TIMEOUT_S,
             )
@@ -190,10 +184,12 @@ class RayDemand:
             return
         import ray
 
+        from spotline.compat.ray import cancel_request
+
         self._sent_at = None
         try:
             ray.get(
-                self._actor().cancel_request.remote(requester_id=self.requester),
+                cancel_request(self._actor(), self.requester),
                 timeout=constants.SPOTLINE_DEMAND_RPC_TIMEOUT_S,
             )
         except Exception as e:  # noqa: BLE001 - it lapses by itself

@@ -107,13 +107,14 @@ class Faults:
         Runs before anything times the engine."""
         factor = self.slow_factor()
         freezes = any(f["kind"] == "freeze" and f.get("phase") != "save" for f in self.faults)
-        table = getattr(engine, "_INSTRUCTION_MAP", None)
-        if table is not None and factor > 1.0:  # a pipeline stage
-            engine._INSTRUCTION_MAP = {
-                cls: _slowed(fn, factor) if cls.__name__ in PASSES else fn
-                for cls, fn in dict(table).items()
-            }
-            factor = 1.0
+        if factor > 1.0:
+            from spotline.compat.deepspeed import wrap_pipeline_instructions
+
+            def slowed(cls: type, fn: Any) -> Any:
+                return _slowed(fn, factor) if cls.__name__ in PASSES else fn
+
+            if wrap_pipeline_instructions(engine, slowed):  # a pipeline stage
+                factor = 1.0
         if factor == 1.0 and not freezes:
             return
         module = engine.module

@@ -48,7 +48,7 @@ from spotline.checkpoint.layout import RankFiles
 from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.peer import PEER_KEY, PeerCopy, PeerOffer, newest_complete, peer_copy
 from spotline.config.schema import JobSpec
-from spotline.planning.memory import human_bytes
+from spotline.planning.memory_model import human_bytes
 from spotline.planning.peer_memory import LEVELS, PeerLevel, fit_level, rank_copy_bytes
 
 log = logging.getLogger("spotline.keeper")

@@ -26,10 +26,10 @@ def worker_name(topo: Topology) -> str:
 def draining_nodes() -> set[str]:
     """The ids of the nodes Ray is draining (a preemption notice); none when Ray cannot
     say, with a warning: the nodes are then counted as they look."""
-    import ray
+    from spotline.compat import ray as ray_internals
 
     try:
-        return set(ray._private.worker.global_worker.gcs_client.get_draining_nodes(timeout=5))
+        return set(ray_internals.draining_nodes(timeout_s=5))
     except Exception as e:  # noqa: BLE001 - drains unknown: none is assumed
         log.warning("could not ask Ray which nodes are draining: %s", e)
         return set()

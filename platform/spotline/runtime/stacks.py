@@ -176,11 +176,10 @@ def flight_recorder_on(env: dict[str, str] | None = None) -> bool:
 
 
 def _torch_dump() -> bytes:
-    """Torch's flight-recorder dump as JSON (the one place its private name is read)."""
-    from torch._C import _distributed_c10d as c10d
+    """Torch's flight-recorder dump as JSON."""
+    from spotline.compat.torch import flight_record_json
 
-    dump = getattr(c10d, "_dump_nccl_trace_json", None) or c10d._dump_fr_trace_json
-    return bytes(dump(includeCollectives=True, onlyActive=False))
+    return flight_record_json()
 
 
 def flight_record(dump=_torch_dump, env: dict[str, str] | None = None) -> dict[str, Any]:

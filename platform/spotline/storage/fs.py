@@ -12,11 +12,9 @@ import difflib
 import hashlib
 import inspect
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
 
-T = TypeVar("T")
+from spotline.storage.retry import NETWORK_ERRORS
 
 HASH_CHUNK_BYTES = 8 * 2**20
 """Local files are hashed in chunks of this size, never read whole into memory."""
@@ -123,76 +121,6 @@ def _s3fs_option_names() -> set[str] | None:
         params = inspect.signature(fn).parameters
         names |= {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     return names - {"self"}
-
-
-# Errors (by class name, anywhere in the class's MRO) that a dropped or refused
-# connection raises in fsspec's backends: aiohttp (http, s3fs, gcsfs), botocore, the OS.
-NETWORK_ERRORS = frozenset(
-    {
-        "ClientConnectorError",
-        "ConnectionError",
-        "EndpointConnectionError",
-        "ServerDisconnectedError",
-        "TimeoutError",
-        "ClientOSError",
-        "ClientPayloadError",
-        "ReadTimeoutError",
-        "ConnectTimeoutError",
-        "IncompleteReadError",
-        "ResponseStreamingError",
-        "HTTPClientError",
-    }
-)
-# S3 error codes that ask the client to come back later.
-_RETRY_LATER_CODES = frozenset(
-    {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable", "503"}
-)
-
-
-def exception_chain(exc: BaseException) -> Iterator[BaseException]:
-    """`exc`, then its causes and contexts (each once)."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
-def network_cause(e: BaseException) -> BaseException | None:
-    """The dropped or refused connection behind `e` (itself, or what it was raised
-    from: fsspec's HTTP filesystem reports one as a missing file), or None."""
-    for link in exception_chain(e):
-        if {c.__name__ for c in type(link).__mro__} & NETWORK_ERRORS:
-            return link
-    return None
-
-
-def is_transient(e: BaseException) -> bool:
-    """Whether a storage call that raised `e` is worth another try: a dropped or refused
-    connection, a timeout, a throttle or a server error. Never a missing file, a denied
-    access, bad credentials or bad content."""
-    if network_cause(e) is not None:
-        return True
-    response = getattr(e, "response", None)
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-    return code in _RETRY_LATER_CODES
-
-
-def retrying(
-    fn: Callable[[], T], attempts: int, retryable: Callable[[BaseException], bool] = is_transient
-) -> T:
-    """`fn()`, tried again on what `retryable` says may pass (`is_transient` by default)
-    up to `attempts` times in all, with exponential backoff and jitter (tenacity); the
-    last error is raised as it is."""
-    import tenacity
-
-    return tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(max(1, attempts)),
-        wait=tenacity.wait_random_exponential(multiplier=0.2, max=5.0),
-        retry=tenacity.retry_if_exception(retryable),
-        reraise=True,
-    )(fn)
 
 
 def explain_read_error(uri: str, e: BaseException) -> str:

@@ -1,10 +1,11 @@
 """The engine adapter: the only code that knows where DeepSpeed keeps a rank's state.
 
 DeepSpeed keeps the fp32 master weights and the optimizer's moments in private,
-layout-specific places, and this file is the one that reads and writes them there
-(when DeepSpeed's internals change, this file changes):
+layout-specific places, and this file is the one that reads and writes them there,
+through `spotline.compat.deepspeed` for every private name (when DeepSpeed's internals
+change, that seam fails at import and this file changes):
 
-- "hp": ZeRO-1/2 and BF16_Optimizer: params with `_hp_mapping` fragments into a flat
+- "hp": ZeRO-1/2 and BF16_Optimizer: params with fragment mappings into a flat
   fp32 partition (`single_partition_of_fp32_groups` / `fp32_groups_flat_partition`);
 - "unfused": bf16 without ZeRO at pp=1: FP16_UnfusedOptimizer's per-param fp32 copies
   (`fp32_groups` beside `fp16_groups`);
@@ -63,7 +64,7 @@ class EngineAdapter:
     """This rank's view of the engine's training state, by optimizer kind.
 
     kinds: "zero3" (params with `ds_id`), "hp" (ZeRO-1/2 and BF16_Optimizer: params
-    with `_hp_mapping` into a flat fp32 partition), "unfused" (bf16 without ZeRO at
+    with a fragment mapping into a flat fp32 partition), "unfused" (bf16 without ZeRO at
     pp=1: FP16_UnfusedOptimizer's per-param fp32 copies), "plain" (ZeRO-0 fp32: the
     client optimizer over the module's own params).
     """
@@ -75,26 +76,19 @@ class EngineAdapter:
             raise NotImplementedError("spotline.train.state needs an engine with an optimizer")
         self.base: torch.optim.Optimizer = getattr(self.opt, "optimizer", self.opt)
         self.replica = topo.replica
+        from spotline.compat import deepspeed as internals
+
         named = list(engine.module.named_parameters())
         if any(hasattr(p, "ds_id") for _, p in named):
             self.kind = "zero3"
-            self.flats = list(self.opt.fp32_partitioned_groups_flat)
-        elif hasattr(self.opt, "single_partition_of_fp32_groups"):
+            self.flats = internals.zero3_fp32_partitions(self.opt)
+        elif (flats := internals.flat_fp32_partitions(self.opt)) is not None:
             self.kind = "hp"
-            self.flats = list(self.opt.single_partition_of_fp32_groups)
-        elif hasattr(self.opt, "fp32_groups_flat_partition"):
-            self.kind = "hp"
-            self.flats = list(self.opt.fp32_groups_flat_partition)
-        elif hasattr(self.opt, "fp32_groups") and hasattr(self.opt, "fp16_groups"):
+            self.flats = flats
+        elif (copies := internals.unfused_fp32_copies(self.opt)) is not None:
             self.kind = "unfused"
-            self.flats = [t for group in self.opt.fp32_groups for t in group]
-            self._master = {
-                id(lp): hp
-                for lp_group, hp_group in zip(
-                    self.opt.fp16_groups, self.opt.fp32_groups, strict=True
-                )
-                for lp, hp in zip(lp_group, hp_group, strict=True)
-            }
+            self.flats = [hp for _, hp in copies]
+            self._master = {id(lp): hp for lp, hp in copies}
         elif isinstance(self.opt, torch.optim.Optimizer) and self.base is self.opt:
             self.kind = "plain"
             self.flats = [p for group in self.base.param_groups for p in group["params"]]
@@ -188,11 +182,11 @@ class EngineAdapter:
         p = rec.param
         rec.lp_get = lambda: p.detach().reshape(-1)
         rec.lp_set = lambda v: p.data.view(-1).copy_(v)
-        if not hasattr(p, "_hp_mapping"):
-            return  # not trained: its weight is all there is
-        frag = p._hp_mapping
+        from spotline.compat.deepspeed import hp_fragment
+
+        frag = hp_fragment(p)
         if frag is None:
-            return  # this rank holds none of it
+            return  # not trained, or this rank holds none of it: its weight is all there is
         flat = self.flats[frag.param_group_index]
         hp_start = frag.hp_fragment_address.start
         n = frag.lp_fragment_address.numel
@@ -247,9 +241,11 @@ class EngineAdapter:
             safe_set_local_optimizer_state,
         )
 
-        p, opt = rec.param, self.opt
+        from spotline.compat.deepspeed import zero3_partition_rank
+
+        p = rec.param
         part = p.ds_tensor.ds_numel  # padded partition size
-        start = opt._get_param_partition_rank(p) * part
+        start = zero3_partition_rank(self.opt, p) * part
         n = max(0, min(part, rec.numel - start))
 
         def available() -> bool:
@@ -302,8 +298,9 @@ class EngineAdapter:
 
     def finish_load(self) -> None:
         if self.kind == "zero3":  # low-precision partitions from the fp32 ones
-            for sub_group in range(len(self.opt.fp32_partitioned_groups_flat)):
-                self.opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+            from spotline.compat.deepspeed import zero3_refresh_partitions
+
+            zero3_refresh_partitions(self.opt)
 
     # -- the engine's counters and schedule -------------------------------------------
 
@@ -384,22 +381,3 @@ class HostCopier:
         for stream in self._streams.values():
             stream.synchronize()
         self._sources.clear()
-
-
-def reset_deepspeed_groups() -> None:
-    """Forget DeepSpeed's process-wide communication state: its backend handle
-    (`deepspeed.comm.comm.cdb`) and the groups it caches in `deepspeed.utils.groups`.
-    A rank that joins a new process group in the same process calls this after the old
-    group is destroyed, so nothing of the old world (its size, its sub-groups) leaks
-    into the new one."""
-    import deepspeed.comm.comm as dcomm
-    from deepspeed.utils import groups
-
-    dcomm.cdb = None
-    for name, value in list(vars(groups).items()):
-        if not (name.startswith("_") and name.isupper()) or callable(value):
-            continue
-        if isinstance(value, dict):
-            setattr(groups, name, {})
-        elif not isinstance(value, str):  # a group, a world size or rank; not a constant
-            setattr(groups, name, None)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spotline.compat.torch import set_default_group_timeout
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -208,10 +210,7 @@ def init_distributed(
     # Every group created from here on (DeepSpeed's data-parallel and pipeline groups,
     # the trainer's control group) waits as long as the default one: torch gives a
     # group made without a timeout its own default (30 minutes for gloo), not this one.
-    from torch.distributed import distributed_c10d
-
-    distributed_c10d.default_pg_timeout = timeout
-    distributed_c10d.default_pg_nccl_timeout = timeout
+    set_default_group_timeout(timeout)
     kwargs: dict[str, Any] = {}
     use_device(device, local_rank, topo.rank)
     if device == "gpu" and topo.world_size > 1:  # binds the communicator to this rank's GPU
@@ -246,8 +245,8 @@ def leave_distributed() -> None:
     process: the next `init_distributed` joins a new group at a new rank and world
     size as a fresh process would. Call it once the engine built on the old group is
     dropped."""
-    from spotline.train.engine import reset_deepspeed_groups
+    from spotline.compat.deepspeed import forget_groups
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    reset_deepspeed_groups()
+    forget_groups()

@@ -84,7 +84,7 @@ def probe(
     memory (None on CPU); and with `layers`, `layer_s`: each layer's cost on this worker
     of one training step at `replicas` (its micro-batches and the job's optimizer step,
     see `layer_costs`)."""
-    from spotline.metrics.flops import measure_matmul_flops
+    from spotline.metrics.mfu import measure_matmul_flops
     from spotline.train.trainer import build_optimizer
 
     gpu = torch.cuda.is_available()

@@ -15,9 +15,9 @@ Save, in two parts:
   describes the files and the entries; its `write_rank` also returns each file's
   size and sha256, hashed in the same pass).
 
-What a rank owns: ZeRO-1/2 and BF16_Optimizer: the fragments its `_hp_mapping`s
-point at; ZeRO-3: its partition of every parameter; ZeRO-0: whole parameters, written
-by replica 0 only (the other replicas hold copies). Low-precision weights ("weight",
+What a rank owns: ZeRO-1/2 and BF16_Optimizer: the fragments its parameters' fragment
+mappings point at; ZeRO-3: its partition of every parameter; ZeRO-0: whole parameters,
+written by replica 0 only (the other replicas hold copies). Low-precision weights ("weight",
 whole tensors) are written where the caller passes `write_weights=True` (replica 0 of
 each stage), except where they are not a separate tensor (ZeRO-0 fp32: the parameter
 is its own master) or not held whole without a collective (ZeRO-3: rebuilt from fp32

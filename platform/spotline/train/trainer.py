@@ -32,7 +32,7 @@ from spotline.bubbles.recorder import StepRecorder
 from spotline.checkpoint.layout import CheckpointFormatError, RankFiles, write_rank
 from spotline.config.schema import JobSpec
 from spotline.data import Prefetcher, Sampler, open_dataset
-from spotline.metrics.flops import device_peak
+from spotline.metrics.mfu import device_peak
 from spotline.models import (
     BuildOptions,
     build_pipeline_module,
@@ -116,7 +116,7 @@ class Trainer:
         init: bool = True,
         engine_hook: Callable[[Any, Callable[[], int]], None] | None = None,
     ):
-        """`flops_per_s`: this device's FLOP/s (`metrics.flops.device_peak`, looked up
+        """`flops_per_s`: this device's FLOP/s (`metrics.mfu.device_peak`, looked up
         here when not given), from which a pipeline stage predicts its bubbles before
         it has measured a step. `init=False`: the caller loads a checkpoint (`fetch`,
         `load`) before the first step, so the stage is materialised empty, never

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from typing import Any
 
 from ray import tune
@@ -28,6 +27,7 @@ from ray import tune
 from spotline.config import apply_overrides, validate_dict
 from spotline.config.redact import redact
 from spotline.storage import UnsafePathError, join_under
+from spotline.storage.retry import retrying
 
 log = logging.getLogger("spotline.tune")
 
@@ -117,15 +117,14 @@ class SpotlineTrial(tune.Trainable):
             overrides.get("checkpoint.resume_from", {}).get("step") or 0
         ]
         self._reported_step = max(start)
-        deadline = time.monotonic() + CONTROLLER_NAME_WAIT_S
-        while True:
-            try:
-                self._controller = start_controller(spec, store)
-                break
-            except RuntimeError:  # the previous driver's controller is still going away
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
+        self._controller = retrying(
+            lambda: start_controller(spec, store),
+            None,
+            # The name is taken while the previous driver's controller is going away.
+            lambda e: isinstance(e, RuntimeError),
+            wait_s=1.0,
+            within_s=CONTROLLER_NAME_WAIT_S,
+        )
         self._done = self._controller.run.remote()
         print(f"trial {self.trial_id}: job {spec.name} at {redact(store.uri)}", flush=True)
         ray.get(self._controller.status.remote(0))  # up and answering

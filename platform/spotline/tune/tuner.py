@@ -105,7 +105,9 @@ class Tuner:
         if _restore_from is None:  # a restored sweep was checked when it started
             check_space(self.spec, self.param_space, kind)
         if kind == "pbt":
-            check_space(self.spec, dict(scheduler._hyperparam_mutations), "pbt",
+            from spotline.compat.ray import pbt_hyperparam_mutations
+
+            check_space(self.spec, pbt_hyperparam_mutations(scheduler), "pbt",
                         "scheduler.hyperparam_mutations")  # fmt: skip
         self.name = run_config.name if run_config is not None and run_config.name else name
         self.root = (checkpoint_uri or default_root(self.spec, self.name)).rstrip("/")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from spotline import constants
 from spotline.config.schema import JobSpec
-from spotline.planning.memory import ADAM_BYTES, MASTER_BYTES, precision, stage_params
+from spotline.planning.memory_model import ADAM_BYTES, MASTER_BYTES, precision, stage_params
 
 
 def checkpoint_bytes(spec: JobSpec) -> int:

@@ -2,9 +2,9 @@
 filesystem that reaches it, how one file is put there durably, and a failure in words.
 
 `Backend` is what every scheme gives; `LocalBackend` serves file:// URIs and plain paths
-(s3:// lives in `s3.py`). A backend only knows its own scheme: which steps exist, what a
-manifest says and when a retry is worth it belong to the layers above
-(`storage.StepStorage` and the modules it serves).
+(s3:// lives in `s3.py`). A backend only knows its own scheme: which steps exist and
+what a manifest says belong to the checkpoint root (`checkpoint_root.StepStorage`) and
+the checkpoint modules it serves; when a retry is worth it, to `retry`.
 
 Never imports an optional package at import time, and never lets a secret into a
 message (every message goes out through StorageError, which redacts it).
@@ -18,7 +18,7 @@ import re
 import uuid
 from typing import Any
 
-from spotline.checkpoint.errors import StorageError, StoreFields
+from spotline.storage.errors import StorageError, StoreFields
 
 SUPPORTED_URI_FORMS = (
     "file:///absolute/path",

@@ -16,8 +16,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from spotline.compat.torch import TorchDispatchMode, tree_leaves
 
 
 def _live_storages(device: str) -> dict[int, int]:

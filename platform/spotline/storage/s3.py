@@ -15,15 +15,11 @@ import re
 import threading
 from typing import Any
 
-from spotline.checkpoint.backends import TRANSFER_THREADS, Backend, bad_uri
-from spotline.checkpoint.errors import SPEC_FIELDS, StorageError, StoreFields
 from spotline.config.redact import redact
-from spotline.storage.fs import (
-    FSSPEC_COMMON_OPTIONS,
-    StorageOptionsError,
-    check_s3_options,
-    exception_chain,
-)
+from spotline.storage.backends import TRANSFER_THREADS, Backend, bad_uri
+from spotline.storage.errors import SPEC_FIELDS, StorageError, StoreFields
+from spotline.storage.fs import FSSPEC_COMMON_OPTIONS, StorageOptionsError, check_s3_options
+from spotline.storage.retry import exception_chain
 
 # S3 refuses multipart parts smaller than this (except the last one).
 S3_MIN_PART_BYTES = 5 * 2**20

@@ -1,5 +1,5 @@
-"""The one storage layer of checkpoints: a root URI, its backend, its filesystem, where
-each file of the commit protocol lies under it, and a storage failure in words.
+"""A checkpoint root as storage: its URI, its backend, its filesystem, where each file of
+the commit protocol lies under it, and a storage failure in words.
 
 Layout under the root URI (``file://`` or ``s3://``)::
 
@@ -11,9 +11,10 @@ Layout under the root URI (``file://`` or ``s3://``)::
 
 `StepStorage` is what the modules above it share (uploads, reads, the catalog of
 steps, probes, retention, and the `CheckpointStore` facade): it never decides which
-step is committed, good or due for deletion. Retries go through the one retry loop
-data/ shares (`storage.fs.retrying`), and only for what `storage.fs.is_transient`
-says may pass.
+step is committed, good or due for deletion, and it never reads a path a manifest
+holds (the checkpoint modules do, through `storage.join_under`). Retries go through
+the one retry policy (`storage.retry`), only for what `retry.is_transient` says may
+pass.
 
 Optional S3 packages are imported only when an ``s3://`` URI is used; the settings
 pickle without the filesystem client, which each process rebuilds on first use.
@@ -29,22 +30,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from spotline import constants
-from spotline.checkpoint.backends import URI_SCHEME_RE, Backend, LocalBackend, bad_uri
-from spotline.checkpoint.errors import (
-    SPEC_FIELDS,
-    CorruptCheckpointError,
-    StorageError,
-    StoreFields,
-)
-from spotline.checkpoint.manifest import MIN_SIGNING_KEY_BYTES, check_relpath
-from spotline.checkpoint.s3 import S3_MIN_PART_BYTES, S3Backend
-from spotline.storage import UnsafePathError, join_under
-from spotline.storage.fs import retrying
+from spotline.storage.backends import URI_SCHEME_RE, Backend, LocalBackend, bad_uri
+from spotline.storage.errors import SPEC_FIELDS, StorageError, StoreFields
+from spotline.storage.retry import retrying
+from spotline.storage.s3 import S3_MIN_PART_BYTES, S3Backend
 
 MANIFEST_NAME = "manifest.json"
 ARTIFACTS_DIR = "artifacts"
 RECEIPTS_DIR = "_receipts"  # per-rank upload receipts; not part of the checkpoint
 QUARANTINE_NAME = "quarantine.json"  # a step that failed verification: why, and its manifest
+MIN_SIGNING_KEY_BYTES = 16
 
 BACKENDS: dict[str, type[Backend]] = {"file": LocalBackend, "s3": S3Backend}
 """Storage backends by URI scheme; a plain path means 'file'."""
@@ -209,23 +204,9 @@ class StepStorage:
     def quarantine_path(self, step: int) -> str:
         return f"{self.step_path(step)}/{QUARANTINE_NAME}"
 
-    def artifact_path(self, relpath: str) -> str:
-        """Where an artifact lies (`relpath` checked: it never leaves the artifacts)."""
-        return f"{self._backend.root}/{ARTIFACTS_DIR}/{check_relpath(relpath)}"
-
     def full_uri(self, path: str) -> str:
         """The URI of a path inside the filesystem, for messages and callers."""
         return f"{self._backend.scheme}://{path}"
-
-    def file_path(self, step: int, relpath: str) -> str:
-        """Where a file a manifest or index names lies, never outside the step (on a local
-        root, not through a symlink either): CorruptCheckpointError naming it otherwise."""
-        try:
-            return join_under(self.step_path(step), relpath, local=self.is_local)
-        except UnsafePathError as e:
-            raise CorruptCheckpointError(
-                step, str(relpath), f"leaves the step directory ({e.why})", uri=self.uri
-            ) from None
 
     # --- calls into storage ---------------------------------------------------------------
 
@@ -234,7 +215,7 @@ class StepStorage:
         """Turn a storage failure into a StorageError that says what failed and how to fix it."""
         try:
             yield
-        except (StorageError, CorruptCheckpointError):
+        except StorageError:
             raise
         except passthrough:
             raise
@@ -242,9 +223,9 @@ class StepStorage:
             raise StorageError(f"{action} at {self.uri} failed: {self._backend.explain(e)}") from e
 
     def retrying(self, fn: Callable[[], Any]) -> Any:
-        """Run a storage call, retrying what may pass (`storage.fs.is_transient`: a
-        dropped connection, a timeout, a throttle) through the one retry loop data/
-        uses too; the last error goes up."""
+        """Run a storage call, retrying what may pass (`retry.is_transient`: a dropped
+        connection, a timeout, a throttle) through the one retry policy; the last error
+        goes up."""
         return retrying(fn, constants.SPOTLINE_STORAGE_RETRIES)
 
     def write_atomic(self, path: str, data: bytes) -> None:
