@@ -371,3 +371,36 @@ class StepRecorder:
             out, self._totals = self._totals, dict.fromkeys(self._totals, 0)
         out["bubble_fraction"] = out["wait_s"] / out["step_s"] if out["step_s"] else 0.0
         return out
+
+
+METERED = ("filled", "overrun", "open", "beyond")
+"""The window channel's fill meters, reported per chunk as `<name>_s` (bubbles.channel)."""
+
+
+def bubble_report(
+    rec: StepRecorder | None, channel: Any, topo: Any, seen: tuple[int, ...]
+) -> tuple[dict[str, Any] | None, tuple[int, ...]]:
+    """A stage's bubble figures since the last report (`rec`'s totals, and the window
+    channel's fill meters past `seen`), and its latest steps' timeline: what a rank
+    publishes; with the meters' readings to start from next time."""
+    if rec is None:
+        return None, seen
+    out: dict[str, Any] = rec.take_totals()
+    if not out["steps"]:
+        return None, seen
+    out.update(stage=topo.stage, replica=topo.replica, rank=topo.rank)
+    if channel is not None:
+        st = channel.state()
+        now = tuple(getattr(st, f"{key}_ns") for key in METERED)
+        for key, after, before in zip(METERED, now, seen, strict=True):
+            out[f"{key}_s"] = (after - before) / 1e9
+        seen = now
+    out["steps_timeline"] = [
+        {
+            "step": step,
+            "start_ns": int(t0 * 1e9),
+            "instrs": [(i.name, i.slot, i.start, i.end) for i in timeline],
+        }
+        for step, t0, timeline in rec.recent_steps()
+    ]
+    return out, seen

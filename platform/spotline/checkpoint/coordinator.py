@@ -26,6 +26,7 @@ The controller talks to storage only through this class.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -70,7 +71,6 @@ class _Pending:
     attempt: str
     world: int
     results: dict[int, UploadResult] = field(default_factory=dict)
-    saved_at: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -95,12 +95,8 @@ class CommitCoordinator:
         load_retries: int = 2,
         wall: Callable[[], float] = time.time,
     ):
-        self.spec = spec
-        self.wall = wall
-        """Wall time (the controller's clock): holds and commit stamps are wall times."""
-        self.store = store
-        self._event = event
-        self.load_retries = load_retries
+        self.spec, self.store, self._event, self.load_retries = spec, store, event, load_retries
+        self.wall = wall  # the controller's wall clock: holds and commit stamps
         self.committed: list[int] = []
         self._pending: dict[tuple[int, str], _Pending] = {}
         self._retention_due = False
@@ -555,10 +551,9 @@ class CommitCoordinator:
             return None
 
     def read_artifact(self, relpath: str) -> bytes | None:
-        try:
+        with contextlib.suppress(StorageError):  # unreadable: as if not there
             return self.store.read_artifact(relpath)
-        except StorageError:
-            return None
+        return None
 
     def finished_summary(self) -> dict[str, Any] | None:
         """The summary this job stored when it finished, if nothing is left to train: its

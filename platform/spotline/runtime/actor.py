@@ -36,6 +36,7 @@ import ray
 
 from spotline import constants
 from spotline.bubbles.channel import WindowChannel
+from spotline.bubbles.recorder import METERED, bubble_report
 from spotline.checkpoint import CorruptCheckpointError, Manifest, StorageError
 from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.checkpoint.staging import check_local_dir
@@ -70,9 +71,6 @@ log = logging.getLogger("spotline.worker")
 
 _PEER_LOSSES = 10_000
 """Steps whose losses rank 0's peer copies carry (the newest)."""
-
-_METERED = ("filled", "overrun", "open", "beyond")
-"""The window channel's fill meters, reported per chunk as `<name>_s` (bubbles.channel)."""
 
 
 def channel_path(spec: JobSpec, attempt: str, rank: int) -> str:
@@ -146,7 +144,7 @@ class TrainWorker:
             maxlen=_PEER_LOSSES
         )
         self._stall_seen = 0.0
-        self._filled_seen = (0,) * len(_METERED)  # the channel's meters already reported
+        self._filled_seen = (0,) * len(METERED)  # the channel's meters already reported
         self._restored: Any = None  # what fetch_checkpoint read, for load_checkpoint
         self._own_keeper: str | None = None  # this node's state keeper (`set_peers`)
         self._store: Any = None  # rank 0: the rendezvous store, listening (`host_store`)
@@ -382,7 +380,8 @@ class TrainWorker:
             buf, self._buf = self._buf, _empty_report()
         trainer = self.trainer
         stall = trainer.data_stall_s if trainer else 0.0
-        bubbles = self._bubbles()
+        rec = self.trainer.recorder if self.trainer else None
+        bubbles, self._filled_seen = bubble_report(rec, self.channel, self.topo, self._filled_seen)
         if bubbles is not None:  # a pipeline stage: its forward and backward instructions
             compute = (bubbles["steps"], bubbles["passes_s"])
         elif trainer is not None and trainer.compute is not None:
@@ -588,28 +587,3 @@ class TrainWorker:
     def _export_devices(self) -> None:
         own = self.local_rank if self.device == "gpu" else None  # its one GPU, if any
         export_gpu_samples(self.metrics, self.topo.stage, self.topo.replica, own)
-
-    def _bubbles(self) -> dict[str, Any] | None:
-        """This stage's bubble figures since the last call, and its latest steps' timeline."""
-        rec = self.trainer.recorder if self.trainer else None
-        if rec is None:
-            return None
-        out: dict[str, Any] = rec.take_totals()
-        if not out["steps"]:
-            return None
-        out.update(stage=self.topo.stage, replica=self.topo.replica, rank=self.topo.rank)
-        if self.channel is not None:
-            st = self.channel.state()
-            seen = tuple(getattr(st, f"{key}_ns") for key in _METERED)
-            for key, now, before in zip(_METERED, seen, self._filled_seen, strict=True):
-                out[f"{key}_s"] = (now - before) / 1e9
-            self._filled_seen = seen
-        out["steps_timeline"] = [
-            {
-                "step": step,
-                "start_ns": int(t0 * 1e9),
-                "instrs": [(i.name, i.slot, i.start, i.end) for i in timeline],
-            }
-            for step, t0, timeline in rec.recent_steps()
-        ]
-        return out
