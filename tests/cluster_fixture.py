@@ -211,13 +211,17 @@ class AutoscalingTestCluster:
         psutil.wait_procs(procs, timeout=10)
 
     def processes(self) -> list:
-        """Every live process of this cluster, found by the marker in its environment."""
+        """Every live process of this cluster: found by the marker in its environment, or
+        by its session directory under the cluster's own temp dir (Ray starts a few, such
+        as the head's log monitor, with an environment of their own)."""
         import psutil
 
         out = []
         for p in psutil.process_iter():
             with contextlib.suppress(psutil.Error):
-                if p.environ().get(_MARK) == self.mark:
+                if p.environ().get(_MARK) == self.mark or any(
+                    self.temp_dir in arg for arg in p.cmdline()
+                ):
                     out.append(p)
         return out
 
