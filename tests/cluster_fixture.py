@@ -220,7 +220,7 @@ class AutoscalingTestCluster:
         for p in psutil.process_iter():
             with contextlib.suppress(psutil.Error):
                 if p.environ().get(_MARK) == self.mark or any(
-                    self.temp_dir in arg for arg in p.cmdline()
+                    str(self.temp_dir) in arg for arg in p.cmdline()
                 ):
                     out.append(p)
         return out
