@@ -696,7 +696,7 @@ def test_ray_drain_reports_the_drained_node_and_its_deadline() -> None:
 def test_every_node_gets_its_own_watcher_name_even_with_a_shared_id_prefix():
     """Ray's fake provider numbers its nodes ffff...00001, ffff...00002: a name cut to a
     prefix would make the second node's watcher replace the first's."""
-    from spotline.preemption.actor import watcher_name
+    from spotline.runtime.watchers import watcher_name
 
     a, b = "f" * 51 + "00001", "f" * 51 + "00002"
     assert watcher_name("job", a) != watcher_name("job", b)

@@ -41,18 +41,9 @@ from spotline.config.model import (
 from spotline.config.preemption import NoticeSourceSpec, PreemptionSpec
 from spotline.config.recovery import RecoverySpec
 from spotline.config.redact import redact
-from spotline.config.schema import (
-    CheckpointSpec,
-    DataSourceSpec,
-    DataSpec,
-    ElasticSpec,
-    JobSpec,
-    MetricsSpec,
-    ParallelSpec,
-    ResourcesSpec,
-    RuntimeEnvSpec,
-    TrainSpec,
-)
+from spotline.config.resources import ResourcesSpec
+from spotline.config.schema import CheckpointSpec, JobSpec, MetricsSpec, RuntimeEnvSpec
+from spotline.config.sections import DataSourceSpec, DataSpec, ElasticSpec, ParallelSpec, TrainSpec
 from spotline.config.tracking import (
     MlflowTrackerSpec,
     TensorBoardTrackerSpec,

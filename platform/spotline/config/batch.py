@@ -12,10 +12,19 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from spotline.config.deepspeed_keys import dig
+from spotline.config.sections import ElasticSpec, ParallelSpec, TrainSpec
 
-if TYPE_CHECKING:
-    from spotline.config.schema import ElasticSpec, ParallelSpec, TrainSpec
+ABSENT = object()
+"""What `dig` returns for a key that is not there (None may be a value)."""
+
+
+def dig(d: Any, path: list[str]) -> Any:
+    """The value at `path` in nested dicts, or `ABSENT`."""
+    for part in path:
+        if not isinstance(d, dict) or part not in d:
+            return ABSENT
+        d = d[part]
+    return d
 
 
 class BatchPolicy:

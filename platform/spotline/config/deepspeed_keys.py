@@ -9,13 +9,9 @@ config of a group on it. Pure functions of the spec: no DeepSpeed import, no run
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from spotline.config.schema import JobSpec
-
-ABSENT = object()
-"""What `dig` returns for a key that is not there (None may be a value)."""
+from spotline.config.batch import ABSENT, BatchPolicy, dig
 
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's default zero_optimization.reduce_bucket_size."""
@@ -36,16 +32,7 @@ OWNED_KEYS: dict[str, str | None] = {
 supplies the object itself, so the key cannot be set at all)."""
 
 
-def dig(d: Any, path: list[str]) -> Any:
-    """The value at `path` in nested dicts, or `ABSENT`."""
-    for part in path:
-        if not isinstance(d, dict) or part not in d:
-            return ABSENT
-        d = d[part]
-    return d
-
-
-def spec_keys(spec: JobSpec, replicas: int) -> dict[str, Any]:
+def spec_keys(spec: BatchPolicy, replicas: int) -> dict[str, Any]:
     """The DeepSpeed keys the spec decides for a group of `replicas` replicas: the batch
     (at the start of an adaptive schedule), the gradient clip, the ZeRO stage and the
     precision."""
@@ -61,7 +48,7 @@ def spec_keys(spec: JobSpec, replicas: int) -> dict[str, Any]:
     }
 
 
-def zero_bucket_elements(spec: JobSpec, stage_params: int) -> int | None:
+def zero_bucket_elements(spec: BatchPolicy, stage_params: int) -> int | None:
     """Elements of the gradient-reduction bucket DeepSpeed's ZeRO-1/2 allocates on
     every rank of a stage of `stage_params` parameters (None without ZeRO).
 
@@ -78,7 +65,7 @@ def zero_bucket_elements(spec: JobSpec, stage_params: int) -> int | None:
     return max(1, min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, stage_params))
 
 
-def check_deepspeed_keys(spec: JobSpec) -> None:
+def check_deepspeed_keys(spec: BatchPolicy) -> None:
     """Raise ValueError (one line naming the key and the field to set instead) when a
     `deepspeed:` key that Spotline derives from the spec disagrees with it at any
     replica count the job may run at; otherwise which one wins is a guess."""

@@ -15,9 +15,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from spotline.config.redact import split_secrets
-
-if TYPE_CHECKING:
-    from spotline.config.schema import DataSpec, ElasticSpec, JobSpec, TrainSpec
+from spotline.config.sections import DataSpec, ElasticSpec, TrainSpec
 
 RETUNABLE_FIELDS = frozenset(
     {
@@ -38,6 +36,7 @@ class SpecIdentity:
     """The spec hash and the resume rules of a `JobSpec` (mixed into it)."""
 
     if TYPE_CHECKING:  # what it reads, declared by JobSpec
+        name: str
         data: DataSpec
         elastic: ElasticSpec
         train: TrainSpec
@@ -123,26 +122,30 @@ def flatten_dotted(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def foreign_job(spec: JobSpec, job: str | None) -> bool:
+def foreign_job(spec: SpecIdentity, job: str | None) -> bool:
     """True when `job` (the name a manifest, receipt or job summary records) is another
     job's than `spec`'s; an unrecorded name is not."""
     return job is not None and job != spec.name
 
 
-def resumable_by(spec: JobSpec, job: str | None, their_hash: str | None, theirs: Any) -> bool:
+def resumable_by(spec: SpecIdentity, job: str | None, their_hash: str | None, theirs: Any) -> bool:
     """True when `spec` may resume, and write over, a checkpoint that `job` wrote with
     spec hash `their_hash` (`theirs`: its recorded fields): the same job, differing at
     most in `RETUNABLE_FIELDS`."""
     return job == spec.name and spec.retuned_fields(their_hash, theirs) is not None
 
 
-def written_by_this(spec: JobSpec, job: str | None, their_hash: str | None, theirs: Any) -> bool:
+def written_by_this(
+    spec: SpecIdentity, job: str | None, their_hash: str | None, theirs: Any
+) -> bool:
     """True when what `job` wrote with `their_hash` is exactly `spec`'s: the same job
     and the same spec hash. Receipts commit only then (a retuned field refuses them)."""
     return job == spec.name and their_hash == spec.spec_hash()
 
 
-def mismatch_reason(spec: JobSpec, job: str | None, their_hash: str | None, theirs: Any) -> str:
+def mismatch_reason(
+    spec: SpecIdentity, job: str | None, their_hash: str | None, theirs: Any
+) -> str:
     """Why what `job` wrote with `their_hash` (`theirs`: its recorded fields) is not
     `spec`'s: another job's, or another spec's, with the fields that differ."""
     if foreign_job(spec, job):
@@ -152,7 +155,7 @@ def mismatch_reason(spec: JobSpec, job: str | None, their_hash: str | None, thei
     return why + spec_differences(spec, theirs)
 
 
-def spec_differences(spec: JobSpec, theirs: Any) -> str:
+def spec_differences(spec: SpecIdentity, theirs: Any) -> str:
     """' (field: theirs there, ours here; ...)' for each hashed field in which `spec`
     differs from `theirs` (the `hashed_fields` a manifest or receipt recorded), or ''."""
     if not isinstance(theirs, dict):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from spotline.config.redact import redact
-from spotline.config.schema import DataSpec
+from spotline.config.sections import DataSpec
 from spotline.data.errors import CorpusError, storage_kwargs
 from spotline.data.streams import ArrayStream, split_point
 from spotline.data.textfiles import local_files, not_text, stdlib_files, text_problem

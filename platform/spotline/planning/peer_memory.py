@@ -10,7 +10,7 @@ own ranks and of the ranks on the node before it in the ring (its buddies), each
 The levels, in the order a job degrades through them when the budget is short:
 two kept steps with buddies, one kept step with buddies, one kept step on the rank's
 own node only (a lost node loses its ranks' copies), none. `fit_level` picks the
-first whose bytes fit. The runtime (`spotline.runtime.keeper`) applies the same
+first whose bytes fit. The state keepers apply the same
 levels to the real placement; `spotline plan` prints them for the job's shape.
 
 Pure arithmetic: nothing allocated, nothing started.

@@ -336,15 +336,15 @@ class RayClusterView:
     def watch(self) -> None:
         if self.controller is None:
             return
-        from spotline.preemption.actor import NODE_WATCHED_KINDS
+        from spotline.runtime.watchers import NODE_WATCHED_KINDS
 
         if not any(s.kind in NODE_WATCHED_KINDS for s in self.spec.preemption.sources):
             return
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from spotline.preemption.actor import NodeWatcherActor, watcher_name
         from spotline.runtime.sealed import SealedJob
+        from spotline.runtime.watchers import NodeWatcherActor, watcher_name
 
         alive = self._alive_nodes()
         if alive is None:

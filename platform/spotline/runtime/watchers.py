@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spotline import constants
 from spotline.preemption.sources import Notice, make_source
 from spotline.preemption.watcher import NoticeWatcher
-
-if TYPE_CHECKING:
-    from spotline.runtime.sealed import SealedJob
+from spotline.runtime.sealed import SealedJob
 
 log = logging.getLogger("spotline.preemption")
 
