@@ -4,16 +4,17 @@ A new rank's process imports torch and DeepSpeed and binds its device: seconds o
 CPU, more with CUDA. Started when the group needs it (a grow, a replacement after a
 loss), that is time with no training step. So while the group trains, the controller
 keeps as many replicas started here as the free capacity holds beyond the group (up to
-elastic.max_replicas): each has its placement group, its ranks' actors are built and
-bound to the device (`TrainWorker.bind`), and they rehearse: they build an engine
-among their own ranks (empty weights, no step), which pays a process's first-time
-costs (imports, the first engine build: about a second here, more with CUDA). Then
-they wait, holding no rank. When the
-group next re-forms (a grow, a loss, a notice), the ready ones join it as survivors
-do (`survivors.py`): they re-form at their rank in their own processes. A grow waits
-for them, training on, rather than starting processes on its path.
+elastic.max_replicas). Each goes through the one replica starter (`starter.py`): its
+placement group, its ranks' actors, their device bind (`TrainWorker.bind`), and a
+rehearsal: an engine built among its own ranks (empty weights, no step), which pays a
+process's first-time costs (imports, the first engine build: about a second here,
+more with CUDA). Then they wait, holding no rank. When the group next re-forms (a
+grow, a loss, a notice), the ready ones join it as survivors do (`survivors.py`):
+they re-form at their rank in their own processes. A grow waits for them, training
+on, rather than starting processes on its path.
 
-This room only starts, holds and ends them; `ControllerParts` says how many to keep.
+This room only starts, holds and ends them; the controller's fleet and growth say
+how many to keep.
 """
 
 from __future__ import annotations
