@@ -112,11 +112,12 @@ def test_recorder_times_the_engines_instructions_and_opens_windows(tmp_path):
     from deepspeed.runtime.pipe import schedule as ds
 
     calls = []
+    clock = _ScriptedHostClock()  # each instruction moves it by what it waited
 
     def make(name, wait_s):
         def fn(self, **kwargs):
             calls.append(name)
-            time.sleep(wait_s)
+            clock.now += wait_s
 
         return fn
 
@@ -126,7 +127,9 @@ def test_recorder_times_the_engines_instructions_and_opens_windows(tmp_path):
         ds.ForwardPass: make("ForwardPass", 0.0),
     }
     chan = WindowChannel(tmp_path / "c.chan", create=True)
-    rec = StepRecorder(stage=1, stages=2, micro_batches=1, channel=chan, min_window_s=0.001)
+    rec = StepRecorder(
+        stage=1, stages=2, micro_batches=1, channel=chan, min_window_s=0.001, clock=clock
+    )
     rec.attach(engine)
     from types import MethodType
 

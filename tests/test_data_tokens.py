@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -635,15 +634,18 @@ def test_prefetcher_returns_batches_in_order_and_builds_ahead() -> None:
 
 
 def test_prefetcher_reports_the_stall() -> None:
+    now = [0.0]
+
     def slow(step: int) -> int:
-        time.sleep(0.05)
+        now[0] += 0.05  # a build takes 0.05 s of the prefetcher's clock
         return step
 
-    with Prefetcher(slow, enabled=False) as pf:
+    with Prefetcher(slow, enabled=False, clock=lambda: now[0]) as pf:
         out, stall = pf.get(7)
-        assert out == 7 and stall >= 0.05  # built synchronously: the whole build is waited for
-    with Prefetcher(slow) as pf:
-        assert pf.get(0)[1] >= 0.05  # nothing was built ahead of the first step
+        # Built synchronously: the whole build is waited for.
+        assert out == 7 and stall == pytest.approx(0.05)
+    with Prefetcher(slow, clock=lambda: now[0]) as pf:
+        assert pf.get(0)[1] == pytest.approx(0.05)  # nothing was built ahead of the first step
 
 
 def test_prefetcher_raises_the_builders_exception_in_the_caller() -> None:
