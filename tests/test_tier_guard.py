@@ -114,7 +114,9 @@ def test_a_unit_test_that_starts_a_process_ray_or_deepspeed_fails(
             "*" + says.format("test_builds_a_deepspeed_engine") + "built a DeepSpeed engine*",
         ]
     )
-    result.stdout.fnmatch_lines_random(["*Mark it `procs*", "*Mark it `ray*"])
+    result.stdout.fnmatch_lines_random(
+        ["*Mark it `procs (several*", "*Mark it `ray (a local Ray*", "*Mark it `procs (DeepSpeed*"]
+    )
 
 
 def test_every_test_needs_exactly_one_tier(pytester: pytest.Pytester) -> None:

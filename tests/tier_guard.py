@@ -40,7 +40,8 @@ from typing import Any
 import pytest
 
 PROCS = "procs (several local processes, no Ray)"
-RAY = "ray (a local Ray cluster or real DeepSpeed engines)"
+RAY = "ray (a local Ray cluster)"
+DEEPSPEED = "procs (DeepSpeed in processes of the test's own; it keeps process-wide state)"
 
 
 @dataclass
@@ -144,14 +145,19 @@ def _guard_ray(ray: Any) -> None:
 def _guard_deepspeed(deepspeed: Any) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    _guard(deepspeed, "initialize", lambda *a, **k: "built a DeepSpeed engine", RAY)
+    _guard(deepspeed, "initialize", lambda *a, **k: "built a DeepSpeed engine", DEEPSPEED)
     _guard(
         deepspeed,
         "init_distributed",
         lambda *a, **k: "initialized DeepSpeed's communication (deepspeed.init_distributed)",
-        RAY,
+        DEEPSPEED,
     )
-    _guard(DeepSpeedEngine, "__init__", lambda self, *a, **k: f"built a {type(self).__name__}", RAY)
+    _guard(
+        DeepSpeedEngine,
+        "__init__",
+        lambda self, *a, **k: f"built a {type(self).__name__}",
+        DEEPSPEED,
+    )
 
 
 class _WhenImported(importlib.abc.MetaPathFinder):
