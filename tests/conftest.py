@@ -1,6 +1,6 @@
 """Shared test fixtures.
 
-S3: a real S3-protocol HTTP server (moto's, as a subprocess) bound to 127.0.0.1, so
+S3: a real S3-protocol HTTP server (moto's, in a thread) bound to 127.0.0.1, so
 the S3 tests run the same s3fs/aiobotocore/boto3 code users run. These fixtures
 must never let a test reach a real AWS endpoint, a shared credentials file or an
 instance-metadata service: every request goes to 127.0.0.1.
@@ -12,13 +12,9 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +34,13 @@ from spotline.runtime.cluster import bind_to_loopback  # noqa: E402
 # `Cluster`, a `ray start --head` subprocess) listens on 127.0.0.1 only.
 bind_to_loopback()
 
-_MOTO_START_TIMEOUT_S = 60.0
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A `unit` test that starts a process, Ray or DeepSpeed fails (see tier_guard.py).
+    import tier_guard
+
+    config.pluginmanager.register(tier_guard, "tier_guard")
+
 
 # Faults a test injects into its own job's ranks (spotline.runtime.faults): one JSON
 # list per job name in this directory, which every worker learns through Ray's job
@@ -88,49 +90,20 @@ def _loopback_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Endpoint URL (http://127.0.0.1:PORT) of a moto S3 server running for the session."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("moto") / "server.log"
-    env = {**os.environ, **_loopback_env(), "AWS_EC2_METADATA_DISABLED": "true"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    url = f"http://127.0.0.1:{port}"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + _MOTO_START_TIMEOUT_S
+def s3_server() -> Iterator[str]:
+    """Endpoint URL (http://127.0.0.1:PORT) of a moto S3 server running for the session.
+
+    It serves from a thread of the test process (no process: the S3 tests stay in the
+    `unit` tier), on a port the kernel picks and the server keeps."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"moto S3 server exited with code {proc.returncode} before answering:\n"
-                    + Path(log_path).read_text(errors="replace")
-                )
-            try:
-                opener.open(url + "/", timeout=1).close()
-                break
-            except urllib.error.HTTPError:
-                break  # it answered, even if with an error status
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(
-                        f"moto S3 server on {url} did not answer within "
-                        f"{_MOTO_START_TIMEOUT_S:g} s:\n"
-                        + Path(log_path).read_text(errors="replace")
-                    )
-                time.sleep(0.1)
-        yield url
+        yield f"http://{host}:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ itself, played by `simulate` with blocking receives."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import time
 from types import MethodType
 
@@ -97,37 +96,6 @@ def test_forecast_restarts_when_the_schedule_changes():
     assert [w.seconds for w in f.next_step()] == [3.0, 3.0]
 
 
-def _executor_side(path, q):
-    chan = WindowChannel(path)
-    st = chan.wait_open(10.0)
-    q.put(None if st is None else (st.seq, st.open))
-    chan.count_slice()
-    q.put("accounted")
-
-
-def test_channel_wakes_the_other_process(tmp_path):
-    path = tmp_path / "window.chan"
-    chan = WindowChannel(path, create=True)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_executor_side, args=(str(path), q))
-    proc.start()
-    time.sleep(0.5)
-    chan.open_window(0.05)
-    assert q.get(timeout=30) == (1, 1)
-    assert q.get(timeout=30) == "accounted"
-    chan.close_window()
-    proc.join(timeout=30)
-    st = chan.state()
-    assert (st.open, st.slices) == (0, 1)
-    assert st.closed_ns > st.opened_ns > 0
-    chan.open_window(0.05)
-    assert chan.wait_open(0.05).seq == 2
-    chan.close_window()
-    assert chan.wait_open(0.05) is None  # closed: nothing to wait for
-    assert chan.state().closed_ns > st.closed_ns
-
-
 class _FakeEngine:
     """The two hooks StepRecorder replaces, as DeepSpeed's PipelineEngine has them."""
 
@@ -144,11 +112,12 @@ def test_recorder_times_the_engines_instructions_and_opens_windows(tmp_path):
     from deepspeed.runtime.pipe import schedule as ds
 
     calls = []
+    clock = _ScriptedHostClock()  # each instruction moves it by what it waited
 
     def make(name, wait_s):
         def fn(self, **kwargs):
             calls.append(name)
-            time.sleep(wait_s)
+            clock.now += wait_s
 
         return fn
 
@@ -158,7 +127,9 @@ def test_recorder_times_the_engines_instructions_and_opens_windows(tmp_path):
         ds.ForwardPass: make("ForwardPass", 0.0),
     }
     chan = WindowChannel(tmp_path / "c.chan", create=True)
-    rec = StepRecorder(stage=1, stages=2, micro_batches=1, channel=chan, min_window_s=0.001)
+    rec = StepRecorder(
+        stage=1, stages=2, micro_batches=1, channel=chan, min_window_s=0.001, clock=clock
+    )
     rec.attach(engine)
     from types import MethodType
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -244,43 +243,52 @@ def _write_jsonl(path: Path, rows: list) -> None:
 def test_prepare_jsonl_field_across_parts(
     bpe, corpus_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(prep, "PART_BYTES", 700)  # lines straddle part boundaries
+    # Lines straddle part boundaries; one worker tokenizes in this process (the pool of
+    # workers has its own test, in test_data_tokens_procs.py).
+    monkeypatch.setattr(prep, "PART_BYTES", 700)
     texts = [t[:300] for t in _texts(corpus_dir)] * 3
     src = tmp_path / "in"
     src.mkdir()
     rows = [{"id": i, "body": t} for i, t in enumerate(texts)]
     _write_jsonl(src / "a.jsonl", rows[:40] + [None] + rows[40:60])  # a blank line is skipped
     _write_jsonl(src / "b.json", rows[60:])
-    index = prepare(str(src), bpe, str(tmp_path / "ds"), text_field="body", progress=False)
+    index = prepare(
+        str(src), bpe, str(tmp_path / "ds"), text_field="body", progress=False, workers=1
+    )
     assert index["documents"] == len(texts)
     np.testing.assert_array_equal(_all_tokens(tmp_path / "ds"), _expected(bpe, texts))
     with pytest.raises(
         DataError,
         match=r"a\.jsonl: the line at byte 0 has no field 'text' \(it has: id, body\); set text_field",
     ):
-        prepare(str(src), bpe, str(tmp_path / "ds2"), progress=False)
+        prepare(str(src), bpe, str(tmp_path / "ds2"), progress=False, workers=1)
     (src / "c.jsonl").write_text('{"body": "ok"}\nnot json\n')
     with pytest.raises(DataError, match=r"c\.jsonl: the line at byte 15 is not JSON"):
-        prepare(str(src), bpe, str(tmp_path / "ds3"), text_field="body", progress=False)
+        prepare(str(src), bpe, str(tmp_path / "ds3"), text_field="body", progress=False, workers=1)
 
 
 def test_prepare_parquet_column(bpe, corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    monkeypatch.setattr(prep, "PART_BYTES", 2_000)
+    monkeypatch.setattr(prep, "PART_BYTES", 2_000)  # several parts, tokenized in this process
     texts = [t[:500] for t in _texts(corpus_dir)]
     src = tmp_path / "in"
     src.mkdir()
     table = pa.table({"n": list(range(len(texts))), "content": texts})
     pq.write_table(table, src / "data.parquet", row_group_size=7)
     index = prepare(
-        str(src / "data.parquet"), bpe, str(tmp_path / "ds"), column="content", progress=False
+        str(src / "data.parquet"),
+        bpe,
+        str(tmp_path / "ds"),
+        column="content",
+        progress=False,
+        workers=1,
     )
     assert index["documents"] == len(texts)
     assert index["inputs"][0]["column"] == "content"
     np.testing.assert_array_equal(_all_tokens(tmp_path / "ds"), _expected(bpe, texts))
     with pytest.raises(DataError, match=r"no column 'text' \(it has: n, content\); set column"):
-        prepare(str(src), bpe, str(tmp_path / "ds2"), progress=False)
+        prepare(str(src), bpe, str(tmp_path / "ds2"), progress=False, workers=1)
 
 
 def test_prepare_missing_pyarrow_says_what_to_install(monkeypatch) -> None:
@@ -296,21 +304,6 @@ def test_prepare_missing_pyarrow_says_what_to_install(monkeypatch) -> None:
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
     with pytest.raises(DataError, match="pip install pyarrow"):
         prep._import_pyarrow()
-
-
-def test_prepare_is_deterministic_whatever_the_workers(
-    bpe, corpus_dir: Path, tmp_path: Path, monkeypatch
-) -> None:
-    monkeypatch.setattr(prep, "PART_BYTES", 20_000)  # several parts, so the pool is used
-    runs = {}
-    for name, workers in (("a", 1), ("b", 1), ("c", 2)):
-        out = tmp_path / name
-        prepare(str(corpus_dir), bpe, str(out), shard_tokens=7_000, workers=workers, progress=False)
-        runs[name] = {p.name: p.read_bytes() for p in out.glob("*.npy")} | {
-            "index.json": (out / "index.json").read_bytes()
-        }
-    assert runs["a"] == runs["b"] == runs["c"]
-    assert len(runs["a"]) > 4
 
 
 def test_prepare_resumes(bpe, corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
@@ -641,15 +634,18 @@ def test_prefetcher_returns_batches_in_order_and_builds_ahead() -> None:
 
 
 def test_prefetcher_reports_the_stall() -> None:
+    now = [0.0]
+
     def slow(step: int) -> int:
-        time.sleep(0.05)
+        now[0] += 0.05  # a build takes 0.05 s of the prefetcher's clock
         return step
 
-    with Prefetcher(slow, enabled=False) as pf:
+    with Prefetcher(slow, enabled=False, clock=lambda: now[0]) as pf:
         out, stall = pf.get(7)
-        assert out == 7 and stall >= 0.05  # built synchronously: the whole build is waited for
-    with Prefetcher(slow) as pf:
-        assert pf.get(0)[1] >= 0.05  # nothing was built ahead of the first step
+        # Built synchronously: the whole build is waited for.
+        assert out == 7 and stall == pytest.approx(0.05)
+    with Prefetcher(slow, clock=lambda: now[0]) as pf:
+        assert pf.get(0)[1] == pytest.approx(0.05)  # nothing was built ahead of the first step
 
 
 def test_prefetcher_raises_the_builders_exception_in_the_caller() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gloo_ranks import join
 from spotline.config import load_spec
 from spotline.models import BuildOptions, build_sequential, model_def
 from spotline.models.provider import LayerDef, build_layer
@@ -235,7 +235,7 @@ _RSS_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.unit
+@pytest.mark.procs
 @pytest.mark.parametrize("init", ["init", "empty"])
 def test_a_stage_build_holds_about_the_stage_not_the_model(init):
     """Stage 1 of 4 of a Llama whose fp32 copy is about 4x the stage: the build's peak
@@ -269,12 +269,6 @@ def test_a_stage_build_holds_about_the_stage_not_the_model(init):
 
 
 # --- real engines: equal losses ---------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _engine_spec(make, stages: int, **over):
@@ -335,12 +329,12 @@ def _resume(make, rank: int, root: Path, stages: int, **over) -> dict:
     return {"reference": reference, "resumed": resumed, "refused": refused, "placed": placed}
 
 
-def _rank(rank: int, port: int, out: Path, q) -> None:
+def _rank(rank: int, ports, out: Path, q) -> None:
     try:
-        from spotline.train.process import Topology, init_distributed
+        from spotline.train.process import Topology
 
         torch.set_num_threads(1)
-        init_distributed(Topology(1, 2, rank), "127.0.0.1", port)
+        join(Topology(1, 2, rank), ports)
         r: dict = {}
         # Every pp=1 engine before the first pipeline: a pipeline engine leaves
         # DeepSpeed's process-wide model-parallel state behind it.
@@ -388,14 +382,13 @@ def _rank(rank: int, port: int, out: Path, q) -> None:
         q.put((rank, {"error": traceback.format_exc()}))
 
 
-@pytest.mark.ray
+@pytest.mark.procs
 def test_recomputed_and_compiled_blocks_train_the_same_losses(tmp_path):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, tmp_path, q)) for r in range(2)]
+    q, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, ports, tmp_path, q)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(q.get(timeout=600) for _ in procs)

@@ -12,28 +12,27 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 from datetime import timedelta
 
 import pytest
 
-pytestmark = pytest.mark.unit
+from gloo_ranks import rank_store
+
+pytestmark = pytest.mark.procs
 
 _WORLD = 4
 _TIMEOUT_S = 30.0
 
 
-def _rank(rank: int, port: int, cut: bool, out, survivors_done) -> None:
+def _rank(rank: int, ports, cut: bool, out, survivors_done) -> None:
     import torch
     import torch.distributed as dist
 
     from spotline.train.comms import comms_for
 
     torch.set_num_threads(1)
-    store = dist.TCPStore(
-        "127.0.0.1", port, _WORLD, is_master=rank == 0, timeout=timedelta(seconds=60)
-    )
+    store = rank_store(rank, _WORLD, ports, timeout_s=60)
     links = comms_for("gloo", rank)
     links.begin()  # after the store, as a rank does: its listener is not a link
     timeout = timedelta(seconds=_TIMEOUT_S)
@@ -61,11 +60,8 @@ def _rank(rank: int, port: int, cut: bool, out, survivors_done) -> None:
 
 def _run(cut: bool) -> dict[int, list[tuple[str, object]]]:
     ctx = mp.get_context("spawn")
-    out, done = ctx.Queue(), ctx.Event()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, port, cut, out, done)) for r in range(_WORLD)]
+    out, done, ports = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, ports, cut, out, done)) for r in range(_WORLD)]
     for p in procs:
         p.start()
     got: dict[int, list[tuple[str, object]]] = {r: [] for r in range(_WORLD)}

@@ -317,10 +317,14 @@ def test_a_rank_leaving_its_group_drops_the_saves_still_queued(tmp_path: Path):
     assert [r.step for r in up.take_done()] == [5]
 
 
-def test_surviving_replicas_take_the_first_indices_and_the_rest_end():
+def test_surviving_replicas_take_the_first_indices_and_the_rest_end(monkeypatch):
     """`adopt`: survivors fill replica 0, 1, ... in the order they come; one past the
     new size, one that ran on another device kind, or one on an avoided node ends."""
+    from spotline.runtime import survivors
     from spotline.runtime.survivors import Survivor, Survivors, adopt
+
+    ended: list[tuple[list, list]] = []  # what `end` was given (it kills with Ray)
+    monkeypatch.setattr(survivors, "end", lambda actors, pgs: ended.append((actors, pgs)))
 
     def replica(node: str, device: str = "cpu") -> Survivor:
         infos = [{"node_id": node, "device": device, "pid": 1}] * 2
@@ -337,7 +341,10 @@ def test_surviving_replicas_take_the_first_indices_and_the_rest_end():
     assert held.devices() == 10
     got = adopt(held, replicas=2, device="cpu", avoid={"e"})
     assert got == {0: a, 1: b}
+    rest = [gpu, cordoned, c]
+    assert ended == [([x for sv in rest for x in sv.actors], [sv.pg for sv in rest])]
     assert adopt(Survivors([a]), replicas=3, device="gpu", avoid=set()) == {}
+    assert ended[-1] == (a.actors, [a.pg])
 
 
 def test_leaving_a_process_group_forgets_deepspeeds_groups():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -249,11 +248,8 @@ def _engine_peaks(spec_dicts: list[dict], out) -> None:
     from spotline.train.process import Topology, init_distributed
     from spotline.train.trainer import Trainer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     topo = Topology(1, 1, 0)
-    init_distributed(topo, "127.0.0.1", port)
+    init_distributed(topo, "127.0.0.1", 0)  # the only rank: the kernel picks its port
     for raw in spec_dicts:
         spec = validate_dict(raw, "test")
         resolve_tokenizer(spec)
@@ -265,7 +261,7 @@ def _engine_peaks(spec_dicts: list[dict], out) -> None:
         del trainer
 
 
-@pytest.mark.ray
+@pytest.mark.procs
 def test_predicted_memory_is_within_20_percent_of_a_real_engine(tmp_path) -> None:
     import multiprocessing as mp
 
@@ -386,18 +382,19 @@ def test_a_custom_models_activations_are_charged_at_its_own_width(tmp_path) -> N
     assert saved / 3 <= planned.activation_bytes <= saved * 3, (planned, saved)
 
 
-def _pipeline_rank(raw: dict, rank: int, port: int, out) -> None:
+def _pipeline_rank(raw: dict, rank: int, ports, out) -> None:
     """One rank of a 2-stage pipeline (one replica): two steps, the peak over the second
     beside the plan's figure for its stage."""
+    from gloo_ranks import join
     from spotline.config.loader import validate_dict
     from spotline.preflight import resolve_tokenizer
-    from spotline.train.process import Topology, init_distributed
+    from spotline.train.process import Topology
     from spotline.train.trainer import Trainer
 
     spec = validate_dict(raw, "test")
     resolve_tokenizer(spec)
     topo = Topology(2, 1, rank)
-    init_distributed(topo, "127.0.0.1", port)
+    join(topo, ports)
     trainer = Trainer(spec, topo, threads=1)
     trainer.train_step()
     with TensorMemory() as m:
@@ -405,7 +402,7 @@ def _pipeline_rank(raw: dict, rank: int, port: int, out) -> None:
     out.put((rank, memory_per_device(spec, 1)[topo.stage].total_bytes, m.peak_bytes))
 
 
-@pytest.mark.ray
+@pytest.mark.procs
 @pytest.mark.parametrize("which", ["custom", "llama-tiny"])
 def test_pipeline_stages_memory_is_near_a_real_engine(which, tmp_path) -> None:
     """Each stage of a 2-stage pipeline, planned against a real DeepSpeed engine: a
@@ -418,12 +415,9 @@ def test_pipeline_stages_memory_is_near_a_real_engine(which, tmp_path) -> None:
         spec.model_dump(mode="json"),
         ["elastic.min_replicas=1", "elastic.max_replicas=1", "train.global_batch_size=8"],
     ).model_dump(mode="json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_pipeline_rank, args=(raw, r, port, out)) for r in (0, 1)]
+    out, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_pipeline_rank, args=(raw, r, ports, out)) for r in (0, 1)]
     for p in procs:
         p.start()
     got = sorted(out.get(timeout=300) for _ in procs)

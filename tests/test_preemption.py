@@ -79,9 +79,10 @@ class MetadataApp:
 class ImdsV2(MetadataApp):
     """EC2 IMDSv2: PUT a token, then GET with it; spot/instance-action 404s until set."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.tokens: dict[str, float] = {}  # token -> expiry (monotonic)
+        self.clock = clock
+        self.tokens: dict[str, float] = {}  # token -> expiry, on `clock`
         self.action: dict[str, str] | None = None
 
     def revoke_tokens(self) -> None:
@@ -94,12 +95,12 @@ class ImdsV2(MetadataApp):
             if not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
                 return Reply(400)
             token = uuid.uuid4().hex
-            self.tokens[token] = time.monotonic() + int(ttl)
+            self.tokens[token] = self.clock() + int(ttl)
             return Reply(200, token, {"X-aws-ec2-metadata-token-ttl-seconds": ttl})
         if method != "GET":
             return Reply(405)
         token = headers.get("x-aws-ec2-metadata-token")
-        if token is None or self.tokens.get(token, 0.0) < time.monotonic():
+        if token is None or self.tokens.get(token, 0.0) < self.clock():
             return Reply(401)
         if path == AwsSource.ACTION_PATH:
             if self.action is None:
@@ -332,11 +333,12 @@ def test_aws_refreshes_a_revoked_token_after_401(serve: Callable[[MetadataApp], 
 def test_aws_renews_the_token_before_its_ttl_runs_out(
     serve: Callable[[MetadataApp], str],
 ) -> None:
-    imds = ImdsV2()
-    src = AwsSource(spec("aws", serve(imds)), token_ttl_s=1)
+    now = [1000.0]  # one clock for the server's token and the source's
+    imds = ImdsV2(clock=lambda: now[0])
+    src = AwsSource(spec("aws", serve(imds)), token_ttl_s=1, clock=lambda: now[0])
     assert src.poll() is None and src.poll() is None
     assert imds.count("PUT") == 1
-    time.sleep(1.05)
+    now[0] += 1.05  # past the token's 1 s
     assert src.poll() is None
     assert imds.count("PUT") == 2
     assert 401 not in imds.statuses  # renewed ahead of time: never sent an expired token
@@ -581,13 +583,14 @@ def test_watcher_over_real_sources(
     got: list[Notice] = []
     with NoticeWatcher([gcp, sig], lambda n: got.append(n) or True):
         assert sig.installed  # type: ignore[attr-defined]
-        time.sleep(0.1)
+        assert _wait_for(lambda: md.count("GET") >= 3)  # several polls
         assert got == []
         md.preempted = True
         assert _wait_for(lambda: len(got) == 1)
         os.kill(os.getpid(), signal.SIGTERM)
         assert _wait_for(lambda: len(got) == 2)
-        time.sleep(0.2)  # several more polls of both: nothing new
+        polled = md.count("GET")
+        assert _wait_for(lambda: md.count("GET") >= polled + 5)  # several more: nothing new
     assert [n.source for n in got] == ["gcp", "sigterm"]
     assert not sig.installed  # type: ignore[attr-defined]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -32,8 +31,9 @@ import torch
 import torch.multiprocessing as mp
 
 import portable_ref as portable  # tests/: the full-state reference (collective)
+from gloo_ranks import join
 
-pytestmark = pytest.mark.ray
+pytestmark = pytest.mark.procs
 
 CHUNK_B = 1024  # checkpoint B is hashed in small chunks, so a D=2 load reads parts of entries
 
@@ -119,13 +119,13 @@ def _no_collectives(what: str):
             setattr(mod, name, fn)
 
 
-def _trainer(stages, replicas, rank, port, **over):
-    from spotline.train.process import Topology, init_distributed
+def _trainer(stages, replicas, rank, ports, **over):
+    from spotline.train.process import Topology
     from spotline.train.trainer import Trainer
 
     topo = Topology(stages, replicas, rank)
     if not torch.distributed.is_initialized():
-        init_distributed(topo, "127.0.0.1", port)
+        join(topo, ports)
     return Trainer(_spec(stages, replicas, **over), topo, threads=1)
 
 
@@ -227,9 +227,9 @@ def _exact(trainer, ref: dict) -> dict:
     }
 
 
-def _phase_a(rank, port, out):
+def _phase_a(rank, ports, out):
     """(2,2): save A at step 2; the same-shape load reads only this rank's share."""
-    trainer = _trainer(2, 2, rank, port)
+    trainer = _trainer(2, 2, rank, ports)
     r = {"losses": [trainer.train_step() for _ in range(2)]}
     portable.save_reference(trainer, out / "portable")  # the reference (and C's full load)
     r["save"] = _save(trainer, out / "shards")
@@ -248,14 +248,14 @@ def _phase_a(rank, port, out):
     trainer.prefetch.close()
     # bf16 without ZeRO on a pipeline: DeepSpeed's BF16_Optimizer (a second engine in
     # the same processes).
-    bf16 = _trainer(2, 2, rank, port, **{"parallel.zero_stage": 0, "parallel.precision": "bf16"})
+    bf16 = _trainer(2, 2, rank, ports, **{"parallel.zero_stage": 0, "parallel.precision": "bf16"})
     r["bf16_pipe"] = _round_trip(bf16, out / "bf16_pipe")
     return r
 
 
-def _phase_b(rank, port, a, out):
+def _phase_b(rank, ports, a, out):
     """(1,1) from A; save B (small hash chunks) at step 4."""
-    trainer = _trainer(1, 1, rank, port)
+    trainer = _trainer(1, 1, rank, ports)
     r = {"load": _load(trainer, a / "shards", 2)}
     r.update(_exact(trainer, _ref(a / "portable", 2)))
     r["losses"] = [trainer.train_step() for _ in range(2)]
@@ -264,9 +264,9 @@ def _phase_b(rank, port, a, out):
     return r
 
 
-def _phase_c(rank, port, a, b, out):
+def _phase_c(rank, ports, a, b, out):
     """(2,1): the DP-only change from A (portable load vs sharded load), then from B."""
-    trainer = _trainer(2, 1, rank, port)
+    trainer = _trainer(2, 1, rank, ports)
     # Reference: the existing, full-tensor load of the same checkpoint, then 2 steps.
     portable.load_reference(trainer, a / "portable", 2)
     r = {"portable_losses": [trainer.train_step() for _ in range(2)]}
@@ -283,9 +283,9 @@ def _phase_c(rank, port, a, b, out):
     return r
 
 
-def _phase_d(rank, port, c):
+def _phase_d(rank, ports, c):
     """(4,1) from C."""
-    trainer = _trainer(4, 1, rank, port)
+    trainer = _trainer(4, 1, rank, ports)
     r = {"load": _load(trainer, c / "shards", 6)}
     r.update(_exact(trainer, _ref(c / "portable", 6)))
     r["losses"] = [trainer.train_step()]
@@ -372,17 +372,17 @@ def _errors(trainer, root: Path) -> dict:
     return out
 
 
-def _phase_v(rank, port, b, out):
+def _phase_v(rank, ports, b, out):
     """(1,2): round trips per ZeRO stage / precision; B (1,1) read in parts at D=2."""
     r = {}
     for name, over in VARIANTS.items():
-        trainer = _trainer(1, 2, rank, port, **over)
+        trainer = _trainer(1, 2, rank, ports, **over)
         r[name] = _round_trip(trainer, out / name)
         if name == "zero2":
             r["errors"] = _errors(trainer, out / name)
         trainer.prefetch.close()
         del trainer
-    trainer = _trainer(1, 2, rank, port)
+    trainer = _trainer(1, 2, rank, ports)
     r["partial"] = {"load": _load(trainer, b / "shards", 4)}
     r["partial"].update(_exact(trainer, _ref(b / "portable", 4)))
     r["partial"]["stage_bytes"] = _stage_bytes(b / "shards", 0)
@@ -392,23 +392,20 @@ def _phase_v(rank, port, b, out):
 _PHASES = {"a": _phase_a, "b": _phase_b, "c": _phase_c, "d": _phase_d, "v": _phase_v}
 
 
-def _rank_main(rank, port, phase, args, queue):
+def _rank_main(rank, ports, phase, args, queue):
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        report = _PHASES[phase](rank, port, *args)
+        report = _PHASES[phase](rank, ports, *args)
         queue.put({"rank": rank, **report})
     except BaseException:  # noqa: BLE001 - shipped to the test
         queue.put({"rank": rank, "error": traceback.format_exc()})
 
 
 def _launch(world: int, phase: str, *args) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, ports = ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, port, phase, args, queue)) for r in range(world)
+        ctx.Process(target=_rank_main, args=(r, ports, phase, args, queue)) for r in range(world)
     ]
     for p in procs:
         p.start()

@@ -88,18 +88,22 @@ def spot_cluster():
 
     had_local = ray.is_initialized()
     ray.shutdown()
-    c = SpotCluster()
-    ray.init(
-        address=c.cluster.address,
-        log_to_driver=False,
-        logging_level="WARNING",
-        runtime_env={"env_vars": WORKER_ENV},
-    )
+    c = None
     try:
+        c = SpotCluster()
+        ray.init(
+            address=c.cluster.address,
+            log_to_driver=False,
+            logging_level="WARNING",
+            runtime_env={"env_vars": WORKER_ENV},
+        )
         yield c
     finally:
+        # Even when this cluster failed to start: the session's own is started again,
+        # or every later `ray` test would run on a bare cluster Ray starts by itself.
         ray.shutdown()
-        c.cluster.shutdown()
+        if c is not None:
+            c.cluster.shutdown()
         if had_local:
             init_local_ray()
 

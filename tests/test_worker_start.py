@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.unit
-
 
 def _fresh(code: str) -> str:
+    """What a fresh interpreter prints last: a new rank's process, as it starts."""
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.procs
 def test_deepspeed_loads_without_mlflow_and_mlflow_still_imports() -> None:
     pytest.importorskip("mlflow")  # what makes DeepSpeed's import slow is its presence
     got = _fresh(
@@ -34,6 +34,7 @@ def test_deepspeed_loads_without_mlflow_and_mlflow_still_imports() -> None:
     assert got == "False False True deepspeed"
 
 
+@pytest.mark.procs
 def test_a_plain_import_of_deepspeed_does_load_mlflow() -> None:
     """The cost the helper avoids is real in this environment (else the test above
     would pass on its own)."""
@@ -51,6 +52,7 @@ _ENGINE_CHECK = (
 )
 
 
+@pytest.mark.procs
 def test_the_engine_check_of_muon_does_not_load_the_compiler() -> None:
     """`is_zero_supported_optimizer`, run by every engine build, imports Muon's module;
     after `import_deepspeed` its compiled functions wait for their first call."""
@@ -58,10 +60,12 @@ def test_the_engine_check_of_muon_does_not_load_the_compiler() -> None:
     assert _fresh(_ENGINE_CHECK.format(imp=imp)) == "False True"
 
 
+@pytest.mark.procs
 def test_a_plain_import_of_muon_does_load_the_compiler() -> None:
     assert _fresh(_ENGINE_CHECK.format(imp="import deepspeed")) == "True True"
 
 
+@pytest.mark.unit
 def test_a_deferred_compile_compiles_once_at_the_first_call_with_its_options() -> None:
     from spotline.train.process import compile_on_first_call
 

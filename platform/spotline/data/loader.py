@@ -21,9 +21,15 @@ T = TypeVar("T")
 
 
 class Prefetcher(Generic[T]):
-    def __init__(self, make: Callable[[int], T], enabled: bool = True):
+    def __init__(
+        self,
+        make: Callable[[int], T],
+        enabled: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.make = make
         self.enabled = enabled
+        self._clock = clock  # what a stall is measured on
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[int, Future[T]] | None = None
         self._lock = threading.Lock()
@@ -32,13 +38,13 @@ class Prefetcher(Generic[T]):
     def get(self, step: int) -> tuple[T, float]:
         """Step `step`'s batches and the seconds this call waited for them; then starts
         building step + 1."""
-        t0 = time.perf_counter()
+        t0 = self._clock()
         with self._lock:
             if self._closed:
                 raise RuntimeError("Prefetcher.get after close()")
             if not self.enabled:
                 out = self.make(step)
-                return out, time.perf_counter() - t0
+                return out, self._clock() - t0
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="spotline-prefetch")
             ahead, self._ahead = self._ahead, None
@@ -49,7 +55,7 @@ class Prefetcher(Generic[T]):
                     ahead[1].cancel()  # another step was asked for: drop it
                 fut = self._pool.submit(self.make, step)
             out = fut.result()  # re-raises the builder's exception here
-            stall = time.perf_counter() - t0
+            stall = self._clock() - t0
             self._ahead = (step + 1, self._pool.submit(self.make, step + 1))
             return out, stall
 

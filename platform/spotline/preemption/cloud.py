@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -128,21 +129,23 @@ class AwsSource(HttpNoticeSource):
         node_id: str | None = None,
         *,
         token_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(spec, node_id)
         ttl = SPOTLINE_AWS_IMDS_TOKEN_TTL_S if token_ttl_s is None else token_ttl_s
         self.token_ttl_s = int(min(max(ttl, 1), 21600))
+        self._clock = clock  # for the token's lifetime
         self._token: str | None = None
-        self._token_expires = 0.0  # time.monotonic()
+        self._token_expires = 0.0  # on self._clock
         self._first_seen: float | None = None
 
     def _get_token(self, refresh: bool = False) -> str | None:
         # Renew a little before expiry so a GET never carries a token that dies in flight.
         margin = min(60.0, self.token_ttl_s * 0.1)
-        if not refresh and self._token and time.monotonic() < self._token_expires - margin:
+        if not refresh and self._token and self._clock() < self._token_expires - margin:
             return self._token
         self._token = None
-        asked_at = time.monotonic()
+        asked_at = self._clock()
         resp = self._request(
             "PUT", self.TOKEN_PATH, {self.TTL_HEADER: str(self.token_ttl_s)}, reason="token PUT"
         )
