@@ -303,7 +303,7 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
     now = ctl.clock.wall()
     partition_now = ctl.partitions.current
     attempts = [asdict(a) for a in r.attempts]
-    if attempts and group is not None:  # the live group's, as measured so far
+    if attempts and r.attempts[-1].device:  # the latest group that started: as measured
         attempts[-1]["partition"] = dict(partition_now)
     return Snapshot(
         name=ctl.spec.name,
