@@ -329,16 +329,16 @@ def _trial_row(result, metric: str) -> dict:
 
 
 def _cut_steps(trace: dict, steps: str) -> dict:
-    """The trace cut to --steps FIRST-LAST (or one step)."""
+    """The trace cut to --steps A-B (or one step)."""
     from spotline.bubbles.trace import cut_steps
 
     first, _, last = steps.partition("-")
     try:
         a, b = int(first), int(last or first)
     except ValueError:
-        raise SpecError(f"--steps {steps!r}: give FIRST-LAST, e.g. 120-130, or one step") from None
+        raise SpecError(f"--steps {steps!r}: give A-B, e.g. 120-130, or one step") from None
     if a < 1 or b < a:
-        raise SpecError(f"--steps {steps!r}: give FIRST-LAST with 1 <= FIRST <= LAST")
+        raise SpecError(f"--steps {steps!r}: give A-B with 1 <= A <= B")
     try:
         return cut_steps(trace, a, b)
     except ValueError as e:

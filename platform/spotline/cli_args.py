@@ -260,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument(
         "--steps",
         default=None,
-        metavar="FIRST-LAST",
-        help="only these steps, e.g. 120-130 or 125 (default: every step the job recorded: "
+        metavar="A-B",
+        help="only steps A to B, e.g. 120-130 (or one step: 125) (default: every step the job recorded: "
         "the last 32 of each rank)",
     )
     _address(trace, "to look for a running job on")
