@@ -328,3 +328,13 @@ def test_chaos_refuses_bad_input_in_one_line_before_starting_anything(tmp_path, 
     (out / "verdict.md").write_text("an earlier report")
     assert main(["chaos", QUICKSTART, "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_the_first_resume_skips_a_group_that_never_started():
+    from spotline.chaos.run import first_resume
+
+    failed_start = {"losses": [], "restored_from": None}
+    trained = {"losses": [[1, 3.0], [2, 2.9]], "restored_from": None}
+    assert first_resume([failed_start, trained]) is None
+    assert first_resume([failed_start, trained, {"losses": [], "restored_from": 2}]) == 2
+    assert first_resume([trained, {"losses": [], "restored_from": None}]) == 0

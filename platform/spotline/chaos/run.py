@@ -162,6 +162,9 @@ class Rehearsal:
         run = self._start(self.chaos.spec, arm)
         self._until_first_step(run, arm)
         todo = self.trace.timeline()
+        # The trace numbers the nodes 0..N-1 at the start, then one more per join; a
+        # reused cluster's fresh nodes may carry other numbers.
+        self.numbers = dict(enumerate(cluster.live()))
         applied: list[Applied] = []
         assert arm.t0 is not None
         end = arm.t0 + self.trace.duration_s
@@ -247,15 +250,15 @@ class Rehearsal:
 
         result = ray.get(run.controller.result.remote())
         running = st["state"] == "running" and st["workers"]
-        node_id = cluster.node_id(e.node) if e.kind != "join" else ""
+        node_id = cluster.node_id(self.numbers[e.node]) if e.kind != "join" else ""
         hit = node_id in {w["node_id"] for w in st["workers"] or []}
         if e.kind == "notice":
-            cluster.notice(e.node, e.deadline_s, then_remove=False)
+            cluster.notice(self.numbers[e.node], e.deadline_s, then_remove=False)
         elif e.kind in ("loss", "gone"):
-            cluster.lose(e.node, kind=e.kind)
+            cluster.lose(self.numbers[e.node], kind=e.kind)
         else:
-            number = cluster.join()
-            node_id = cluster.node_id(number)
+            self.numbers[e.node] = cluster.join()
+            node_id = cluster.node_id(self.numbers[e.node])
         now = time.time()
         a = Applied(
             at=now - (arm.t0 or now),
@@ -303,7 +306,7 @@ class Rehearsal:
         losses = {int(k): v for k, v in (res.get("losses") or {}).items()}
         ref_losses = {int(k): v for k, v in (ref.result.get("losses") or {}).items()}
         diff = first_difference(losses, ref_losses, committed, self.tolerance)
-        first_restart = (attempts[1].get("restored_from") or 0) if len(attempts) > 1 else None
+        first_restart = first_resume(attempts)
         data_pure = None
         if diff.first is not None:
             data_pure = probe_data(self.chaos.spec, diff.first)
@@ -355,12 +358,22 @@ class Rehearsal:
             "losses": {str(k): v for k, v in sorted(losses.items())},
             "reference_losses": {str(k): v for k, v in sorted(ref_losses.items())},
             "samples": chaos.samples,
-            "node_log": [e.to_dict() for e in self.cluster.log],
+            "node_log": self._node_log(chaos),
             "applied": [asdict(a) for a in applied],
             "attempts": [_attempt(a) for a in attempts],
             "log": [(t, line) for t, line in chaos.log],
             "summary": chaos.summary,
         }
+
+    def _node_log(self, chaos: Arm) -> list[dict[str, Any]]:
+        """What the cluster did to the rehearsal's nodes until it ended, numbered as the
+        trace numbers them."""
+        trace_number = {n: t for t, n in self.numbers.items()}
+        return [
+            {**e.to_dict(), "node": trace_number[e.node]}
+            for e in self.cluster.log
+            if e.node in trace_number and e.t <= chaos.ended
+        ]
 
 
 def _arm_figures(arm: Arm, committed: int) -> dict[str, Any]:
@@ -378,6 +391,17 @@ def _arm_figures(arm: Arm, committed: int) -> dict[str, Any]:
         "notices": r.get("notices") or [],
         "waited_s": r.get("waited_s"),
     }
+
+
+def first_resume(attempts: list[dict[str, Any]]) -> int | None:
+    """The step the first group after one that trained resumed from (0: from scratch);
+    None when no group followed one that trained (a failed start trains nothing)."""
+    trained = False
+    for a in attempts:
+        if trained:
+            return a.get("restored_from") or 0
+        trained = bool(a.get("losses"))
+    return None
 
 
 def _attempt(a: dict[str, Any]) -> dict[str, Any]:
