@@ -56,8 +56,10 @@ class Arm:
 
     def reached(self, step: int) -> float | None:
         """Seconds from its first step until it first reached `step`."""
+        if self.t0 is None or step < 1:
+            return None
         for s in self.samples:
-            if s["step"] >= step and self.t0 is not None:
+            if s["step"] >= step and s["t"] >= self.t0:
                 return s["t"] - self.t0
         return None
 
@@ -140,9 +142,12 @@ class Rehearsal:
             self.cluster = cluster
             chaos_arm, applied, unreplayed = self._rehearse(cluster)
             committed = max(chaos_arm.result.get("committed_steps") or [0])
-            cluster.reset(t.nodes)
-            self.say(f"the same job uninterrupted, from the same seed, to step {committed}")
-            ref_arm = self._uninterrupted(committed)
+            if committed:
+                cluster.reset(t.nodes)
+                self.say(f"the same job uninterrupted, from the same seed, to step {committed}")
+                ref_arm = self._uninterrupted(committed)
+            else:  # nothing to compare: the uninterrupted run would tell nothing
+                ref_arm = Arm("reference")
         finally:
             if own and cluster is not None:
                 cluster.close()
@@ -311,7 +316,7 @@ class Rehearsal:
         if diff.first is not None:
             data_pure = probe_data(self.chaos.spec, diff.first)
         t_chaos, t_ref = chaos.reached(committed), ref.reached(committed)
-        goodput = t_ref / t_chaos if t_chaos and t_ref else None
+        goodput = t_ref / t_chaos if t_chaos and t_ref else (0.0 if not committed else None)
         reports = event_reports(
             applied, attempts, res.get("notices") or [], res.get("recoveries") or [], chaos.samples
         )

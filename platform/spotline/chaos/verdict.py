@@ -326,7 +326,12 @@ def judge(
         fails.append(f"the job failed: {error}")
     v = Verdict("FAIL")
     if diff.compared == 0:
-        fails.append("no committed step to compare with the uninterrupted run")
+        trained = max((r.step for r in reports), default=0)
+        fails.append(
+            "the job committed no step under the trace, so nothing was kept"
+            + (f" (it trained to step {trained} at most)" if trained else "")
+            + ": see what its settings cost below, and the timeline"
+        )
     elif diff.first is None:
         v.exact_resume = True
         rest = diff.compared - diff.identical
