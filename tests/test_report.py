@@ -174,3 +174,80 @@ def test_watching_a_job_that_ends_shows_how_it_ended(tmp_path):
     out = io.StringIO()
     print_status(fetch, watch=0.01, console=Console(file=out, width=120))
     assert "finished" in out.getvalue() and "300 / 300" in out.getvalue()
+
+
+def test_the_goodput_chart_speaks_in_human_units_and_names():
+    from spotline.report import PART_NAMES, goodput_figure
+
+    s = _summary()
+    s["ledger"]["device_s"] = {**s["ledger"]["device_s"], "startup_other": 900.0}
+    fig = goodput_figure(s)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert "useful compute" in labels and "start-up and other" in labels
+    assert not any("_" in label for label in labels)
+    assert ax.get_ylabel() == "device-minutes"
+    assert "start-up is" in ax.get_title() and "short run" in ax.get_title()
+    texts = " ".join(t.get_text() for t in ax.texts)
+    assert "e-0" not in texts and "%" in texts
+    assert set(PART_NAMES) >= {"useful", "bubble_unfilled", "startup_other"}
+
+
+def test_the_step_time_chart_names_what_made_steps_slow():
+    from spotline.report import spike_causes, step_marks
+
+    s = _summary() | {
+        "committed_steps": [50, 100],
+        "history": [
+            {"step": 40, "step_s": 0.1},
+            {"step": 50, "step_s": 0.4},  # a save in it
+            {"step": 60, "step_s": 0.1},
+            {"step": 55, "step_s": 0.1},  # a group resumed from an earlier step
+            {"step": 70, "step_s": 0.1},
+            {"step": 80, "step_s": 0.5},  # nothing known: left unlabelled
+            {"step": 90, "step_s": 0.1},
+        ],
+        "peer_memory": {"every_steps": 30, "chosen": "fixed"},
+    }
+    marks = step_marks(s)
+    assert ("save", 50) in marks and ("notice", 60) in marks and ("restart", 55) in marks
+    assert ("peer copy", 30) in marks and ("peer copy", 90) in marks
+    assert spike_causes(s["history"], marks) == {(50, 0.4): "save"}
+    fig = step_time_figure(s)
+    assert len(fig.axes[0].lines) >= 2  # the history drawn in pieces, not back in time
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"checkpoint save", "restart / resize", "peer copy (every 30 steps)"} <= set(labels)
+
+
+def test_a_trace_is_cut_to_a_range_of_steps():
+    from spotline.bubbles.trace import cut_steps
+
+    trace = chrome_trace(
+        [
+            {
+                "stage": 0,
+                "replica": 0,
+                "rank": 0,
+                "steps_timeline": [
+                    {"step": k, "start_ns": k * 10**8, "instrs": [("ForwardPass", 0, 0.0, 0.01)]}
+                    for k in range(5, 10)
+                ],
+            }
+        ]
+    )
+    cut = cut_steps(trace, 6, 7)
+    steps = {e["args"]["step"] for e in cut["traceEvents"] if e.get("ph") == "X"}
+    assert steps == {6, 7} and cut["otherData"]["steps"] == [6, 7]
+    with pytest.raises(ValueError, match="holds steps 5-9"):
+        cut_steps(trace, 20, 30)
+
+
+def test_the_book_keeps_the_steps_of_earlier_polls_for_the_trace():
+    from spotline.bubbles.book import TRACE_STEPS, BubbleBook
+
+    book = BubbleBook(2)
+    for first in range(1, 60, 4):
+        steps = [{"step": k, "start_ns": k, "instrs": []} for k in range(first, first + 4)]
+        book.add([{"stage": 0, "replica": 0, "rank": 0, "steps_timeline": steps}], 4)
+    kept = [s["step"] for s in book.latest[0]["steps_timeline"]]
+    assert kept == list(range(61 - TRACE_STEPS, 61))

@@ -1,5 +1,5 @@
-"""`spotline` command line: run, validate, plan, submit, status, report, trace, stacks,
-prepare, tokenizer, sweep, export. The commands, their options and help live in
+"""`spotline` command line: run, validate, plan, submit, status, report, trace, chaos,
+stacks, prepare, tokenizer, sweep, export. The commands, their options and help live in
 `spotline.cli_args`; this module carries them out.
 
 Every way a command can fail ends in one line on stderr that says what happened and
@@ -129,6 +129,8 @@ def ray_auth_mode(args: argparse.Namespace, ray_address: str | None, token_exist
     turns it on when a token exists. None: an explicit address (Ray decides silently),
     or a command that never touches Ray."""
     address = ray_address or getattr(args, "address", None)
+    if args.cmd == "chaos":
+        return "token"  # it always starts a local cluster of its own
     starts = args.cmd in ("run", "sweep")
     if starts and not address:
         return "token"
@@ -326,6 +328,57 @@ def _trial_row(result, metric: str) -> dict:
     }
 
 
+def _cut_steps(trace: dict, steps: str) -> dict:
+    """The trace cut to --steps A-B (or one step)."""
+    from spotline.bubbles.trace import cut_steps
+
+    first, _, last = steps.partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise SpecError(f"--steps {steps!r}: give A-B, e.g. 120-130, or one step") from None
+    if a < 1 or b < a:
+        raise SpecError(f"--steps {steps!r}: give A-B with 1 <= A <= B")
+    try:
+        return cut_steps(trace, a, b)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+
+
+def _chaos(args) -> int:
+    """Rehearse the job against the trace; exit 0 on PASS, 1 on FAIL."""
+    from spotline.chaos.report import VERDICT, render_verdict
+    from spotline.chaos.run import run_chaos
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise SpecError(
+            f"--out {out}: it already holds files (a report of an earlier rehearsal?); give "
+            "another --out, or --overwrite to replace it"
+        )
+    job = _job_from_args(args)
+    figures = run_chaos(
+        job.spec,
+        args.trace,
+        out,
+        duration_s=args.duration,
+        nodes=args.nodes,
+        scale_model=args.scale_model,
+        min_goodput=args.min_goodput,
+        tolerance=args.tolerance,
+    )
+    if _shown(args):
+        print()
+        print(render_verdict(figures))
+    print(f"wrote {out}/ ({VERDICT}, timeline.png, events.log, chaos.json and the job's charts)")
+    _write_json(args, {k: v for k, v in figures.items() if k not in _CHAOS_BULK})
+    return 0 if figures["verdict"] == "PASS" else 1
+
+
+# What chaos.json keeps for redrawing its report, and --json leaves out.
+_CHAOS_BULK = ("samples", "log", "summary", "node_log", "losses", "reference_losses")
+
+
 def _one_line(text: str) -> str:
     return _redact(" ".join(str(text).split()))
 
@@ -393,8 +446,13 @@ def _dispatch(args) -> int:
     if args.cmd == "status":
         return _status(args)
     if args.cmd == "report":
+        from spotline.chaos.report import is_chaos_report, redraw
         from spotline.report import write_report
 
+        if is_chaos_report(args.job):  # a `spotline chaos` report directory
+            for path in redraw(Path(args.job)):
+                print(f"wrote {path}")
+            return 0
         summary = summary_source(args.job, args.address)()
         trace = read_trace(args.job, args.address, required=False)
         for path in write_report(summary, trace, Path(args.out)):
@@ -402,10 +460,14 @@ def _dispatch(args) -> int:
         return 0
     if args.cmd == "trace":
         trace = read_trace(args.job, args.address, required=True)
+        if args.steps:
+            trace = _cut_steps(trace, args.steps)
         with open(args.out, "w") as f:
             json.dump(trace, f)
         print(f"wrote {args.out}: open it at https://ui.perfetto.dev or chrome://tracing")
         return 0
+    if args.cmd == "chaos":
+        return _chaos(args)
     if args.cmd == "stacks":
         return _stacks(args)
     if args.cmd == "prepare":

@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "report",
         "write PNG plots of a job: loss, step time, bubbles, goodput",
-        "Also stacks.txt when the job hung.",
+        "Also stacks.txt when the job hung. Given a `spotline chaos` report directory, "
+        "draws its timeline and charts again.",
     )
     _job_arg(report)
     report.add_argument(
@@ -247,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         "trace",
         "write a job's pipeline timeline as Chrome-trace JSON for Perfetto",
         "Open it at https://ui.perfetto.dev: one track per stage and replica, with the "
-        "backfill units beside them. Pipelined jobs only.",
+        "backfill units beside them, over the last recorded steps (or those of --steps). "
+        "Pipelined jobs only.",
     )
     _job_arg(trace)
     trace.add_argument(
@@ -255,7 +257,75 @@ def build_parser() -> argparse.ArgumentParser:
         default="spotline-trace.json",
         help="where to write the trace (default: ./spotline-trace.json)",
     )
+    trace.add_argument(
+        "--steps",
+        default=None,
+        metavar="A-B",
+        help="only steps A to B, e.g. 120-130 (or one step: 125) (default: every step the job recorded: "
+        "the last 32 of each rank)",
+    )
     _address(trace, "to look for a running job on")
+
+    chaos = _add(
+        sub,
+        "chaos",
+        "rehearse a job against a spot trace on this machine, and judge how it survives",
+        "Runs the job on a local cluster of simulated spot nodes (127.0.0.1, CPU compute) "
+        "while a trace gives notices, losses and joins; then runs it uninterrupted from "
+        "the same seed to the same step, and reports exact resume, lost work, notice -> "
+        "commit, loss -> training again, goodput and what the job's settings cost, with a "
+        "PASS/FAIL verdict (exit 0/1). Writes a report directory. Traces: gentle, stormy, "
+        "aws-2min, gcp-30s, azure-30s, or a JSON trace file (docs/guide/chaos.md).",
+    )
+    _spec_args(chaos)
+    chaos.add_argument(
+        "--trace",
+        default="gentle",
+        help="a built-in trace (gentle, stormy, aws-2min, gcp-30s, azure-30s) or a JSON "
+        "trace file (default: gentle)",
+    )
+    chaos.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds the trace lasts from the job's first step (default: the trace's own: "
+        "gentle 60, stormy 120, aws-2min 420, gcp-30s and azure-30s 150)",
+    )
+    chaos.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulated spot nodes at the start, one replica each (default: the trace "
+        "file's nodes, else elastic.max_replicas)",
+    )
+    chaos.add_argument(
+        "--scale-model",
+        action="store_true",
+        help="shrink a gpt or llama model (and an outsized batch) to what trains on a few "
+        "cores; the run says what it changed",
+    )
+    chaos.add_argument(
+        "--min-goodput",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="also fail below this goodput, e.g. 0.8 (default: goodput is reported, not judged)",
+    )
+    chaos.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="relative difference under which two losses count as equal",
+    )
+    chaos.add_argument(
+        "--out",
+        default="spotline-chaos",
+        help="the report directory (default: ./spotline-chaos/)",
+    )
+    _overwrite(chaos, "a report already in --out")
+    _json(chaos, "the verdict and every figure", "the verdict")
 
     stacks = _add(
         sub,

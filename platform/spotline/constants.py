@@ -122,3 +122,9 @@ SPOTLINE_TRACKER_QUEUE_SIZE = int(_env_float("SPOTLINE_TRACKER_QUEUE_SIZE", 1000
 # How long the end of a job waits for the trackers to write what they still hold and
 # close their runs (a tracker server that does not answer must not hold the job's end).
 SPOTLINE_TRACKER_CLOSE_TIMEOUT_S = _env_float("SPOTLINE_TRACKER_CLOSE_TIMEOUT_S", 30.0)
+
+# `spotline chaos`: how often the driver reads the job's status (the timeline's
+# resolution), and how long a job may take to train its first step before the
+# rehearsal gives up on it.
+SPOTLINE_CHAOS_POLL_S = _env_float("SPOTLINE_CHAOS_POLL_S", 0.2)
+SPOTLINE_CHAOS_START_TIMEOUT_S = _env_float("SPOTLINE_CHAOS_START_TIMEOUT_S", 900.0)

@@ -362,19 +362,56 @@ def loss_figure(s: dict[str, Any]):
 
 
 def step_time_figure(s: dict[str, Any]):
-    """Seconds per step, with preemption notices and restarts/resizes marked."""
+    """Seconds per step, with saves (periodic and just-in-time), restarts and resizes,
+    and peer copies of a fixed interval marked; a spike says which fell in it."""
     fig, ax = _figure(8, 4.5)
     hist = s.get("history") or []
-    if hist:
-        ax.plot([h["step"] for h in hist], [h["step_s"] for h in hist], lw=1, label="step time")
-    for n in s.get("notices") or []:
-        if n.get("committed_step") is not None:
-            ax.axvline(
-                n["committed_step"], color="tab:red", ls="--", lw=1, label="preemption notice"
-            )
-    for r in s.get("resizes") or []:
-        ax.axvline(r["step"], color="tab:orange", ls=":", lw=1.5, label="restart / resize")
-    ax.set(xlabel="step", ylabel="seconds per step", title=f"{s.get('name')}: step time")
+    marks = step_marks(s)
+    for i, run in enumerate(_segments(hist)):
+        ax.plot(
+            [h["step"] for h in run],
+            [h["step_s"] for h in run],
+            lw=1,
+            color="tab:blue",
+            label="step time" if i == 0 else None,
+        )
+    for (step, sec), why in spike_causes(hist, marks).items():
+        ax.annotate(
+            why,
+            (step, sec),
+            xytext=(0, 6),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
+            color="dimgrey",
+        )
+    styles = {
+        "save": ("tab:green", "-", 0.8, "checkpoint save"),
+        "notice": ("tab:red", "--", 1.0, "preemption notice (just-in-time save)"),
+        "restart": ("tab:orange", ":", 1.5, "restart / resize"),
+    }
+    for kind, step in marks:
+        if kind in styles:
+            color, ls, lw, label = styles[kind]
+            ax.axvline(step, color=color, ls=ls, lw=lw, alpha=0.7, label=label)
+    copies = [step for kind, step in marks if kind == "peer copy"]
+    if copies:
+        k = (s.get("peer_memory") or {}).get("every_steps")
+        ax.plot(
+            copies,
+            [0] * len(copies),
+            "|",
+            color="tab:purple",
+            ms=8,
+            clip_on=False,
+            label=f"peer copy (every {k} steps)",
+        )
+    ax.set_ylim(bottom=0)
+    title = f"{s.get('name')}: step time"
+    peer = s.get("peer_memory") or {}
+    if peer.get("every_steps") and peer.get("chosen") != "fixed":
+        title += f" (peer copies every {peer['every_steps']} steps at the end, measured)"
+    ax.set(xlabel="step", ylabel="seconds per step", title=title)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     firsts = {label: h for h, label in zip(handles, labels, strict=True)}  # one per kind
@@ -382,24 +419,122 @@ def step_time_figure(s: dict[str, Any]):
     return fig
 
 
+def _segments(hist: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The history cut where its step goes back (a group resumed from an earlier one)."""
+    runs: list[list[dict[str, Any]]] = []
+    for h in hist:
+        if not runs or h["step"] <= runs[-1][-1]["step"]:
+            runs.append([])
+        runs[-1].append(h)
+    return runs
+
+
+def step_marks(s: dict[str, Any]) -> list[tuple[str, int]]:
+    """(kind, step) of what slows steps: 'save' (committed checkpoints), 'notice' (a
+    just-in-time save), 'restart' (resizes, and where the history's step goes back), and
+    'peer copy' (every k steps, when k is fixed)."""
+    committed = {int(x) for x in s.get("committed_steps") or []}
+    jit = {int(n["committed_step"]) for n in s.get("notices") or [] if n.get("committed_step")}
+    marks = [("notice" if step in jit else "save", step) for step in committed]
+    marks += [("notice", step) for step in jit - committed]
+    marks += [("restart", int(r["step"])) for r in s.get("resizes") or []]
+    hist = s.get("history") or []
+    marks += [("restart", run[0]["step"]) for run in _segments(hist)[1:]]
+    peer = s.get("peer_memory") or {}
+    k = peer.get("every_steps")
+    last = max([h["step"] for h in hist], default=0)
+    if k and peer.get("chosen") == "fixed":
+        marks += [("peer copy", step) for step in range(k, last + 1, k)]
+    return sorted(set(marks), key=lambda m: m[1])
+
+
+def spike_causes(
+    hist: list[dict[str, Any]], marks: list[tuple[str, int]], factor: float = 1.5
+) -> dict[tuple[int, float], str]:
+    """Points over `factor` x the median seconds per step, with what fell in them since
+    the point before ('save', 'restart', ...); a spike with none is left unlabelled."""
+    import statistics
+
+    if len(hist) < 3:
+        return {}
+    median = statistics.median(h["step_s"] for h in hist)
+    out: dict[tuple[int, float], str] = {}
+    prev = 0
+    for h in hist:
+        if h["step_s"] > factor * median:
+            inside = sorted({kind for kind, step in marks if prev < step <= h["step"]})
+            if inside:
+                out[(h["step"], h["step_s"])] = " + ".join(inside)
+        prev = h["step"] if h["step"] > prev else h["step"] - 1
+    return out
+
+
+PART_NAMES = {
+    "useful": "useful compute",
+    "data_stall": "waiting for data",
+    "bubble_filled": "pipeline bubble, backfilled",
+    "bubble_unfilled": "pipeline bubble, idle",
+    "checkpoint_stall": "checkpoint saves",
+    "recovery": "recovery (restarts)",
+    "recomputed": "steps trained again",
+    "waiting": "waiting for capacity",
+    "startup_other": "start-up and other",
+}
+"""The goodput ledger's parts (`metrics.ledger.PARTS`) as the charts name them."""
+
+
+def device_time_unit(total_s: float) -> tuple[str, float]:
+    """The unit device time reads best in: (name, seconds per unit)."""
+    if total_s >= 2 * 3600:
+        return "device-hours", 3600.0
+    if total_s >= 120:
+        return "device-minutes", 60.0
+    return "device-seconds", 1.0
+
+
 def goodput_figure(s: dict[str, Any]):
-    """The goodput ledger as a waterfall: the total, then where each part of it went."""
+    """The goodput ledger as a waterfall: the total, then where each part of it went, in
+    a unit that reads (device-seconds, -minutes or -hours), with the share of each."""
     from spotline.metrics.ledger import PARTS
 
     fig, ax = _figure(9, 4.5)
     parts = (s.get("ledger") or {}).get("device_s") or dict.fromkeys(PARTS, 0.0)
     total = sum(parts.values())
+    unit, per = device_time_unit(total)
     bottom = total
-    colors = {"useful": "tab:green", "bubble_filled": "tab:olive"}
+    colors = {"useful": "tab:green", "bubble_filled": "tab:olive", "startup_other": "tab:grey"}
     for i, name in enumerate(PARTS):
-        v = parts.get(name, 0.0) / 3600
-        bottom -= v * 3600
-        ax.bar(i, v, bottom=bottom / 3600, color=colors.get(name, "tab:red"))
-        ax.text(i, (bottom / 3600) + v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
-    ax.bar(len(PARTS), total / 3600, color="tab:blue")
-    ax.set_xticks(range(len(PARTS) + 1), [*PARTS, "total"], rotation=30, ha="right")
-    ax.set(ylabel="device-hours", title=f"{s.get('name')}: where the device-hours went")
+        v = parts.get(name, 0.0)
+        bottom -= v
+        ax.bar(i, v / per, bottom=bottom / per, color=colors.get(name, "tab:red"))
+        share = f"{v / total:.0%}" if total else "0%"
+        ax.text(
+            i, (bottom + v) / per, f"{v / per:.2g}\n{share}", ha="center", va="bottom", fontsize=7
+        )
+    ax.bar(len(PARTS), total / per, color="tab:blue")
+    ax.text(len(PARTS), total / per, f"{total / per:.2g}", ha="center", va="bottom", fontsize=7)
+    labels = [PART_NAMES.get(p, p) for p in PARTS]
+    ax.set_xticks(range(len(PARTS) + 1), [*labels, "total"], rotation=30, ha="right")
+    ax.set_ylim(top=total / per * 1.18 if total else 1)
+    title = f"{s.get('name')}: where the {unit} went"
+    note = startup_note(parts, total)
+    if note:
+        title += f"\n{note}"
+    ax.set(ylabel=unit, title=title)
     return fig
+
+
+def startup_note(parts: dict[str, float], total: float) -> str | None:
+    """A line for a run whose start-up is its largest part (a short run), or None."""
+    if not total:
+        return None
+    start = parts.get("startup_other", 0.0)
+    if start < max(parts.values()) or start < 0.2 * total:
+        return None
+    return (
+        f"start-up is {start / total:.0%} of this short run: it is paid once, so goodput "
+        "grows with the run"
+    )
 
 
 TIMELINE_COLORS = {

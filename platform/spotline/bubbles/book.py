@@ -37,6 +37,9 @@ _KEYS = (
     "overrun_s",
     "beyond_s",
 )
+# Recorded steps each rank's timeline keeps for the trace (`spotline trace --steps`):
+# every poll brings the latest few, which join the ones before up to this many.
+TRACE_STEPS = 32
 
 
 class BubbleBook:
@@ -60,7 +63,7 @@ class BubbleBook:
             for k in _KEYS:
                 acc[k] += r.get(k, 0.0)
                 chunk[k] += r.get(k, 0.0)
-            self.latest[r["rank"]] = r
+            self.latest[r["rank"]] = _with_earlier_steps(r, self.latest.get(r["rank"]))
         self.last_chunk = _fractions(chunk) | {"theory": self.theory()}
         if backfill_on:
             for k in _KEYS:
@@ -102,6 +105,17 @@ def stage_compute_s(reports: list[dict[str, Any]]) -> dict[int, float]:
             per_step = r.get("compute_s", 0.0) / r["steps"]
             out[r["stage"]] = max(out.get(r["stage"], 0.0), per_step)
     return dict(sorted(out.items()))
+
+
+def _with_earlier_steps(report: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    """`report` with the step timelines of the rank's report `before` that it does not
+    carry itself, the newest `TRACE_STEPS` in step order."""
+    if before is None:
+        return report
+    steps = {s["step"]: s for s in before.get("steps_timeline") or []}
+    steps.update({s["step"]: s for s in report.get("steps_timeline") or []})
+    kept = [steps[k] for k in sorted(steps)[-TRACE_STEPS:]]
+    return {**report, "steps_timeline": kept}
 
 
 def _fractions(acc: dict[str, float]) -> dict[str, float]:

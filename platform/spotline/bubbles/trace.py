@@ -97,3 +97,28 @@ def summarize(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
         track = out.setdefault(names.get(e["tid"], str(e["tid"])), {})
         track[e["cat"]] = track.get(e["cat"], 0.0) + e["dur"] / 1e6
     return out
+
+
+def cut_steps(trace: dict[str, Any], first: int, last: int) -> dict[str, Any]:
+    """`trace` (what `chrome_trace` wrote) cut to steps `first`..`last`, with the backfill
+    that ran while they did; ValueError naming the steps it holds when it holds none of
+    them."""
+    events = trace.get("traceEvents") or []
+    recorded = sorted({e["args"]["step"] for e in events if "step" in (e.get("args") or {})})
+    kept = [e for e in events if first <= (e.get("args") or {}).get("step", -1) <= last]
+    if not kept:
+        have = f"steps {recorded[0]}-{recorded[-1]}" if recorded else "no steps"
+        raise ValueError(
+            f"--steps {first}-{last}: the job's trace holds {have} (the last recorded steps "
+            "of each rank); pick steps in that range"
+        )
+    start = min(e["ts"] for e in kept)
+    end = max(e["ts"] + e["dur"] for e in kept)
+    side = [
+        e
+        for e in events
+        if e.get("cat") == "backfill" and e.get("ph") == "X" and start <= e["ts"] <= end
+    ]
+    meta = [e for e in events if e.get("ph") == "M"]
+    other = {**(trace.get("otherData") or {}), "steps": [first, last]}
+    return {**trace, "traceEvents": [*meta, *kept, *side], "otherData": other}

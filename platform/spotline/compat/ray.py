@@ -28,6 +28,7 @@ _services = _ray.module(
     "canonicalize_bootstrap_address",
 )
 _state = _ray.module("ray._private.state", "available_resources_per_node")
+_node = _ray.module("ray._private.node", "Node.live_processes")
 _worker = _ray.module("ray._private.worker", "global_worker")
 _raylet = _ray.module(
     "ray._raylet",
@@ -112,6 +113,12 @@ def drain_for_preemption(node_id: str, reason: str, deadline_s: float) -> tuple[
     seconds): nothing new is placed there. (accepted, why not)."""
     accepted, why = gcs_client().drain_node(node_id, _PREEMPTION, reason, int(deadline_s * 1000))
     return bool(accepted), why
+
+
+def node_pids(node: Any) -> list[int]:
+    """The pids of the processes a `ray.cluster_utils.Cluster` node started (its raylet
+    and the rest), without their children (the workers the raylet starts)."""
+    return [p.pid for _, p in node.live_processes()]
 
 
 def free_resources_per_node() -> dict[str, dict[str, float]]:

@@ -1,0 +1,405 @@
+"""What a rehearsal found: exact resume, lost work per event, notice and recovery times,
+goodput, what the job's own settings cost, and the verdict with each reason.
+
+Pure functions of what the runs recorded (their results, the events as applied, the
+samples of their progress): no Ray, no cluster. `spotline.testing`'s assertions use the
+same checks (`first_difference`, `lost_commits`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Losses compare equal within this relative tolerance: a group at another replica count
+# sums its gradients in another order, which moves the last bits.
+DEFAULT_TOLERANCE = 1e-4
+ENDS = {"notice": "preemption notice", "loss": "node lost", "gone": "node lost"}
+
+
+@dataclass
+class Applied:
+    """One trace event as it landed on the cluster, and the job at that moment."""
+
+    at: float
+    """Seconds from the job's first step."""
+    t: float
+    """Wall clock."""
+    kind: str
+    node: int
+    node_id: str
+    deadline_s: float | None = None
+    step: int = 0
+    committed: int | None = None
+    """The newest committed step then."""
+    attempt: int | None = None
+    """Index of the group running then (None: none was)."""
+    hit: bool = False
+    """The job had ranks on that node."""
+    replicas: int = 0
+
+
+@dataclass
+class EventReport:
+    """One event's cost: what the rehearsal reports and --json writes per event."""
+
+    at: float
+    kind: str
+    node: int
+    node_id: str
+    hit: bool
+    step: int
+    deadline_s: float | None = None
+    committed_step: int | None = None
+    notice_to_commit_s: float | None = None
+    before_deadline_s: float | None = None
+    outcome: str | None = None
+    steps_lost: int = 0
+    restored_from: int | None = None
+    restored_via: str | None = None
+    training_again_s: float | None = None
+    used_after_s: float | None = None
+    """Joins: seconds until the job had ranks on the new node (None: it did not)."""
+
+    def line(self) -> str:
+        head = f"{self.at:6.1f}s  {self.kind:<6} node {self.node}"
+        if self.kind == "join":
+            used = (
+                f"used by the job after {self.used_after_s:.1f}s"
+                if self.used_after_s is not None
+                else "not used by the job"
+            )
+            return f"{head}: {used}"
+        if not self.hit:
+            return f"{head}: no rank of the job there"
+        parts = []
+        if self.kind == "notice":
+            if self.notice_to_commit_s is not None:
+                parts.append(
+                    f"committed step {self.committed_step} {self.notice_to_commit_s:.1f}s after "
+                    f"the notice, {self.before_deadline_s:.1f}s before its {self.deadline_s:g}s "
+                    "deadline"
+                )
+            else:
+                parts.append(self.outcome or "the job did not answer it")
+        parts.append(f"{self.steps_lost} step(s) lost")
+        if self.restored_from is not None:
+            parts.append(f"resumed from step {self.restored_from} ({self.restored_via})")
+        if self.training_again_s is not None:
+            parts.append(f"training again after {self.training_again_s:.1f}s")
+        return f"{head}: " + "; ".join(parts)
+
+
+# --- exact resume -------------------------------------------------------------------------
+
+
+@dataclass
+class Difference:
+    compared: int
+    identical: int
+    """Steps bit for bit equal."""
+    first: int | None
+    max_rel: float
+    got: float | None = None
+    want: float | None = None
+
+
+def first_difference(
+    losses: dict[int, float],
+    reference: dict[int, float],
+    upto: int | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> Difference:
+    """The first step (up to `upto`) whose loss differs from the reference's by more
+    than `tolerance` (relative), over the steps both have."""
+    steps = sorted(s for s in losses if s in reference and (upto is None or s <= upto))
+    first, got, want, worst, same = None, None, None, 0.0, 0
+    for s in steps:
+        a, b = float(losses[s]), float(reference[s])
+        same += a == b
+        rel = abs(a - b) / max(abs(b), 1e-12) if not (math.isnan(a) or math.isnan(b)) else math.inf
+        worst = max(worst, rel)
+        if first is None and rel > tolerance:
+            first, got, want = s, a, b
+    return Difference(len(steps), same, first, worst, got, want)
+
+
+def lost_commits(attempts: list[dict[str, Any]], events: list[Applied]) -> list[str]:
+    """Each time a restore went behind a step committed before the event that ended its
+    group: one line each (none: no committed step was lost)."""
+    out = []
+    for e in events:
+        if e.attempt is None or e.committed is None or e.attempt + 1 >= len(attempts):
+            continue
+        nxt = attempts[e.attempt + 1]
+        restored = nxt.get("restored_from") or 0
+        if restored < e.committed:
+            out.append(
+                f"after the {e.kind} at {e.at:.1f}s the job resumed from step {restored}, "
+                f"behind step {e.committed}, committed before it"
+            )
+    return out
+
+
+# --- per event ------------------------------------------------------------------------------
+
+
+def event_reports(
+    applied: list[Applied],
+    attempts: list[dict[str, Any]],
+    notices: list[dict[str, Any]],
+    recoveries: list[dict[str, Any]],
+    samples: list[dict[str, Any]],
+) -> list[EventReport]:
+    """What each event cost the job (see `EventReport`)."""
+    out = []
+    answered = list(notices)
+    for e in applied:
+        r = EventReport(e.at, e.kind, e.node, e.node_id, e.hit, e.step, e.deadline_s)
+        if e.kind == "join":
+            r.hit = True
+            r.used_after_s = _used_after(e, samples)
+            out.append(r)
+            continue
+        if e.kind == "notice":
+            n = next((x for x in answered if x.get("node_id") == e.node_id), None)
+            if n is not None:
+                answered.remove(n)
+                r.outcome = n.get("outcome")
+                r.committed_step = n.get("committed_step")
+                r.notice_to_commit_s = n.get("notice_to_commit_s")
+                r.before_deadline_s = n.get("before_deadline_s")
+                r.hit = r.hit or r.notice_to_commit_s is not None
+            elif e.hit:
+                r.outcome = "not seen by the job (no notice source)"
+        i = e.attempt
+        if e.hit and i is not None and i + 1 < len(attempts):
+            ended = attempts[i].get("ended_by")
+            if ended in (ENDS[e.kind], "failure") or (e.kind != "notice" and ended):
+                trained = [s for s, _ in attempts[i].get("losses") or []]
+                nxt = attempts[i + 1]
+                r.restored_from = nxt.get("restored_from") or 0
+                r.restored_via = nxt.get("restored_via") or "a fresh start"
+                r.steps_lost = max(0, (max(trained) if trained else 0) - r.restored_from)
+                later = [x["resumed_at"] - e.t for x in recoveries if x["resumed_at"] >= e.t]
+                r.training_again_s = min(later) if later else None
+        out.append(r)
+    return out
+
+
+def _used_after(e: Applied, samples: list[dict[str, Any]]) -> float | None:
+    for s in samples:
+        if s["t"] >= e.t and e.node_id in s.get("nodes", ()):
+            return s["t"] - e.t
+    return None
+
+
+# --- the job's own settings --------------------------------------------------------------------
+
+
+def settings_costs(
+    spec: Any,
+    reports: list[EventReport],
+    steps_per_s: float | None,
+    peer: dict[str, Any] | None,
+    waited_s: float,
+) -> list[str]:
+    """What the job's own settings cost under this trace, one line each, with the
+    setting that would cost less."""
+    lines = []
+    interval = spec.checkpoint.interval_steps
+    rate = f" (about {interval / steps_per_s:.0f}s of training here)" if steps_per_s else ""
+    losses = [r for r in reports if r.kind in ("loss", "gone") and r.hit]
+    lost = [r.steps_lost for r in losses]
+    k = (peer or {}).get("every_steps") or spec.recovery.fixed_interval()
+    if not spec.recovery.peer_snapshots:
+        line = (
+            f"checkpoint.interval_steps {interval} loses up to {interval} steps on a loss "
+            f"without notice{rate}"
+        )
+        if lost:
+            line += f"; here {sum(lost)} step(s) were lost to {len(lost)} loss(es)"
+        line += (
+            "; recovery.peer_snapshots: true would lose at most k steps (a peer copy every "
+            "k steps, measured to cost 2% of training)"
+        )
+        spacing = _steps_between_losses(losses, steps_per_s)
+        if spacing and interval > spacing / 10:
+            line += (
+                f", or commit more often: checkpoint.interval_steps {max(1, int(spacing / 10))} "
+                f"loses at most a tenth of the ~{spacing:.0f} steps between losses here"
+            )
+        lines.append(line)
+    else:
+        at_most = f"at most {k}" if k else "at most k (measured as it runs)"
+        line = (
+            f"recovery.peer_snapshots: a loss without notice loses {at_most} steps, or up to "
+            f"checkpoint.interval_steps ({interval}) when a node and its buddy go together"
+        )
+        if lost:
+            line += f"; here {sum(lost)} step(s) were lost to {len(lost)} loss(es)"
+        lines.append(line)
+    notices = [r for r in reports if r.kind == "notice"]
+    if notices and not spec.preemption.sources:
+        cost = sum(r.steps_lost for r in reports if r.kind == "gone" and r.hit)
+        lines.append(
+            f"preemption.sources is empty: the job saw none of the {len(notices)} notice(s), "
+            f"so each cost what a loss without notice costs ({cost} step(s) here); add your "
+            "cloud's source ({kind: aws}, gcp, azure) or ray-drain where the autoscaler or "
+            "KubeRay drains nodes"
+        )
+    answered = [r for r in notices if r.notice_to_commit_s is not None and r.deadline_s]
+    if answered:
+        worst = max(answered, key=lambda r: r.notice_to_commit_s / r.deadline_s)
+        share = worst.notice_to_commit_s / worst.deadline_s
+        lines.append(
+            f"just-in-time checkpoints took up to {worst.notice_to_commit_s:.1f}s of a "
+            f"{worst.deadline_s:g}s notice ({share:.0%})"
+            + (
+                "; little margin: a larger state or slower storage would miss it (see "
+                "`spotline plan`)"
+                if share > 0.5
+                else ""
+            )
+        )
+    e = spec.elastic
+    if waited_s > 1 and e.min_replicas == e.max_replicas:
+        lines.append(
+            f"elastic.min_replicas {e.min_replicas} = max_replicas: the job stopped training "
+            f"for {waited_s:.0f}s waiting for capacity after notices and losses; "
+            "elastic.min_replicas: 1 would go on with the replicas left"
+        )
+    elif waited_s > 1:
+        lines.append(
+            f"elastic.min_replicas {e.min_replicas}: the job waited {waited_s:.0f}s below it "
+            "for capacity"
+        )
+    return lines
+
+
+def _steps_between_losses(losses: list[EventReport], steps_per_s: float | None) -> float | None:
+    if not losses or not steps_per_s:
+        return None
+    times = sorted(r.at for r in losses)
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    return min(gaps) * steps_per_s if gaps else None
+
+
+# --- the verdict ------------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    verdict: str
+    reasons: list[str] = field(default_factory=list)
+    """Why it failed (each a line), or what passed."""
+    exact_resume: bool | None = None
+    not_exactly_resumable: bool = False
+    """The job's own data or code is not deterministic: its fault, not Spotline's."""
+    first_differing_step: int | None = None
+    why_different: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def judge(
+    *,
+    state: str,
+    error: str | None,
+    diff: Difference,
+    first_restart_step: int | None,
+    data_pure: tuple[bool, str] | None,
+    lost: list[str],
+    reports: list[EventReport],
+    unreplayed: int,
+    goodput: float | None,
+    min_goodput: float | None,
+    tolerance: float,
+) -> Verdict:
+    """PASS when the job ran on through every event, resumed exactly, lost no committed
+    step, committed each notice it saw before the deadline (and kept --min-goodput)."""
+    fails: list[str] = []
+    passes: list[str] = []
+    if state == "failed":
+        fails.append(f"the job failed: {error}")
+    v = Verdict("FAIL")
+    if diff.compared == 0:
+        trained = max((r.step for r in reports), default=0)
+        fails.append(
+            "the job committed no step under the trace, so nothing was kept"
+            + (f" (it trained to step {trained} at most)" if trained else "")
+            + ": see what its settings cost below, and the timeline"
+        )
+    elif diff.first is None:
+        v.exact_resume = True
+        rest = diff.compared - diff.identical
+        passes.append(
+            f"exact resume: all {diff.compared} committed steps have the uninterrupted run's "
+            "loss, "
+            + (
+                "bit for bit"
+                if not rest
+                else f"{diff.identical} bit for bit, {rest} within {tolerance:g} relative"
+            )
+        )
+    else:
+        v.exact_resume = False
+        v.first_differing_step = diff.first
+        v.why_different, v.not_exactly_resumable = _why(diff, first_restart_step, data_pure)
+        fails.append(
+            f"not exactly resumable: step {diff.first} has loss {diff.got:.6g}, the "
+            f"uninterrupted run {diff.want:.6g}; {v.why_different}"
+            if v.not_exactly_resumable
+            else f"resume differs from the uninterrupted run at step {diff.first} "
+            f"({diff.got:.6g} vs {diff.want:.6g}); {v.why_different}"
+        )
+    if lost:
+        fails += [f"a committed step was lost: {x}" for x in lost]
+    elif any(r.hit and r.kind != "join" for r in reports):
+        passes.append("no committed step was lost")
+    for r in reports:
+        late = r.before_deadline_s is not None and r.before_deadline_s < 0
+        if r.kind == "notice" and r.hit and (late or r.outcome == "commit failed"):
+            fails.append(
+                f"the notice at {r.at:.1f}s for node {r.node} was not answered in time: "
+                f"{r.outcome}"
+                + (f", {-r.before_deadline_s:.1f}s after its deadline" if late else "")
+                + "; see the settings below"
+            )
+    if unreplayed:
+        fails.append(
+            f"{unreplayed} of the trace's events came after the job had finished: raise "
+            "train.steps (--set train.steps=N) or shorten --duration, so the trace is replayed whole"
+        )
+    if min_goodput is not None and goodput is not None and goodput < min_goodput:
+        fails.append(f"goodput {goodput:.1%} is below --min-goodput {min_goodput:.0%}")
+    v.verdict = "FAIL" if fails else "PASS"
+    v.reasons = fails or passes
+    return v
+
+
+def _why(
+    diff: Difference, first_restart_step: int | None, data_pure: tuple[bool, str] | None
+) -> tuple[str, bool]:
+    """Why step `diff.first` differs, and whether that is the job's own doing."""
+    if data_pure is not None and not data_pure[0]:
+        return (
+            f"the job's data is not a pure function of the step ({data_pure[1]}): a resumed "
+            "group draws other batches than the uninterrupted run did. Make batch k depend "
+            "only on (data.seed, k)",
+            True,
+        )
+    if first_restart_step is None or diff.first <= first_restart_step:
+        return (
+            "it differs before any interruption, so the job itself is not deterministic "
+            "from its seed (its model, data or kernels draw randomness of their own)",
+            True,
+        )
+    return (
+        f"the first restart resumed from step {first_restart_step} and the data is a pure "
+        "function of the step, so the restored state was not exact: this is Spotline's "
+        "failure, please report it with this report directory",
+        False,
+    )

@@ -1,0 +1,340 @@
+"""`spotline chaos` without a cluster: traces (the schema, each refusal, the built-in
+traces' shape), what a rehearsal makes of its runs, the fit check, and the command line's
+refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spotline.chaos.traces import BUILTIN, TraceError, check_trace, load_trace
+from spotline.chaos.verdict import (
+    Applied,
+    first_difference,
+    judge,
+    lost_commits,
+    settings_costs,
+)
+from spotline.cli import main
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def _trace(events, **over):
+    return {"events": events, **over}
+
+
+def _refused(raw, nodes=2, duration=60.0) -> str:
+    with pytest.raises(TraceError) as ei:
+        check_trace(raw, "my.json", nodes, duration)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    return msg
+
+
+# --- the schema --------------------------------------------------------------------------
+
+
+def test_a_trace_file_loads_with_joins_numbered_and_each_notice_followed_by_its_going(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(
+        json.dumps(
+            {
+                "name": "mine",
+                "about": "two notices and a loss",
+                "nodes": 3,
+                "duration_s": 100,
+                "events": [
+                    {"at": 10, "kind": "notice", "node": 2, "deadline_s": 20},
+                    {"at": 40, "kind": "join"},
+                    {"at": 50, "kind": "loss", "node": 3},
+                    {"at": 60, "kind": "notice", "node": 0, "deadline_s": 30},
+                ],
+            }
+        )
+    )
+    t = load_trace(str(path), None, None, default_nodes=1)
+    assert (t.name, t.nodes, t.duration_s) == ("mine", 3, 100.0)
+    assert [(e.kind, e.node) for e in t.events] == [
+        ("notice", 2),
+        ("join", 3),
+        ("loss", 3),
+        ("notice", 0),
+    ]
+    assert [(e.at, e.kind, e.node) for e in t.timeline()] == [
+        (10, "notice", 2),
+        (30, "gone", 2),
+        (40, "join", 3),
+        (50, "loss", 3),
+        (60, "notice", 0),
+        (90, "gone", 0),
+    ]
+
+
+def test_span_stretches_times_to_the_duration_but_never_a_deadline():
+    t = check_trace(
+        _trace([{"at": 600, "kind": "notice", "node": 0, "deadline_s": 30}], span_s=1200),
+        "t",
+        1,
+        120.0,
+    )
+    (e,) = t.events
+    assert (e.at, e.deadline_s) == (60.0, 30.0)
+
+
+def test_a_yaml_trace_loads_too(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("duration_s: 30\nevents:\n  - {at: 5, kind: loss, node: 1}\n")
+    t = load_trace(str(path), 2, None, default_nodes=2)
+    assert [(e.kind, e.node) for e in t.events] == [("loss", 1)]
+
+
+# --- each refusal, naming the event ----------------------------------------------------------
+
+
+def test_a_node_the_cluster_lacks_is_refused_naming_the_event():
+    msg = _refused(_trace([{"at": 5, "kind": "loss", "node": 4}]))
+    assert "events[0]" in msg and "node 4 does not exist then" in msg
+    assert "raise --nodes" in msg
+
+
+def test_a_node_already_gone_or_noticed_is_refused():
+    gone = _refused(
+        _trace([{"at": 5, "kind": "loss", "node": 1}, {"at": 9, "kind": "loss", "node": 1}])
+    )
+    assert "events[1]" in gone and "node 1 is gone by then" in gone
+    noticed = _refused(
+        _trace(
+            [
+                {"at": 5, "kind": "notice", "node": 0, "deadline_s": 20},
+                {"at": 9, "kind": "loss", "node": 0},
+            ]
+        )
+    )
+    assert "events[1]" in noticed and "has a notice already" in noticed
+
+
+@pytest.mark.parametrize("deadline", [0, -5, None, "soon"])
+def test_a_deadline_that_is_not_above_zero_is_refused(deadline):
+    event = {"at": 5, "kind": "notice", "node": 0}
+    if deadline is not None:
+        event["deadline_s"] = deadline
+    msg = _refused(_trace([event]))
+    assert "events[0] (notice at 5s for node 0)" in msg and "must be seconds > 0" in msg
+
+
+def test_events_past_the_duration_are_refused():
+    late = _refused(_trace([{"at": 70, "kind": "loss", "node": 0}]), duration=60)
+    assert "events[0] (loss at 70s) is past the run's duration (60s)" in late
+    going = _refused(
+        _trace([{"at": 50, "kind": "notice", "node": 0, "deadline_s": 20}]), duration=60
+    )
+    assert "its node goes at 70s" in going and "raise --duration to 70" in going
+
+
+def test_unknown_fields_kinds_and_shapes_are_refused_with_the_fix():
+    assert "did you mean 'events'" in _refused({"evnts": []})
+    assert "kind 'preempt'; give one of notice, loss, join" in _refused(
+        _trace([{"at": 1, "kind": "preempt", "node": 0}])
+    )
+    assert "a join takes at, kind" in _refused(_trace([{"at": 1, "kind": "join", "node": 0}]))
+    assert "non-empty list" in _refused(_trace([]))
+
+
+def test_a_trace_without_a_duration_lasts_past_its_last_event():
+    t = check_trace(
+        _trace([{"at": 40, "kind": "notice", "node": 0, "deadline_s": 20}]), "t", 1, None
+    )
+    assert t.duration_s == 75.0  # its node goes at 60 s, and a quarter more
+    assert (
+        check_trace(_trace([{"at": 1, "kind": "loss", "node": 0}]), "t", 1, None).duration_s == 30
+    )
+
+
+def test_an_unknown_trace_name_lists_the_built_in_ones():
+    with pytest.raises(TraceError) as ei:
+        load_trace("stromy", None, None, 2)
+    assert "did you mean 'stormy'" in str(ei.value)
+    assert all(name in str(ei.value) for name in BUILTIN)
+
+
+# --- the built-in traces -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3])
+@pytest.mark.parametrize("name", list(BUILTIN))
+def test_every_built_in_trace_is_valid_for_any_cluster_and_fits_its_duration(name, nodes):
+    t = load_trace(name, nodes, None, 2)
+    assert t.about and t.events and t.nodes == nodes
+    assert all(0 <= e.at <= t.duration_s for e in t.timeline())
+
+
+def test_the_built_in_traces_have_their_shape():
+    gentle = load_trace("gentle", 2, None, 2)
+    assert [e.kind for e in gentle.events] == ["notice", "join"]
+    stormy = load_trace("stormy", 2, 120, 2)
+    assert stormy.count("notice") >= 3 and stormy.count("loss") == 1 and stormy.count("join")
+    deadlines = sorted(e.deadline_s for e in stormy.events if e.kind == "notice")
+    assert deadlines[0] <= 5 < deadlines[-1]  # one short deadline among them
+    for name, notice in (("aws-2min", 120), ("gcp-30s", 30), ("azure-30s", 30)):
+        t = load_trace(name, 3, None, 2)
+        assert {e.deadline_s for e in t.events if e.kind == "notice"} == {notice}, name
+        assert f"{notice} s" in t.about and "scaled to the duration" in t.about
+        longer = load_trace(name, 3, t.duration_s * 2, 2)
+        # The pattern stretches with the duration; the cloud's notice does not.
+        assert longer.events[0].at > t.events[0].at
+        assert longer.events[0].deadline_s == t.events[0].deadline_s
+    with pytest.raises(TraceError, match="needs at least 360s"):
+        load_trace("aws-2min", 2, 200, 2)
+
+
+# --- what a rehearsal makes of its runs ----------------------------------------------------------
+
+
+def test_the_first_differing_step_and_the_tolerance():
+    ref = {1: 3.0, 2: 2.5, 3: 2.0}
+    assert first_difference(dict(ref), ref).first is None
+    d = first_difference({1: 3.0, 2: 2.5000001, 3: 2.1}, ref)
+    assert d.first == 3 and d.identical == 1 and d.compared == 3
+    assert first_difference({1: 3.0, 2: 2.5, 3: 2.1}, ref, upto=2).first is None
+
+
+def _applied(kind, attempt, committed, hit=True):
+    return Applied(at=10.0, t=100.0, kind=kind, node=1, node_id="n1", step=30,
+                   committed=committed, attempt=attempt, hit=hit)  # fmt: skip
+
+
+def test_a_restore_behind_a_commit_is_a_lost_commit():
+    attempts = [{"restored_from": None}, {"restored_from": 20}]
+    assert lost_commits(attempts, [_applied("loss", 0, 20)]) == []
+    (line,) = lost_commits(attempts, [_applied("loss", 0, 25)])
+    assert "resumed from step 20, behind step 25" in line
+
+
+def _judge(**over):
+    from spotline.chaos.verdict import Difference
+
+    args = dict(
+        state="stopped",
+        error=None,
+        diff=Difference(40, 40, None, 0.0),
+        first_restart_step=20,
+        data_pure=None,
+        lost=[],
+        reports=[],
+        unreplayed=0,
+        goodput=0.9,
+        min_goodput=None,
+        tolerance=1e-4,
+    )
+    return judge(**{**args, **over})
+
+
+def test_the_verdict_says_why_and_blames_the_job_for_its_own_data():
+    from spotline.chaos.verdict import Difference
+
+    ok = _judge()
+    assert ok.verdict == "PASS" and ok.exact_resume and "exact resume" in ok.reasons[0]
+    differs = Difference(40, 21, 21, 0.1, 2.0, 2.2)
+    impure = _judge(diff=differs, data_pure=(False, "data.kind 'x:Y' gave other tokens"))
+    assert impure.verdict == "FAIL" and impure.not_exactly_resumable
+    assert impure.first_differing_step == 21
+    assert "not exactly resumable: step 21" in impure.reasons[0]
+    assert "not a pure function of the step" in impure.reasons[0]
+    early = _judge(diff=Difference(40, 9, 10, 0.1, 2.0, 2.2), data_pure=(True, ""))
+    assert early.not_exactly_resumable and "before any interruption" in early.why_different
+    ours = _judge(diff=differs, data_pure=(True, "same"))
+    assert not ours.not_exactly_resumable and "Spotline's failure" in ours.reasons[0]
+    assert "below --min-goodput" in _judge(min_goodput=0.95).reasons[0]
+    assert "train.steps" in _judge(unreplayed=2).reasons[0]
+    failed = _judge(state="failed", error="boom")
+    assert failed.verdict == "FAIL" and "the job failed: boom" in failed.reasons
+
+
+def test_a_checkpoint_interval_far_above_the_loss_spacing_is_named_with_what_costs_less():
+    from spotline.chaos.verdict import EventReport
+    from spotline.config import load_spec
+
+    spec = load_spec(
+        QUICKSTART,
+        {"checkpoint.interval_steps": 5000, "recovery.peer_snapshots": False},
+    )
+    loss = EventReport(at=30.0, kind="loss", node=0, node_id="n0", hit=True, step=90)
+    loss.steps_lost = 90
+    (line,) = settings_costs(spec, [loss], steps_per_s=3.0, peer=None, waited_s=0.0)
+    assert "checkpoint.interval_steps 5000 loses up to 5000 steps" in line
+    assert "90 step(s) were lost" in line
+    assert "recovery.peer_snapshots: true would lose at most k steps" in line
+    assert "checkpoint.interval_steps 9 " in line  # a tenth of the ~90 steps between losses
+
+
+# --- the fit check and the command line ------------------------------------------------------
+
+
+def test_a_spec_too_big_for_the_machine_is_refused_with_the_flags_that_fit(tmp_path):
+    from spotline.chaos.adapt import adapt, check_fits, set_flags
+    from spotline.config import SpecError, load_spec
+
+    big = load_spec(QUICKSTART, {"model.d_model": 2048, "model.n_layers": 24})
+
+    def adapted(scale):
+        return adapt(big, name="q", checkpoint_uri=f"file://{tmp_path}/c",
+                     staging_dir=str(tmp_path), scale_model=scale)  # fmt: skip
+
+    shrunk = adapted(True)
+    with pytest.raises(SpecError) as ei:
+        check_fits(adapted(False), 60.0, 8 * 2**30, shrunk, set_flags(shrunk.scaled))
+    msg = str(ei.value)
+    assert "too big for this machine" in msg and "rerun with --scale-model" in msg
+    assert "--set model.d_model=128" in msg and "--set model.n_layers=4" in msg
+    assert check_fits(shrunk, 60.0, 8 * 2**30, None, "").ranks == 4
+
+
+def test_the_rehearsal_says_what_it_changed(tmp_path):
+    from spotline.chaos.adapt import adapt
+    from spotline.config import load_spec
+
+    spec = load_spec(QUICKSTART, {"preemption.sources": [{"kind": "aws"}]})
+    a = adapt(spec, name="q-chaos", checkpoint_uri=f"file://{tmp_path}/c",
+              staging_dir=str(tmp_path))  # fmt: skip
+    assert a.spec.resources.device == "cpu"
+    assert [s.resources for s in a.spec.resources.stages] == [{"spot_gpu": 1}] * 2
+    assert [s.kind for s in a.spec.preemption.sources] == ["ray-drain"]
+    text = "\n".join(a.changes)
+    assert "preemption.sources" in text and "aws read them" in text
+    assert "checkpoint.uri" in text and a.spec.model == spec.model  # the model is the user's
+    assert load_spec(QUICKSTART).preemption.sources == []
+    kept = adapt(load_spec(QUICKSTART), name="q", checkpoint_uri="file:///x", staging_dir="/x")
+    assert kept.spec.preemption.sources == []  # no notice source stays none
+
+
+def test_chaos_refuses_bad_input_in_one_line_before_starting_anything(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"events": [{"at": 5, "kind": "loss", "node": 7}]}))
+    out = tmp_path / "out"
+    assert main(["chaos", QUICKSTART, "--trace", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "events[0]" in err and "node 7" in err
+    assert main(["chaos", QUICKSTART, "--trace", "gentle", "--duration", "20",
+                 "--set", "model.d_model=4096", "--out", str(out)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "too big for this machine" in err and "--scale-model" in err
+    out.mkdir()
+    (out / "verdict.md").write_text("an earlier report")
+    assert main(["chaos", QUICKSTART, "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_the_first_resume_skips_a_group_that_never_started():
+    from spotline.chaos.run import first_resume
+
+    failed_start = {"losses": [], "restored_from": None}
+    trained = {"losses": [[1, 3.0], [2, 2.9]], "restored_from": None}
+    assert first_resume([failed_start, trained]) is None
+    assert first_resume([failed_start, trained, {"losses": [], "restored_from": 2}]) == 2
+    assert first_resume([trained, {"losses": [], "restored_from": None}]) == 0
