@@ -562,7 +562,7 @@ def test_an_unexpected_controller_error_fails_the_job_and_leaves_no_actor_behind
             running = c._running
 
             def buggy(state):
-                if c.snapshot()["step"] >= 40:
+                if c.step_count >= 40:
                     raise KeyError("a bug")
                 return running(state)
 
