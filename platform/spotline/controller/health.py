@@ -23,6 +23,7 @@ stack or writes to storage.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import statistics
 from collections import deque
@@ -230,21 +231,34 @@ class Straggler:
 
 def rank_slowdowns(per_step: dict[int, float], beats: list[RankBeat]) -> dict[int, Straggler]:
     """Every rank's compute per step (`per_step`, over a full window) against the median
-    of its stage's other ranks; a rank with no such peers is left out."""
+    of its stage's other ranks; a rank with no such peers is left out. Each stage's
+    values are sorted once: a rank's peers' median is read off them without it."""
     by_rank = {b.rank: b for b in beats}
+    stages: dict[int, list[float]] = {}
+    for rank, v in per_step.items():
+        if rank in by_rank:
+            stages.setdefault(by_rank[rank].stage, []).append(v)
+    for values in stages.values():
+        values.sort()
     out = {}
     for rank, mine in per_step.items():
         b = by_rank.get(rank)
-        if b is None:
+        if b is None or len(stages[b.stage]) < 2:
             continue
-        peers = [
-            v
-            for r, v in per_step.items()
-            if r != rank and r in by_rank and by_rank[r].stage == b.stage
-        ]
-        if peers:
-            out[rank] = Straggler(rank, b.stage, b.replica, b.node, mine, statistics.median(peers))
+        peers_s = _median_without(stages[b.stage], mine)
+        out[rank] = Straggler(rank, b.stage, b.replica, b.node, mine, peers_s)
     return out
+
+
+def _median_without(values: list[float], v: float) -> float:
+    """The median of sorted `values` with one copy of `v` (one of them) left out."""
+    i = bisect.bisect_left(values, v)
+    n = len(values) - 1
+
+    def at(k: int) -> float:  # the k-th of the values without index i
+        return values[k if k < i else k + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 def find_stragglers(
