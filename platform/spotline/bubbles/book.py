@@ -60,7 +60,8 @@ class BubbleBook:
             for k in _KEYS:
                 acc[k] += r.get(k, 0.0)
                 chunk[k] += r.get(k, 0.0)
-            self.latest[r["rank"]] = r
+            if r.get("steps_timeline"):  # the ranks the trace draws
+                self.latest[r["rank"]] = r
         self.last_chunk = _fractions(chunk) | {"theory": self.theory()}
         if backfill_on:
             for k in _KEYS:
