@@ -41,7 +41,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -169,6 +169,8 @@ class RankFiles:
 
     entries: list[dict]
     files: dict[str, FileDigest]
+    meta: dict = field(default_factory=dict)
+    """The rank's meta as its meta file holds it (`RankSnapshot.meta`)."""
 
 
 class _Pass:
@@ -277,7 +279,7 @@ def write_rank(
     meta_digest = save_json(
         out_dir / META_FILE, {"format": FORMAT, "meta": snap.meta, "entries": entries}
     )
-    return RankFiles(entries, {STATE_FILE: state_digest, META_FILE: meta_digest})
+    return RankFiles(entries, {STATE_FILE: state_digest, META_FILE: meta_digest}, snap.meta)
 
 
 # --- index entries -----------------------------------------------------------------------
