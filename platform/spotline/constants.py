@@ -48,6 +48,10 @@ SPOTLINE_STACKS_ALL_RANKS = int(_env_float("SPOTLINE_STACKS_ALL_RANKS", 64))
 # failures). Training never waits for it; a step commits at most this long after its
 # last upload finished.
 SPOTLINE_POLL_INTERVAL_S = _env_float("SPOTLINE_POLL_INTERVAL_S", 0.25)
+# How often the per-rank gauges (heartbeat age, compute per step, slowdown) are set:
+# Prometheus scrapes every 15 s or so, and at thousands of ranks setting three gauges per
+# rank at every poll cost more than the rest of the poll.
+SPOTLINE_RANK_METRICS_S = _env_float("SPOTLINE_RANK_METRICS_S", 5.0)
 # How long the final flush of background uploads may take at the end of a job.
 SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S = _env_float("SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S", 1800.0)
 # How long a storage URI check may take before it counts as unreachable.

@@ -316,19 +316,24 @@ class _Window:
 
     chunks: deque = field(default_factory=deque)
     steps: int = 0
+    _median: float | None = None  # per_step() until the window changes
 
     def add(self, steps: int, seconds: float, keep: int) -> None:
         self.chunks.append((steps, seconds))
         self.steps += steps
         while self.chunks and self.steps - self.chunks[0][0] >= keep:
             self.steps -= self.chunks.popleft()[0]
+        self._median = None
 
     def per_step(self) -> float:
         """The median over the window's chunks of their seconds per step: one chunk
-        that a pause on the host stretched does not make a straggler."""
+        that a pause on the host stretched does not make a straggler. Computed once per
+        change (the straggler watch, the metrics and status all read it)."""
         if not self.steps:
             return 0.0
-        return statistics.median(s / n for n, s in self.chunks if n)
+        if self._median is None:
+            self._median = statistics.median(s / n for n, s in self.chunks if n)
+        return self._median
 
 
 # A straggler's node that could not be cordoned (the job needed it) is asked about
@@ -358,6 +363,7 @@ class HealthBook:
         self._stall_since = 0.0
         self.refused: dict[str, float] = {}  # node -> when the job could not do without it
         self.bound_s: float | None = None
+        self._exported = float("-inf")  # when the per-rank gauges were last set
 
     def _new_watch(self) -> StragglerWatch:
         f = self.f
@@ -395,7 +401,9 @@ class HealthBook:
             if b.compute_steps and step > self._first_step:
                 self._windows.setdefault(b.rank, _Window()).add(b.compute_steps, b.compute_s, keep)
         self._judge_stragglers(keep)
-        self._export()
+        if now - self._exported >= constants.SPOTLINE_RANK_METRICS_S:
+            self._exported = now
+            self._export()
 
     def _judge_stragglers(self, keep: int) -> None:
         full = {r: w.per_step() for r, w in self._windows.items() if w.steps >= keep}

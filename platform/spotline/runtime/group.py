@@ -352,16 +352,17 @@ class RayWorkerGroup:
             self._heard[r["rank"]] = (now, r.get("beat"))
             compute[r["rank"]] = r.get("compute") or {}
         out = []
+        starting = {"step": 0, "phase": "starting", "phase_s": 0.0}
         for rank in range(len(self.actors)):
-            topo = Topology(self.pp, self.replicas, rank)
+            stage, replica = divmod(rank, self.replicas)  # as `Topology` places a rank
             heard_at, beat = self._heard.get(rank, (now, None))
-            beat = beat or {"step": 0, "phase": "starting", "phase_s": 0.0}
+            beat = beat or starting
             c = compute.get(rank, {})
             out.append(
                 RankBeat(
                     rank=rank,
-                    stage=topo.stage,
-                    replica=topo.replica,
+                    stage=stage,
+                    replica=replica,
                     node=self._info[rank]["node_id"] if rank < len(self._info) else "",
                     step=beat["step"],
                     phase=beat["phase"],
