@@ -301,21 +301,25 @@ _ENTRY_FIELDS = {
 }
 
 
-def check_entry(e: Any) -> None:
+def check_entry(e: Any, checked: set[str] | None = None) -> None:
     """CheckpointFormatError unless `e` is a well-formed index entry whose file stays
-    under the index root."""
+    under the index root. `checked`: files already found to stay there (a rank's
+    entries share one), added to."""
     if not isinstance(e, dict):
         raise CheckpointFormatError(INDEX, f"index entry {e!r} is not an object")
     where = e.get("file", INDEX)
     for k, typ in _ENTRY_FIELDS.items():
         if not isinstance(e.get(k), typ):
             raise CheckpointFormatError(where, f"index entry {e.get('key')!r} has no valid {k!r}")
-    try:
-        check_relpath(e["file"])
-    except UnsafePathError as err:
-        raise CheckpointFormatError(
-            where, f"index entry {e['key']!r}: leaves the checkpoint ({err.why})"
-        ) from None
+    if checked is None or e["file"] not in checked:
+        try:
+            check_relpath(e["file"])
+        except UnsafePathError as err:
+            raise CheckpointFormatError(
+                where, f"index entry {e['key']!r}: leaves the checkpoint ({err.why})"
+            ) from None
+        if checked is not None:
+            checked.add(e["file"])
     if e["dtype"] not in DTYPES:
         raise CheckpointFormatError(where, f"{e['key']}: unknown dtype {e['dtype']!r}")
     numel = math.prod(e["shape"])

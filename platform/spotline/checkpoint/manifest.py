@@ -106,10 +106,13 @@ def check_index_files(index: object, where: str) -> None:
     when an entry's file would leave the step directory; `where` names the record."""
     if not isinstance(index, list):
         raise ManifestError(f"{where}: 'index' must be a list (got {type(index).__name__})")
+    checked: set[str] = set()  # a rank's entries share its file: each one checked once
     for i, e in enumerate(index):
         path = e.get("file") if isinstance(e, dict) else None
+        if isinstance(path, str) and path in checked:
+            continue
         try:
-            check_entry_path(path)
+            checked.add(check_entry_path(path))
         except UnsafePathError as err:
             raise ManifestError(
                 f"{where}: index entry {i} file {path!r} {err.why} (it must be a relative path "

@@ -183,8 +183,9 @@ class Index:
         self.by: dict[tuple[str, str], list[dict]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._reaches: dict[tuple[str, str], tuple[list[int], list[dict]]] = {}
+        files: set[str] = set()
         for e in index:
-            check_entry(e)
+            check_entry(e, files)
             shape = tuple(e["shape"])
             if self.shapes.setdefault(e["param"], shape) != shape:
                 raise CheckpointFormatError(
