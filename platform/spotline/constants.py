@@ -52,6 +52,12 @@ SPOTLINE_POLL_INTERVAL_S = _env_float("SPOTLINE_POLL_INTERVAL_S", 0.25)
 # Prometheus scrapes every 15 s or so, and at thousands of ranks setting three gauges per
 # rank at every poll cost more than the rest of the poll.
 SPOTLINE_RANK_METRICS_S = _env_float("SPOTLINE_RANK_METRICS_S", 5.0)
+# A CPU job's step beyond what its layers' passes and its optimizer step take on the
+# host (`planning.host_step`): per pipeline pass (DeepSpeed's instruction, the activation
+# or gradient sent over gloo), and per step (the gradient all-reduce, the engine's step
+# bookkeeping). Measured on a 2-core CPU node (benchmarks/README.md, "Step time").
+SPOTLINE_PIPE_PASS_OVERHEAD_S = _env_float("SPOTLINE_PIPE_PASS_OVERHEAD_S", 0.004)
+SPOTLINE_STEP_OVERHEAD_S = _env_float("SPOTLINE_STEP_OVERHEAD_S", 0.02)
 # How long the final flush of background uploads may take at the end of a job.
 SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S = _env_float("SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S", 1800.0)
 # How long a storage URI check may take before it counts as unreachable.

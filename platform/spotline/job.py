@@ -161,6 +161,8 @@ class JobResult:
                 + (f"{got / 1e9:.3f} GB measured" if got else "not measured")
             )
         lines.append(f"    step time       {pair('step_s', lambda x: f'{x:.3g}s')}")
+        if pred.get("step_basis"):
+            lines.append(f"      planned from  {pred['step_basis']}")
         lines.append(f"    bubble          {pair('bubble_fraction', lambda x: f'{x:.1%}')}")
         lines.append(f"    MFU             {pair('mfu', lambda x: f'{x:.1%}')}")
         return lines
@@ -470,6 +472,7 @@ class Job:
         unchecked: list[str] = []
         check_offline(spec, local_cluster, unchecked, read_tokenizer=not offline)
         rate = None
+        on_host = False
         if peak_tflops is not None:
             rate = (peak_tflops * 1e12, peak_tflops * 1e12, f"{peak_tflops:g} TFLOP/s (given)")
         else:
@@ -481,10 +484,12 @@ class Job:
                 if peak:
                     how = "a matmul probe" if name == "cpu" else "the datasheet peak"
                     rate = (peak, peak, f"{peak / 1e12:.3g} TFLOP/s ({name}, {how})")
+                # A CPU job planned where it runs: its step is measured here.
+                on_host = name == "cpu" and local_cluster
         device = device_memory_bytes(spec, local_cluster)
         bandwidth = (storage_gbps_per_node, network_gbps_per_node)
         node = node_shape(spec, local_cluster)
-        return make_plan(spec, device, rate, node, bandwidth, unchecked)
+        return make_plan(spec, device, rate, node, bandwidth, unchecked, on_host)
 
     def start(self, address: str | None = None) -> JobRun:
         """Preflight (before any worker starts), then start the controller actor."""

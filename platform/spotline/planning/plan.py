@@ -25,6 +25,7 @@ from spotline.planning.checkpoint_time import (
     save_bytes_per_rank,
 )
 from spotline.planning.choice import flops_balanced_bounds, planned_bounds
+from spotline.planning.host_step import host_source, host_step
 from spotline.planning.memory_model import StageMemory, memory_per_device, memory_problem, precision
 from spotline.planning.partition import sizes_from_bounds
 from spotline.planning.peer_memory import LEVELS, NodePeerMemory
@@ -182,17 +183,22 @@ def make_plan(
     node: tuple[int, int | None] = (8, None),
     bandwidth: tuple[float | None, float | None] = (None, None),
     unchecked: list[str] | None = None,
+    on_host: bool = False,
 ) -> Plan:
     """The plan of `spec`. `device`: (bytes, where that figure comes from) of one device;
     `rate`: (FLOP/s a device runs at, its peak FLOP/s for MFU, where they come from);
     `node`: (ranks on one node, its host RAM or None); `bandwidth`: (one node's to
     object storage, between two nodes) in Gbit/s, None where not stated; `unchecked`:
-    what the spec's figures assume without having read it."""
+    what the spec's figures assume without having read it; `on_host`: a CPU job planned
+    on the host it runs on, whose step is measured here (`planning.host_step`)."""
     counts = spec.replica_counts()
     d = counts[0]
     flops_per_s, peak, rate_source = rate if rate else (None, None, None)
     bounds = planned_bounds(spec, d)
-    step = predict_step(spec, d, flops_per_s, peak, bounds)
+    host = host_step(spec, d, bounds) if on_host else None
+    step = predict_step(spec, d, flops_per_s, peak, bounds, host)
+    if host is not None:
+        rate_source = host_source(spec, d, host)
     tokens = spec.global_batch(d) * spec.model.seq_len
     warnings = []
     if device is not None:
