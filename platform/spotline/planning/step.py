@@ -74,28 +74,20 @@ def predict_step(
     costs alone give the bubble when no rate is known), the stages cut at `bounds`
     (default: the uniform partition). `host`: a CPU job's parts measured on this host,
     which then set the stages' passes, the optimizer step and the overheads."""
-    from spotline.bubbles.detector import bubble_fraction
-    from spotline.bubbles.schedule import simulate_passes, theory_fraction
+    from spotline.bubbles.schedule import theory_fraction
 
     p, m = spec.parallel.pipeline_stages, spec.grad_accum(replicas)
     stage = stage_flops_per_token(spec, bounds=bounds)
     tokens = spec.micro_batch_size() * spec.model.seq_len
     micro_s = stage_micro_s(spec, flops_per_s or 1.0, bounds, flops=stage)
-    after = 0.0  # what follows the schedule: the optimizer step, the step's overhead
+    bubble, step = _schedule(p, m, micro_s)
     if host is not None:
+        # The bubble stays the stages' work played through the schedule (what the
+        # partition decides); the host's measured passes set the step's time.
         share = host.share(ranks_on_host(spec, replicas))
         pass_s, step_s = pass_overheads()
-        micro_s = [m / share + pass_s for m in host.micro_s]
-        after = max(host.optimizer_s) / share + step_s
-    if p > 1:
-        timelines = simulate_passes(p, m, micro_s)
-        spans = [tl[-1].end - tl[0].start for tl in timelines]
-        bubble = sum(bubble_fraction(tl) * sp for tl, sp in zip(timelines, spans, strict=True))
-        bubble /= sum(spans)
-        step = max(spans)
-    else:
-        bubble, step = 0.0, m * micro_s[0]
-    step += after
+        _, step = _schedule(p, m, [t / share + pass_s for t in host.micro_s])
+        step += max(host.optimizer_s) / share + step_s
     devices = p * replicas
     known = flops_per_s is not None or host is not None
     util = None
@@ -108,3 +100,17 @@ def predict_step(
         backfill_s_per_step=bubble * step * devices if known else None,
         mfu=util,
     )
+
+
+def _schedule(p: int, m: int, micro_s: list[float]) -> tuple[float, float]:
+    """(bubble fraction, seconds) of one step of `m` micro-batches through `p` stages
+    whose forward and backward of one micro-batch take `micro_s`, in DeepSpeed's 1F1B."""
+    from spotline.bubbles.detector import bubble_fraction
+    from spotline.bubbles.schedule import simulate_passes
+
+    if p == 1:
+        return 0.0, m * micro_s[0]
+    timelines = simulate_passes(p, m, micro_s)
+    spans = [tl[-1].end - tl[0].start for tl in timelines]
+    bubble = sum(bubble_fraction(tl) * sp for tl, sp in zip(timelines, spans, strict=True))
+    return bubble / sum(spans), max(spans)
