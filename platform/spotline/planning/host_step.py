@@ -74,7 +74,9 @@ def ranks_on_host(spec: JobSpec, replicas: int) -> int:
 
 def host_step(spec: JobSpec, replicas: int, bounds: list[int]) -> HostStep | None:
     """This host's measurement for the job's shape (from the cache when it was taken
-    before); None when a stage is too large to measure here."""
+    before); None when a stage is too large to measure here, or when the model raises
+    here: that error is the user's, and the workers report it as theirs, naming their
+    code, where the controller or the plan would only stop."""
     from spotline.planning.memory_model import stage_params
 
     if max(stage_params(spec, bounds=bounds)) > MAX_STAGE_PARAMS:
@@ -86,7 +88,10 @@ def host_step(spec: JobSpec, replicas: int, bounds: list[int]) -> HostStep | Non
         return HostStep(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    got = _measure(spec, replicas, bounds, threads)
+    try:
+        got = _measure(spec, replicas, bounds, threads)
+    except Exception:  # noqa: BLE001 - the user's model: its error is the workers' to report
+        return None
     try:
         CACHE_DIR.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
