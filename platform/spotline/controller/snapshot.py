@@ -471,7 +471,12 @@ class PlanView:
         if key not in self._predictions:  # arithmetic on the spec: once per shape
             mem = memory_per_device(self.spec, d, bounds)
             cut = bounds or planned_bounds(self.spec, key[1])
-            host = host_step(self.spec, key[1], cut) if device == "cpu" else None
+            # A CPU step is timed on this host only once training is over (`wait`), or
+            # read from the cache `spotline plan` left: never beside the ranks training.
+            on_cpu = device == "cpu"
+            host = host_step(self.spec, key[1], cut, measure=wait) if on_cpu else None
+            if on_cpu and host is None and not wait:
+                return {"replicas": replicas, "predicted": None, "measured": None}
             step = predict_step(self.spec, key[1], peak_flops, peak_flops, cut, host)
             self._predictions[key] = {
                 "memory_bytes": {m.stage: m.total_bytes for m in mem},

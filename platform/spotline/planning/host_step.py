@@ -72,11 +72,15 @@ def ranks_on_host(spec: JobSpec, replicas: int) -> int:
     return min(world, spec.resources.ranks_per_node or world)
 
 
-def host_step(spec: JobSpec, replicas: int, bounds: list[int]) -> HostStep | None:
+def host_step(
+    spec: JobSpec, replicas: int, bounds: list[int], measure: bool = True
+) -> HostStep | None:
     """This host's measurement for the job's shape (from the cache when it was taken
     before); None when a stage is too large to measure here, or when the model raises
     here: that error is the user's, and the workers report it as theirs, naming their
-    code, where the controller or the plan would only stop."""
+    code, where the controller or the plan would only stop. `measure=False`: the cached
+    measurement only, None without one (a running job's controller: timing passes on the
+    cores its ranks train on would slow them and skew what they measure)."""
     from spotline.planning.memory_model import stage_params
 
     if max(stage_params(spec, bounds=bounds)) > MAX_STAGE_PARAMS:
@@ -88,6 +92,8 @@ def host_step(spec: JobSpec, replicas: int, bounds: list[int]) -> HostStep | Non
         return HostStep(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
+    if not measure:
+        return None
     try:
         got = _measure(spec, replicas, bounds, threads)
     except Exception:  # noqa: BLE001 - the user's model: its error is the workers' to report
