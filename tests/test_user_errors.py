@@ -249,9 +249,9 @@ def test_an_override_below_a_value_says_to_set_the_value(key, capsys) -> None:
 def test_a_model_that_raises_gives_no_host_step_and_leaves_the_error_to_the_workers(
     tmp_path, monkeypatch
 ) -> None:
-    """The controller and `spotline plan` time a CPU job's passes on the host; a model
-    whose forward raises gives no measurement (nothing kept in the cache) instead of
-    stopping them: the workers report the error as the user's, naming their code."""
+    """`spotline plan` times a CPU job's passes on the host; a model whose forward
+    raises gives no measurement (nothing kept in the cache) instead of stopping it: the
+    workers report the error as the user's, naming their code."""
     from spotline.planning import host_step as hs
     from spotline.planning.plan import planned_bounds
 

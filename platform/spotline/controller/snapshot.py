@@ -461,8 +461,8 @@ class PlanView:
     ) -> dict[str, Any]:
         """At the replica count of the measurement (memory: of the first group; step
         time, MFU, bubble: of the live group). Predictions are None until the warm-up
-        is done, unless `wait`. A CPU group's step is the plan's, measured on this host
-        (`planning.host_step`: the same measurement `spotline plan` takes here)."""
+        is done, unless `wait`. A CPU group's step is the one `spotline plan` timed on
+        this host, when it did (`planning.host_step`'s cache); else the peak's."""
         if not self._ready.wait(60 if wait else 0):
             return {"replicas": replicas, "predicted": None, "measured": None}
         d = fig.peak_memory_replicas or replicas or self.spec.replica_counts()[0]
@@ -471,12 +471,11 @@ class PlanView:
         if key not in self._predictions:  # arithmetic on the spec: once per shape
             mem = memory_per_device(self.spec, d, bounds)
             cut = bounds or planned_bounds(self.spec, key[1])
-            # A CPU step is timed on this host only once training is over (`wait`), or
-            # read from the cache `spotline plan` left: never beside the ranks training.
+            # A CPU step's parts, as `spotline plan` timed them on this host (its cache).
+            # The controller never times them itself: beside the ranks it would slow
+            # them and skew what they measure, and after them it would hold up the end.
             on_cpu = device == "cpu"
-            host = host_step(self.spec, key[1], cut, measure=wait) if on_cpu else None
-            if on_cpu and host is None and not wait:
-                return {"replicas": replicas, "predicted": None, "measured": None}
+            host = host_step(self.spec, key[1], cut, measure=False) if on_cpu else None
             step = predict_step(self.spec, key[1], peak_flops, peak_flops, cut, host)
             self._predictions[key] = {
                 "memory_bytes": {m.stage: m.total_bytes for m in mem},
@@ -486,7 +485,13 @@ class PlanView:
                 "step_basis": host_source(self.spec, key[1], host)
                 if host is not None
                 else "compute at the device's peak (collectives, the optimizer step and "
-                "per-operation work not counted)",
+                "per-operation work not counted)"
+                + (
+                    "; `spotline plan` on this host times the step's parts, and the "
+                    "run then reports those"
+                    if on_cpu
+                    else ""
+                ),
             }
         seconds = sorted(fig.step_seconds)
         return {

@@ -19,9 +19,9 @@ time"). Compute is divided by the share of a core each rank gets when the job's 
 outnumber the host's cores (a local cluster); what that leaves out (Ray's own processes
 on the same cores, other work on the host) is said with the figure.
 
-The measurement is kept in the user's cache under its shape and this host's CPU, so the
-plan and the run's controller on the same host read one measurement and report one
-prediction. Never used for a GPU job: there the datasheet peak and the schedule decide.
+The measurement is kept in the user's cache under its shape and this host's CPU: a
+run's controller on the same host reads what the plan measured (it never times passes
+itself) and reports the same prediction. Never used for a GPU job: there the datasheet peak and the schedule decide.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def host_step(
     """This host's measurement for the job's shape (from the cache when it was taken
     before); None when a stage is too large to measure here, or when the model raises
     here: that error is the user's, and the workers report it as theirs, naming their
-    code, where the controller or the plan would only stop. `measure=False`: the cached
-    measurement only, None without one (a running job's controller: timing passes on the
-    cores its ranks train on would slow them and skew what they measure)."""
+    code, where the plan would only stop. `measure=False`: the cached measurement only,
+    None without one (a running job's controller: timing passes on the cores its ranks
+    train on would slow them and skew what they measure)."""
     from spotline.planning.memory_model import stage_params
 
     if max(stage_params(spec, bounds=bounds)) > MAX_STAGE_PARAMS:
