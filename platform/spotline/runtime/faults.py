@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import statistics
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -130,7 +131,10 @@ class Faults:
         for f in self.faults:
             due = f["kind"] == "freeze" and f.get("step") == step
             if due and f.get("phase", "forward") == phase and self._first_time(f):
-                os.kill(os.getpid(), signal.SIGSTOP)
+                # Sent to this thread, which then stops the process before it runs
+                # another line: sent to the process, the stop waits for whichever thread
+                # takes it, and on a busy host this one trains on past the freeze.
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
     def _first_time(self, fault: dict[str, Any]) -> bool:
         assert self.marker_root is not None
