@@ -5,6 +5,8 @@ meter, injected faults) without Ray."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -500,14 +502,15 @@ def test_faults_are_read_per_rank_and_a_freeze_fires_once(tmp_path, monkeypatch)
     mine = Faults.for_rank(job, 1, "n1")
     assert [f["kind"] for f in mine.faults] == ["freeze"] and mine.slow_factor() == 1.0
     assert Faults.for_rank(job, 3, "n2").slow_factor() == 3.0
-    stops: list[int] = []
-    monkeypatch.setattr("os.kill", lambda pid, sig: stops.append(sig))
+    stops: list[tuple[int, int]] = []
+    monkeypatch.setattr("signal.pthread_kill", lambda tid, sig: stops.append((tid, sig)))
     mine.maybe_freeze(5, "save")
     mine.maybe_freeze(6, "forward")
     assert stops == []
     mine.maybe_freeze(6, "save")
     mine.maybe_freeze(6, "save")  # the restarted group passes step 6 again: no freeze
-    assert len(stops) == 1
+    # The stop goes to the thread that hit the freeze, which then stops the process.
+    assert stops == [(threading.get_ident(), signal.SIGSTOP)]
     monkeypatch.delenv("SPOTLINE_TEST_FAULTS")
     assert Faults.for_rank(job, 1, "n1") is None  # production: nothing is read
 
