@@ -119,12 +119,12 @@ class Watch:
                         if w["rank"] not in self.nodes[w["node_id"]]:
                             self.nodes[w["node_id"]].append(w["rank"])
                 if not keepers:
+                    # This job's keepers only: an earlier arm's may still be going away.
                     alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True)
                     for a in alive:
-                        if a.get("class_name", "").endswith("StateKeeper"):
-                            node = a["node_id"]
-                            handle = ray.get_actor(keeper_name(self.run.spec.name, node))
-                            keepers[node] = (handle, a["pid"])
+                        mine = keeper_name(self.run.spec.name, a["node_id"])
+                        if a.get("name") == mine:
+                            keepers[a["node_id"]] = (ray.get_actor(mine), a["pid"])
                 for node, (handle, pid) in keepers.items():
                     held = ray.get(handle.nbytes.remote(), timeout=5)
                     self.keeper_bytes[node] = max(self.keeper_bytes[node], held)
@@ -220,8 +220,10 @@ def main() -> int:
                         f"[peer_memory] {shape} {arm}: {r['steps_per_min']:.0f} steps/min",
                         flush=True,
                     )
-            on = [r for r in runs if r["shape"] == shape and r["arm"] == "on"]
-            budget = int(1.5 * on[-1]["node_share_bytes"])
+            shares = [r["node_share_bytes"] for r in runs if r["shape"] == shape and r["arm"] == "on" and "node_share_bytes" in r]  # fmt: skip
+            if not shares:
+                raise SystemExit(f"no keeper was read in any `on` arm of {shape}")
+            budget = int(1.5 * shares[-1])
             r = run_arm(shape, "budget", args.steps, tmp, budget)
             runs.append(r)
             print(f"[peer_memory] {shape} budget {human_bytes(budget)}: done", flush=True)
@@ -242,8 +244,11 @@ def main() -> int:
         pairs = [a["steps_per_min"] / b["steps_per_min"] for a, b in zip(on, off, strict=False)]
         state = on[0]["rank_state_bytes"]
         f = {
-            "keeper_bytes_ratio": max(r["keeper_bytes_ratio"] for r in on),
-            "keeper_rss_ratio": max(r["keeper_rss_ratio"] for r in on),
+            # Over the `on` arms whose keepers were read (a run too short for a read has none).
+            "keeper_bytes_ratio": max(
+                r["keeper_bytes_ratio"] for r in on if "keeper_rss_ratio" in r
+            ),
+            "keeper_rss_ratio": max(r["keeper_rss_ratio"] for r in on if "keeper_rss_ratio" in r),
             "keeper_bytes_ratio_budget": budget[0].get("keeper_bytes_ratio") if budget else None,
             "rank_rss_ratio": max(r["rank_rss_peak"] for r in on) / state,
             "rank_rss_over_off": (
