@@ -18,6 +18,7 @@ import pytest
 import spotline
 from cluster_fixture import AutoscalingTestCluster, drain_node, wait_for
 from conftest import WORKER_ENV, tiny_spec
+from spotline import testing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -109,20 +110,11 @@ def _running_without(node: str, replicas: int | None = None, past_step: int = -1
 
 
 def _wait(run: spotline.JobRun, pred, what: str, timeout: float = 240) -> dict[str, Any]:
-    st: dict[str, Any] = {}
-
-    def check():
-        nonlocal st
-        st = run.status()
-        assert st["state"] not in ("finished", "failed"), _brief(st)
-        return pred(st)
-
     try:
-        wait_for(check, what, timeout)
+        return testing.wait_for(run, pred, what, timeout)
     except AssertionError as e:
         nodes = [n["NodeID"][:8] for n in _spot_nodes()]
-        raise AssertionError(f"{e}; spot nodes {nodes}; last status: {_brief(st)}") from None
-    return st
+        raise AssertionError(f"{e}; spot nodes {nodes}") from None
 
 
 def _brief(st: dict[str, Any]) -> dict[str, Any]:

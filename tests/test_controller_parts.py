@@ -17,6 +17,7 @@ from spotline.controller.repartition import PartitionBook
 from spotline.controller.snapshot import (
     Attempt,
     Figures,
+    Published,
     Record,
     Snapshot,
     as_result,
@@ -294,3 +295,14 @@ def test_a_notice_dooms_its_node_until_it_is_forgotten():
     log.say("a")
     log.say("b")
     assert log.since(1) == (["b"], 2)
+
+
+def test_a_trace_asked_after_the_job_ended_is_its_last_one_at_once():
+    """The loop steps no more once the job ends: its last publish keeps the trace, and a
+    later ask gets it without waiting for a step that never comes."""
+    published = Published()
+    traces = iter([{"traceEvents": ["last"]}])
+    published.publish(Snapshot(state="running"), lambda: pytest.fail("nobody asked"))
+    published.publish(Snapshot(state="finished"), lambda: next(traces), ended=True)
+    assert published.trace(timeout_s=5.0) == {"traceEvents": ["last"]}
+    assert published.trace(timeout_s=5.0) == {"traceEvents": ["last"]}

@@ -23,6 +23,7 @@ import spotline
 from cluster_fixture import drain_node
 from conftest import WORKER_ENV, init_local_ray, inject_faults, tiny_spec
 from spotline.checkpoint import CheckpointStore
+from spotline.testing import wait_for
 
 pytestmark = pytest.mark.chaos
 
@@ -126,19 +127,6 @@ def _spot_spec(tmp_path: Path, name: str, **over: Any):
     return tiny_spec(tmp_path, name, **{**base, **over})
 
 
-def _wait(run: spotline.JobRun, pred, what: str, timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    st: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        st = run.status()
-        if pred(st):
-            return st
-        if st["state"] in ("finished", "failed"):
-            break
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last status: {_brief(st)}")
-
-
 def _brief(st: dict[str, Any]) -> dict[str, Any]:
     return {k: st.get(k) for k in ("state", "step", "replicas", "committed_steps", "error")} | {
         "events": st.get("events", [])[-25:]
@@ -165,7 +153,7 @@ def _copy_step(src_uri: str, dst: Path, step: int) -> str:
 
 def _run_until(spec, step: int) -> dict[str, Any]:
     run = spotline.Job(spec).start()
-    _wait(run, lambda s: s["step"] >= step, f"reference run to reach step {step}")
+    wait_for(run, lambda s: s["step"] >= step, f"reference run to reach step {step}")
     res = _result(run)
     _stop(run)
     return res
@@ -192,18 +180,18 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     }
     spec = _spot_spec(tmp_path / "elastic", "elastic", **over)
     run = spotline.Job(spec).start()
-    st = _wait(run, lambda s: s["replicas"] == 1 and s["step"] >= 5, "1 replica training")
+    st = wait_for(run, lambda s: s["replicas"] == 1 and s["step"] >= 5, "1 replica training")
     pids = {w["pid"] for w in st["workers"]}
 
     # Capacity comes back: the job grows to 2 replicas at a checkpoint boundary.
     spot_cluster.spot.append(spot_cluster.cluster.add_node(**SPOT_NODE))
-    st = _wait(
+    st = wait_for(
         run,
         lambda s: s["replicas"] == 2 and s["state"] == "running" and s["step"] > 0,
         "growing to 2 replicas",
     )
     grow = _result(run)["resizes"][0]["step"]
-    st = _wait(run, lambda s: s["step"] >= grow + 3, "training at 2 replicas")
+    st = wait_for(run, lambda s: s["step"] >= grow + 3, "training at 2 replicas")
     # The replica that ran goes on in its own processes; the new one's were started
     # ahead, on the joined node, while the job trained on.
     assert pids < {w["pid"] for w in st["workers"]}, (pids, st["workers"])
@@ -212,7 +200,7 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     victim = next(w["node_id"] for w in st["workers"] if w["rank"] == 1)
     grown = st["workers"]
     drain_node(victim, seconds=120)
-    st = _wait(
+    st = wait_for(
         run,
         lambda s: s["replicas"] == 1 and s["state"] == "running" and s["step"] > 0,
         "the job to go on with 1 replica",
@@ -226,7 +214,7 @@ def test_grow_then_notice_shrink_matches_an_uninterrupted_run(
     (notice,) = res["notices"]
     jit = notice["committed_step"]
     assert jit is not None, (notice, _brief(run.status()))
-    _wait(run, lambda s: any(c > jit for c in s["committed_steps"]), "a commit after the JIT")
+    wait_for(run, lambda s: any(c > jit for c in s["committed_steps"]), "a commit after the JIT")
     res = _result(run)
     _stop(run)
 
@@ -313,7 +301,7 @@ def test_node_lost_mid_upload_resumes_from_the_latest_commit(
             return False
         return any(uploader not in ranks_in(c) for c in store.uncommitted_steps() if c > 10)
 
-    st = _wait(run, mid_upload, f"rank {uploader} to be uploading a checkpoint")
+    st = wait_for(run, mid_upload, f"rank {uploader} to be uploading a checkpoint")
     victim = next(w["node_id"] for w in st["workers"] if w["rank"] == uploader)
     # No notice: the node and every process on it vanish at once. (Removing a simulated
     # node kills its raylet; its worker processes would linger a moment and could
@@ -350,7 +338,7 @@ def test_sigterm_to_a_worker_commits_a_jit_checkpoint_and_moves_off_its_node(
         **{"train.steps": 40, "preemption.sources": [{"kind": "sigterm"}]},
     )
     run = spotline.Job(spec).start()
-    st = _wait(run, lambda s: s["replicas"] == 2 and s["step"] >= 5, "2 replicas training")
+    st = wait_for(run, lambda s: s["replicas"] == 2 and s["step"] >= 5, "2 replicas training")
     rank1 = next(w for w in st["workers"] if w["rank"] == 1)
     os.kill(rank1["pid"], signal.SIGTERM)  # what Kubernetes sends a pod it will stop
 
@@ -384,7 +372,7 @@ def test_below_min_waits_then_fails_with_a_clear_message(
         },
     )
     run = spotline.Job(spec).start()
-    st = _wait(run, lambda s: s["state"] == "waiting", "the job to wait for capacity", 60)
+    st = wait_for(run, lambda s: s["state"] == "waiting", "the job to wait for capacity", 60)
     assert "can hold 2 replica(s) now; elastic.min_replicas is 3" in st["waiting"]
     with pytest.raises(spotline.JobFailed) as ei:
         run.wait(verbose=False)
@@ -446,14 +434,14 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
     while len(kills) < kills_wanted and time.monotonic() < deadline:
         want = rng.choice(["save", "upload", "commit"])
         # The group that is up now, trained at least one step past its restore.
-        st = _wait(
+        st = wait_for(
             run,
             lambda s: s["state"] == "running" and len(s["workers"]) == 4,
             f"a running group before kill {len(kills) + 1}",
         )
         attempt = _result(run)["attempts"][-1]
         started = attempt["start_step"]
-        _wait(run, lambda s, a=started: s["step"] > a, "a step past the restore")
+        wait_for(run, lambda s, a=started: s["step"] > a, "a step past the restore")
         hit, until = None, time.monotonic() + 20
         while hit is None and time.monotonic() < until:
             if want in _phases_now(root, staging, attempt["attempt"], 4):
@@ -475,7 +463,7 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
                 "committed": committed,
             }
         )
-        _wait(
+        wait_for(
             run,
             lambda s, a=attempt["attempt"]: _result(run)["attempts"][-1]["attempt"] != a,
             f"a new group after kill {len(kills)}",
@@ -582,7 +570,7 @@ def test_an_unexpected_controller_error_fails_the_job_and_leaves_no_actor_behind
         .remote(SealedJob(spec, CheckpointStore(spec.resolved_checkpoint_uri())))
     )
     run = JobRun(spec, controller)
-    _wait(run, lambda s: s["step"] >= 3 and s["state"] == "running", "training")
+    wait_for(run, lambda s: s["step"] >= 3 and s["state"] == "running", "training")
     up = alive()
     assert any(":backfill:" in n for n in up) and any(":watcher:" in n for n in up), up
     assert len([n for n in up if ":backfill:" not in n and ":watcher:" not in n]) >= 4, up
@@ -623,7 +611,7 @@ def test_a_notice_on_one_of_three_nodes_always_restarts_at_2_replicas(
     # Once: growing back to 3 would need the cost rule to pay, and on shared cores
     # 3 replicas measure no faster than 2.
     rank = 0
-    st = _wait(
+    st = wait_for(
         run,
         lambda s: s["replicas"] == 3 and s["state"] == "running" and s["step"] > 0,
         "3 replicas training",
@@ -631,7 +619,7 @@ def test_a_notice_on_one_of_three_nodes_always_restarts_at_2_replicas(
     victim = next(w["node_id"] for w in st["workers"] if w["rank"] == rank)
     victims.append(victim)
     drain_node(victim, seconds=20)  # short: the JIT checkpoint comes within seconds
-    st = _wait(
+    st = wait_for(
         run,
         lambda s, v=victim: (
             s["state"] == "running"
@@ -673,11 +661,11 @@ def test_a_straggling_node_is_cordoned_and_the_job_moves_to_a_spare(
     )
     inject_faults(spec, [{"kind": "slow", "node": slow, "factor": 3.0}])
     run = spotline.Job(spec).start()
-    st = _wait(run, lambda s: s["replicas"] == 2 and s["step"] >= 5, "2 replicas training")
+    st = wait_for(run, lambda s: s["replicas"] == 2 and s["step"] >= 5, "2 replicas training")
     assert slow in {w["node_id"] for w in st["workers"]}
     spare = cluster.cluster.add_node(**SPOT_NODE)
     cluster.spot.append(spare)
-    st = _wait(
+    st = wait_for(
         run,
         lambda s: (
             s["health"]["cordoned"]
@@ -742,7 +730,7 @@ def test_a_node_lost_without_notice_resumes_from_peer_memory_not_storage(
     spec = _spot_spec(tmp_path, "peer-lost", **_PEER, **{"checkpoint.interval_steps": 25})
     store = CheckpointStore(spec.resolved_checkpoint_uri())
     run = spotline.Job(spec).start()
-    st = _wait(
+    st = wait_for(
         run,
         lambda s: ((s.get("peer_memory") or {}).get("newest_step") or 0) >= 2 * k,
         "peer copies of two steps",
@@ -753,7 +741,7 @@ def test_a_node_lost_without_notice_resumes_from_peer_memory_not_storage(
     trained = st["step"]
     # The replica on the node that stays goes on in its own processes (recovery.in_place).
     stayed = {w["rank"]: w["pid"] for w in st["workers"] if w["node_id"] != victim}
-    after = _wait(
+    after = wait_for(
         run,
         lambda s: s["workers"] and all(w["node_id"] != victim for w in s["workers"]),
         "the group after the loss",
@@ -793,7 +781,7 @@ def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_newest_commit(
     spec = _spot_spec(tmp_path, "peer-both", **_PEER, **{"checkpoint.interval_steps": 5})
     store = CheckpointStore(spec.resolved_checkpoint_uri())
     run = spotline.Job(spec).start()
-    st = _wait(
+    st = wait_for(
         run,
         lambda s: any(c >= 5 for c in s["committed_steps"]) and s["step"] >= 7,
         "a commit, and steps past it",

@@ -134,18 +134,8 @@ class SpotCluster:
         return run
 
     def wait_for(self, run: Any, pred, what: str, timeout: float = 300.0) -> dict[str, Any]:
-        """`run`'s status once `pred(status)` holds; AssertionError after `timeout`."""
-        deadline = time.monotonic() + timeout
-        st: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            st = run.status()
-            if pred(st):
-                return st
-            if st["state"] in ("finished", "failed", "stopped"):
-                break
-            time.sleep(0.2)
-        brief = {k: st.get(k) for k in ("state", "step", "replicas", "committed_steps", "error")}
-        raise AssertionError(f"timed out waiting for {what}; last status: {brief}")
+        """`run`'s status once `pred(status)` holds (see the module's `wait_for`)."""
+        return wait_for(run, pred, what, timeout)
 
     def node_of(self, run: Any, rank: int) -> int:
         """The number of the spot node `rank` of `run` is on now."""
@@ -204,6 +194,25 @@ def _end(run: Any) -> None:
     with contextlib.suppress(Exception):
         if run.status()["state"] not in ("finished", "failed", "stopped"):
             ray.kill(run.controller)
+
+
+def wait_for(run: Any, pred, what: str, timeout: float = 300.0) -> dict[str, Any]:
+    """`run`'s status once `pred(status)` holds. AssertionError naming `what`, with the
+    job's last status and latest events, when the job ends first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = run.status()
+        if pred(st):
+            return st
+        if st["state"] in ("finished", "failed", "stopped"):
+            break
+        time.sleep(0.2)
+    brief = {k: st.get(k) for k in ("state", "step", "replicas", "committed_steps", "error")}
+    brief["events"] = st.get("events", [])[-25:]
+    ended = st.get("state") in ("finished", "failed", "stopped")
+    why = "the job ended before" if ended else f"timed out after {timeout:.0f}s waiting for"
+    raise AssertionError(f"{why} {what}; last status: {brief}")
 
 
 # --- assertions ---------------------------------------------------------------------------------

@@ -196,7 +196,7 @@ class Controller:
         return getattr(self, f"_{type(state).__name__.lower()}")(state)
 
     def _publish(self) -> None:  # the snapshot other threads read, after each step
-        self.published.publish(take_snapshot(self), self._trace)
+        self.published.publish(take_snapshot(self), self._trace, self.state.terminal)
 
     def _fail(self, reason: str) -> State:
         reason = redact(" ".join(reason.split()))  # one line, and never a secret

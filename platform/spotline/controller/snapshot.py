@@ -381,24 +381,30 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
 
 
 class Published:
-    """The latest snapshot the loop published (and, when one was asked for, the latest
-    pipeline trace): other threads read only these, under the lock."""
+    """The latest snapshot the loop published (and, when one was asked for or the job
+    has ended, the latest pipeline trace): other threads read only these, under the
+    lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._snap: Snapshot | None = None
         self._trace: dict[str, Any] | None = None
+        self._ended = False
         self._trace_asked = threading.Event()
         self._trace_done = threading.Event()
 
-    def publish(self, snap: Snapshot, trace: Callable[[], dict[str, Any] | None]) -> None:
+    def publish(
+        self, snap: Snapshot, trace: Callable[[], dict[str, Any] | None], ended: bool = False
+    ) -> None:
+        """`ended`: the loop's last publish; its trace is kept for every later ask (the
+        loop steps no more to answer one)."""
         with self._lock:
             self._snap = snap
-        if self._trace_asked.is_set():
+        if ended or self._trace_asked.is_set():
             self._trace_asked.clear()
             t = trace()
             with self._lock:
-                self._trace = t
+                self._trace, self._ended = t, ended
             self._trace_done.set()
 
     def snapshot(self) -> Snapshot:
@@ -408,7 +414,11 @@ class Published:
 
     def trace(self, timeout_s: float) -> dict[str, Any] | None:
         """The trace as of the loop's next step (it takes at most a poll interval), or
-        the latest one when the loop does not step within `timeout_s`."""
+        the latest one when the loop does not step within `timeout_s`; the last one,
+        at once, once the job has ended."""
+        with self._lock:
+            if self._ended:
+                return self._trace
         self._trace_done.clear()
         self._trace_asked.set()
         self._trace_done.wait(timeout_s)
