@@ -111,8 +111,8 @@ def test_a_listing_error_while_joining_still_publishes_for_the_peers():
         def wait(self, keys, timeout):
             assert all(k in store for k in keys)
 
-        def get(self, key):
-            return store[key]
+        def multi_get(self, keys):
+            return [store[k] for k in keys]
 
     def connections():
         raise psutil.AccessDenied(pid=1)

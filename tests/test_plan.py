@@ -425,3 +425,35 @@ def test_pipeline_stages_memory_is_near_a_real_engine(which, tmp_path) -> None:
         p.join(60)
     for rank, predicted, measured in got:
         assert 0.7 <= predicted / measured <= 1.35, (which, rank, predicted, measured)
+
+
+@pytest.mark.unit
+def test_a_running_cpu_jobs_controller_reads_the_plans_host_step_and_never_times_one(
+    tmp_path, monkeypatch
+) -> None:
+    """Timing a step's parts on the host beside the ranks would slow them and skew their
+    layer times, and after them it would hold up the job's end: the controller takes the
+    measurement `spotline plan` left, or says how to get one."""
+    from spotline.controller.snapshot import Figures, PlanView
+    from spotline.planning import host_step as hs
+    from spotline.planning.choice import planned_bounds
+
+    monkeypatch.setattr(hs, "CACHE_DIR", tmp_path / "cache")
+
+    def timed(*args):
+        raise AssertionError("the controller timed the step on the host")
+
+    monkeypatch.setattr(hs, "_measure", timed)
+    spec = _spec(tmp_path)
+    got = PlanView(spec).compare(Figures(), None, 1e10, None, None, 2, wait=True, device="cpu")
+    basis = got["predicted"]["step_basis"]
+    assert basis.startswith("compute at the device's peak") and "`spotline plan`" in basis
+
+    # What `spotline plan` measured on this host is what the run reports.
+    parts = hs.HostStep(micro_s=[0.05, 0.08], optimizer_s=[0.01, 0.01], threads=1, cores=2)
+    monkeypatch.setattr(hs, "_measure", lambda *args: parts)
+    assert hs.host_step(spec, 2, planned_bounds(spec, 2)) == parts
+    monkeypatch.setattr(hs, "_measure", timed)
+    got = PlanView(spec).compare(Figures(), None, 1e10, None, None, 2, wait=True, device="cpu")
+    assert got["predicted"]["step_basis"].startswith("this host's measured passes")
+    assert got["predicted"]["step_s"] > 0.08 * spec.grad_accum(2)

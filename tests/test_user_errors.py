@@ -244,3 +244,30 @@ def test_an_override_below_a_value_says_to_set_the_value(key, capsys) -> None:
     line = _one_line(["validate", str(QUICKSTART), "--offline", "--set", f"{key}.x=1"], capsys)
     assert f"{key} is a value, not a section" in line
     assert f"--set {key}=VALUE" in line
+
+
+def test_a_model_that_raises_gives_no_host_step_and_leaves_the_error_to_the_workers(
+    tmp_path, monkeypatch
+) -> None:
+    """`spotline plan` times a CPU job's passes on the host; a model whose forward
+    raises gives no measurement (nothing kept in the cache) instead of stopping it: the
+    workers report the error as the user's, naming their code."""
+    from spotline.planning import host_step as hs
+    from spotline.planning.plan import planned_bounds
+
+    sys.path.insert(0, str(TESTS))
+    monkeypatch.setattr(hs, "CACHE_DIR", tmp_path / "cache")
+    spec = load_spec(
+        None,
+        {
+            "model": {
+                "kind": "custom",
+                "provider": "faulty_model:PROVIDER",
+                "config": {"width": 16, "depth": 2},
+                "seq_len": 8,
+            },
+            "checkpoint.uri": f"file://{tmp_path}/c",
+        },
+    )
+    assert hs.host_step(spec, 1, planned_bounds(spec, 1)) is None
+    assert not list((tmp_path / "cache").glob("host-step-*"))

@@ -418,20 +418,33 @@ def _dispatch(args) -> int:
         job = _job_from_args(args)
         from spotline.preflight import check_offline, preflight
 
-        (check_offline if args.offline else preflight)(job.spec)
+        unchecked: list[str] = []
+        if args.offline:
+            check_offline(job.spec, unchecked=unchecked, read_tokenizer=False)
+        else:
+            preflight(job.spec)
         if _shown(args):
             print(f"{job.spec.name}: OK (spec hash {job.spec.spec_hash()})")
         from spotline.planning.plan import make_plan
 
         warnings = make_plan(job.spec).warnings  # the checks `spotline plan` makes
+        for note in unchecked:
+            print(f"spotline: unchecked: {note}", file=sys.stderr)
         for warning in warnings:
             print(f"spotline: warning: {warning}", file=sys.stderr)
         spec_hash = job.spec.spec_hash()
-        _write_json(args, {"name": job.spec.name, "spec_hash": spec_hash, "warnings": warnings})
+        doc = {"name": job.spec.name, "spec_hash": spec_hash, "warnings": warnings}
+        _write_json(args, doc | {"unchecked": unchecked})
         return 0
     if args.cmd == "plan":
         job = _job_from_args(args)
-        plan = job.plan(peak_tflops=args.peak_tflops, device_memory_gb=args.device_memory_gb)
+        plan = job.plan(
+            peak_tflops=args.peak_tflops,
+            device_memory_gb=args.device_memory_gb,
+            offline=args.offline,
+            storage_gbps_per_node=args.storage_gbps_per_node,
+            network_gbps_per_node=args.network_gbps_per_node,
+        )
         if _shown(args):
             print(plan.render())
         _write_json(args, plan.to_dict())

@@ -164,7 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _spec_args(val)
     val.add_argument(
-        "--offline", action="store_true", help="check the spec alone: skip storage and data"
+        "--offline",
+        action="store_true",
+        help="check the spec alone: read no storage, data or tokenizer (the vocabulary from "
+        "model.vocab_size or the preset) and need no credentials; says what is unchecked",
     )
     _json(val, "the name, spec hash and warnings", "the OK line")
 
@@ -187,6 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="memory of one device (default: resources.device_memory_gb, else this machine's)",
+    )
+    plan.add_argument(
+        "--offline",
+        action="store_true",
+        help="read nothing (the tokenizer's vocabulary from model.vocab_size or the "
+        "preset); without it, a tokenizer that cannot be read is assumed the same way",
+    )
+    plan.add_argument(
+        "--storage-gbps-per-node",
+        type=float,
+        default=None,
+        help="one node's bandwidth to the checkpoint storage, in Gbit/s, for the "
+        "just-in-time save and the restore (default: each rank at "
+        "SPOTLINE_ASSUMED_SAVE_MB_PER_S)",
+    )
+    plan.add_argument(
+        "--network-gbps-per-node",
+        type=float,
+        default=None,
+        help="one node's bandwidth to another, in Gbit/s, for a restore from peer memory "
+        "(default 100)",
     )
     _json(plan, "the plan", "the table")
 

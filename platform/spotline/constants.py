@@ -48,6 +48,18 @@ SPOTLINE_STACKS_ALL_RANKS = int(_env_float("SPOTLINE_STACKS_ALL_RANKS", 64))
 # failures). Training never waits for it; a step commits at most this long after its
 # last upload finished.
 SPOTLINE_POLL_INTERVAL_S = _env_float("SPOTLINE_POLL_INTERVAL_S", 0.25)
+# How often the per-rank gauges (heartbeat age, compute per step, slowdown) are set:
+# Prometheus scrapes every 15 s or so, and at thousands of ranks setting three gauges per
+# rank at every poll cost more than the rest of the poll.
+SPOTLINE_RANK_METRICS_S = _env_float("SPOTLINE_RANK_METRICS_S", 5.0)
+# A CPU job's step beyond what its layers' passes and its optimizer step take on the
+# host (`planning.host_step`): per micro-batch through a stage (DeepSpeed's send of its
+# activation and of its gradient over gloo: 2.9 + 4.4 ms), and per step (the gradient
+# all-reduce 24 ms, ZeRO-1's optimizer step beyond Adam's own 40 ms, the loss and step
+# agreements 13 ms). Read off the instruction trace of the quickstart on a 2-core CPU node
+# (benchmarks/README.md, "Step time").
+SPOTLINE_PIPE_PASS_OVERHEAD_S = _env_float("SPOTLINE_PIPE_PASS_OVERHEAD_S", 0.007)
+SPOTLINE_STEP_OVERHEAD_S = _env_float("SPOTLINE_STEP_OVERHEAD_S", 0.075)
 # How long the final flush of background uploads may take at the end of a job.
 SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S = _env_float("SPOTLINE_UPLOAD_FLUSH_TIMEOUT_S", 1800.0)
 # How long a storage URI check may take before it counts as unreachable.

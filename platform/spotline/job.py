@@ -161,6 +161,8 @@ class JobResult:
                 + (f"{got / 1e9:.3f} GB measured" if got else "not measured")
             )
         lines.append(f"    step time       {pair('step_s', lambda x: f'{x:.3g}s')}")
+        if pred.get("step_basis"):
+            lines.append(f"      planned from  {pred['step_basis']}")
         lines.append(f"    bubble          {pair('bubble_fraction', lambda x: f'{x:.1%}')}")
         lines.append(f"    MFU             {pair('mfu', lambda x: f'{x:.1%}')}")
         return lines
@@ -440,16 +442,24 @@ class Job:
         peak_tflops: float | None = None,
         device_memory_gb: float | None = None,
         local_cluster: bool = True,
+        offline: bool = False,
+        storage_gbps_per_node: float | None = None,
+        network_gbps_per_node: float | None = None,
     ) -> Plan:
         """Predict memory per stage, the bubble, step time and MFU, the checkpoint and its
-        just-in-time save against each notice, the replica counts and the cost of 1B
-        tokens, before anything starts on the cluster (see `spotline.planning`).
+        just-in-time save against each notice, spot recovery (peer snapshots, restores),
+        the replica counts and the cost of 1B tokens, before anything starts on the
+        cluster (see `spotline.planning`).
 
         Runs the offline checks first, so a stage that cannot fit its device is refused
-        (SpecError) naming the field to change. The FLOP/s per device: `peak_tflops`,
-        else this machine's device (a datasheet peak on a GPU, a short matmul probe on
-        CPU at resources.cpus_per_worker threads); none for a GPU job planned here
-        without a GPU. `device_memory_gb` stands in for resources.device_memory_gb.
+        (SpecError) naming the field to change. Planning is arithmetic: it needs no
+        credentials or network. A tokenizer that cannot be read (or, `offline`, is not
+        read) gives way to model.vocab_size or the preset's vocabulary, and the plan
+        says what that leaves unchecked. The FLOP/s per device: `peak_tflops`, else this
+        machine's device (a datasheet peak on a GPU, a short matmul probe on CPU at
+        resources.cpus_per_worker threads); none for a GPU job planned here without a
+        GPU. `device_memory_gb` stands in for resources.device_memory_gb; the two
+        bandwidths (Gbit/s) are one node's to object storage and between two nodes.
         """
         from spotline.metrics.mfu import device_peak
         from spotline.planning.memory_model import precision
@@ -459,8 +469,10 @@ class Job:
         spec = self.spec
         if device_memory_gb is not None:
             spec = self.with_overrides({"resources.device_memory_gb": device_memory_gb}).spec
-        check_offline(spec, local_cluster)
+        unchecked: list[str] = []
+        check_offline(spec, local_cluster, unchecked, read_tokenizer=not offline)
         rate = None
+        on_host = False
         if peak_tflops is not None:
             rate = (peak_tflops * 1e12, peak_tflops * 1e12, f"{peak_tflops:g} TFLOP/s (given)")
         else:
@@ -472,8 +484,12 @@ class Job:
                 if peak:
                     how = "a matmul probe" if name == "cpu" else "the datasheet peak"
                     rate = (peak, peak, f"{peak / 1e12:.3g} TFLOP/s ({name}, {how})")
+                # A CPU job planned where it runs: its step is measured here.
+                on_host = name == "cpu" and local_cluster
         device = device_memory_bytes(spec, local_cluster)
-        return make_plan(spec, device, rate, node_shape(spec, local_cluster))
+        bandwidth = (storage_gbps_per_node, network_gbps_per_node)
+        node = node_shape(spec, local_cluster)
+        return make_plan(spec, device, rate, node, bandwidth, unchecked, on_host)
 
     def start(self, address: str | None = None) -> JobRun:
         """Preflight (before any worker starts), then start the controller actor."""

@@ -275,24 +275,83 @@ def absolute_sqlite_uri(uri: str) -> str:
     return f"sqlite:///{os.path.abspath(os.path.expanduser(path))}"
 
 
-def check_offline(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
+def check_offline(
+    spec: JobSpec,
+    local_cluster: bool = True,
+    unchecked: list[str] | None = None,
+    read_tokenizer: bool = True,
+) -> CheckpointStore:
     """Every check that needs no storage or data service: prompts, tracker packages, URI
     and storage options, the model, memory, and the driver node's staging directory.
-    Returns the (unopened) store."""
+    Returns the (unopened) store.
+
+    `unchecked`: for arithmetic on the spec (`spotline plan`, `validate --offline`), what
+    needs a credential or a read is said there instead of failing: a tokenizer not read
+    (none with `read_tokenizer` False, or one that cannot be read) gives way to the
+    vocabulary of model.vocab_size or the preset, and a signing key not set here, or a
+    local directory short of room here, is noted."""
     for i, task in enumerate(spec.backfill.tasks):
         if isinstance(task, SpeculativeTaskSpec):
             resolve_prompts(task, f"backfill.tasks[{i}]")
     check_trackers(spec)
     store = open_store(spec)
-    resolve_tokenizer(spec)
+    if unchecked is None:
+        resolve_tokenizer(spec)
+    else:
+        _tokenizer_or_assumed(spec, unchecked, read_tokenizer)
     check_model(spec)
     check_memory(spec, local_cluster)
-    check_local_dir(spec.checkpoint.staging_dir, "checkpoint.staging_dir", checkpoint_bytes(spec))
-    if spec.data.kind == "tokens":
-        check_local_dir(spec.data.cache_dir, "data.cache_dir")
+    try:
+        ckpt = checkpoint_bytes(spec)
+        check_local_dir(spec.checkpoint.staging_dir, "checkpoint.staging_dir", ckpt)
+        if spec.data.kind == "tokens":
+            check_local_dir(spec.data.cache_dir, "data.cache_dir")
+    except SpecError as e:
+        if unchecked is None:
+            raise
+        unchecked.append(f"{e} (on this machine; each node's is checked where it runs)")
     if spec.checkpoint.signing_key_env is not None:
-        store.signing_key()  # the key must be here, or the first commit would fail
+        try:
+            store.signing_key()  # the key must be here, or the first commit would fail
+        except StorageError as e:
+            if unchecked is None:
+                raise
+            unchecked.append(f"the manifest signing key: {e}")
     return store
+
+
+def _tokenizer_or_assumed(spec: JobSpec, unchecked: list[str], read: bool) -> None:
+    """`resolve_tokenizer`, or (not `read`, or it cannot be read) the vocabulary of
+    model.vocab_size or the preset, with what that leaves unchecked."""
+    from spotline.config.model import PRESET_VOCAB
+    from spotline.data import DataError
+
+    t = spec.tokenizer
+    why = "--offline"
+    if read or t.kind == "byte":  # a byte tokenizer is read from nowhere
+        try:
+            resolve_tokenizer(spec)
+            return
+        except DataError as e:
+            why = f"it could not be read: {e}"
+    given = getattr(spec.model, "vocab_size", None)
+    preset = getattr(spec.model, "preset", None)
+    if given is not None:
+        vocab, source = given, "model.vocab_size"
+    elif preset in PRESET_VOCAB:
+        vocab, source = PRESET_VOCAB[preset], f"the {preset} preset's"
+    else:
+        raise SpecError(
+            f"tokenizer.path {t.path} was not read ({why}), and the vocabulary it would "
+            "give is needed: set model.vocab_size to plan without reading it"
+        )
+    t.vocab_size = vocab
+    unchecked.append(
+        f"tokenizer.path {t.path} was not read ({why}); the vocabulary is taken as "
+        f"{vocab:,} ({source}): the embedding and output layers, the first and last "
+        "stages' memory, the checkpoint's size, the step time and the cost assume it, and "
+        "the tokenizer itself (its sha256, the data's fit to it) is not checked"
+    )
 
 
 def check_resume_from(spec: JobSpec, store: CheckpointStore) -> None:

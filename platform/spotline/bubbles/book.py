@@ -63,7 +63,8 @@ class BubbleBook:
             for k in _KEYS:
                 acc[k] += r.get(k, 0.0)
                 chunk[k] += r.get(k, 0.0)
-            self.latest[r["rank"]] = _with_earlier_steps(r, self.latest.get(r["rank"]))
+            if "steps_timeline" in r:  # the ranks the trace draws
+                self.latest[r["rank"]] = _with_earlier_steps(r, self.latest.get(r["rank"]))
         self.last_chunk = _fractions(chunk) | {"theory": self.theory()}
         if backfill_on:
             for k in _KEYS:

@@ -373,6 +373,18 @@ class StepRecorder:
         return out
 
 
+TRACE_REPLICAS = 4
+"""Replicas of each stage whose ranks send their latest steps' timelines (the trace
+draws them): the replicas of a stage run the same schedule, and a timeline from each of
+thousands of ranks at every poll would cost the controller megabytes per poll for a
+trace nobody can read."""
+
+
+def sends_timeline(replica: int) -> bool:
+    """Whether a rank of this replica sends its steps' timelines with its report."""
+    return replica < TRACE_REPLICAS
+
+
 METERED = ("filled", "overrun", "open", "beyond")
 """The window channel's fill meters, reported per chunk as `<name>_s` (bubbles.channel)."""
 
@@ -382,7 +394,8 @@ def bubble_report(
 ) -> tuple[dict[str, Any] | None, tuple[int, ...]]:
     """A stage's bubble figures since the last report (`rec`'s totals, and the window
     channel's fill meters past `seen`), and its latest steps' timeline: what a rank
-    publishes; with the meters' readings to start from next time."""
+    publishes (its timeline only on the first TRACE_REPLICAS replicas); with the meters'
+    readings to start from next time."""
     if rec is None:
         return None, seen
     out: dict[str, Any] = rec.take_totals()
@@ -395,12 +408,13 @@ def bubble_report(
         for key, after, before in zip(METERED, now, seen, strict=True):
             out[f"{key}_s"] = (after - before) / 1e9
         seen = now
-    out["steps_timeline"] = [
-        {
-            "step": step,
-            "start_ns": int(t0 * 1e9),
-            "instrs": [(i.name, i.slot, i.start, i.end) for i in timeline],
-        }
-        for step, t0, timeline in rec.recent_steps()
-    ]
+    if sends_timeline(topo.replica):
+        out["steps_timeline"] = [
+            {
+                "step": step,
+                "start_ns": int(t0 * 1e9),
+                "instrs": [(i.name, i.slot, i.start, i.end) for i in timeline],
+            }
+            for step, t0, timeline in rec.recent_steps()
+        ]
     return out, seen

@@ -211,6 +211,7 @@ class CommitCoordinator:
                             r.index,
                             batch=r.batch,
                             losses=[(s, loss) for s, loss in r.losses],
+                            meta=r.meta,
                         )
                         for r in receipts
                     ]
@@ -275,7 +276,7 @@ class CommitCoordinator:
         try:
             if self.store.holds_quarantine_record(step):
                 return
-            for attempt in self.store.read_receipts(step).attempts:
+            for attempt in self.store.receipt_attempts(step):
                 if attempt != keep:
                     self.store.remove(step, attempt_dir(attempt))
         except StorageError as e:

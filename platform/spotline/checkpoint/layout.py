@@ -41,7 +41,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -169,6 +169,8 @@ class RankFiles:
 
     entries: list[dict]
     files: dict[str, FileDigest]
+    meta: dict = field(default_factory=dict)
+    """The rank's meta as its meta file holds it (`RankSnapshot.meta`)."""
 
 
 class _Pass:
@@ -277,7 +279,7 @@ def write_rank(
     meta_digest = save_json(
         out_dir / META_FILE, {"format": FORMAT, "meta": snap.meta, "entries": entries}
     )
-    return RankFiles(entries, {STATE_FILE: state_digest, META_FILE: meta_digest})
+    return RankFiles(entries, {STATE_FILE: state_digest, META_FILE: meta_digest}, snap.meta)
 
 
 # --- index entries -----------------------------------------------------------------------
@@ -299,21 +301,25 @@ _ENTRY_FIELDS = {
 }
 
 
-def check_entry(e: Any) -> None:
+def check_entry(e: Any, checked: set[str] | None = None) -> None:
     """CheckpointFormatError unless `e` is a well-formed index entry whose file stays
-    under the index root."""
+    under the index root. `checked`: files already found to stay there (a rank's
+    entries share one), added to."""
     if not isinstance(e, dict):
         raise CheckpointFormatError(INDEX, f"index entry {e!r} is not an object")
     where = e.get("file", INDEX)
     for k, typ in _ENTRY_FIELDS.items():
         if not isinstance(e.get(k), typ):
             raise CheckpointFormatError(where, f"index entry {e.get('key')!r} has no valid {k!r}")
-    try:
-        check_relpath(e["file"])
-    except UnsafePathError as err:
-        raise CheckpointFormatError(
-            where, f"index entry {e['key']!r}: leaves the checkpoint ({err.why})"
-        ) from None
+    if checked is None or e["file"] not in checked:
+        try:
+            check_relpath(e["file"])
+        except UnsafePathError as err:
+            raise CheckpointFormatError(
+                where, f"index entry {e['key']!r}: leaves the checkpoint ({err.why})"
+            ) from None
+        if checked is not None:
+            checked.add(e["file"])
     if e["dtype"] not in DTYPES:
         raise CheckpointFormatError(where, f"{e['key']}: unknown dtype {e['dtype']!r}")
     numel = math.prod(e["shape"])

@@ -23,6 +23,7 @@ import numpy as np
 
 from spotline.checkpoint.layout import RankFiles
 from spotline.checkpoint.manifest import FileEntry, Manifest
+from spotline.checkpoint.reshard import shared_meta
 from spotline.checkpoint.transfer import UploadResult, attempt_dir, build_manifest
 from spotline.config.schema import JobSpec
 
@@ -49,6 +50,8 @@ class PeerCopy:
     losses: list[tuple[int, float]] = field(default_factory=list)
     """(step, loss) of the steps up to this one (rank 0's): the record keeps them when
     the group died before it reported them."""
+    meta: dict[str, Any] | None = None
+    """What of the rank's meta every rank agrees on (`reshard.shared_meta`)."""
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +67,7 @@ class PeerCopy:
             "index": self.index,
             "batch": self.batch,
             "losses": [[s, loss] for s, loss in self.losses],
+            "meta": self.meta,
         }
 
     @classmethod
@@ -77,6 +81,7 @@ class PeerCopy:
             list(d["index"]),
             d.get("batch"),
             [(int(s), float(loss)) for s, loss in d.get("losses") or []],
+            d.get("meta"),
         )
 
 
@@ -104,6 +109,7 @@ def peer_copy(
         [dict(e, file=f"{prefix}/{e['file']}") for e in written.entries],
         batch,
         [(s, loss) for s, loss in losses or [] if s <= step],
+        shared_meta(written.meta),
     )
     return copy, blobs
 
@@ -154,7 +160,16 @@ def newest_complete(
         if len(copies) < world:
             continue
         results = [
-            UploadResult(step, c.rank, attempt, world, list(c.files), list(c.index), batch=c.batch)
+            UploadResult(
+                step,
+                c.rank,
+                attempt,
+                world,
+                list(c.files),
+                list(c.index),
+                batch=c.batch,
+                meta=c.meta,
+            )
             for c in copies.values()
         ]
         manifest = build_manifest(spec, step, attempt, world, results, partition)

@@ -17,7 +17,9 @@ Never here: engines or DeepSpeed (the caller applies what was read), writes of a
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import json
 import math
 import os
 from collections.abc import Callable
@@ -88,6 +90,47 @@ def combine_meta(metas: list[dict]) -> dict:
     return out
 
 
+def shared_meta(meta: dict) -> dict:
+    """What of a rank's meta `combine_meta` reads (what every rank must agree on, and
+    the rank's place): its receipt carries it, so the manifest can record the
+    checkpoint's meta and a restoring rank reads no other rank's meta file."""
+    return {k: meta[k] for k in (*_SHARED_META, "topology", "optimizer") if k in meta}
+
+
+def checkpoint_meta(manifest, store, rank: int | None) -> tuple[dict, dict | None]:
+    """A committed step's combined meta, and the meta file of rank `rank` of the shape
+    that saved it (its RNG states; None: not wanted). A manifest that records the
+    combined meta (every rank's receipt carried its own) costs one read at most; an
+    older one, every rank's meta file, read at once through a bounded pool.
+    CheckpointFormatError when one does not verify or parse."""
+    metas = [f for f in manifest.files if f.path.endswith(f"/{META_FILE}")]
+    combined = manifest.extra.get("meta")
+    if combined is not None:
+        own = f"/rank_{rank:05d}/{META_FILE}" if rank is not None else None
+        got = _read_metas(manifest.step, store, [f for f in metas if own and f.path.endswith(own)])
+        return combined, got[0] if got else None
+    got = _read_metas(manifest.step, store, metas)
+    mine = [m for m in got if m.get("topology", {}).get("rank") == rank]
+    return combine_meta(got), (mine[0] if mine and rank is not None else None)
+
+
+def _read_metas(step: int, store, files: list) -> list[dict]:
+    """The "meta" of each meta file in `files` (manifest entries), each verified."""
+    from spotline.checkpoint.uploads import parallel
+    from spotline.storage.backends import READ_THREADS
+
+    def one(f) -> dict:
+        raw = store.read_range(step, f.path, 0, f.size)
+        if hashlib.sha256(raw).hexdigest() != f.sha256:
+            raise CheckpointFormatError(f.path, "sha256 differs from the manifest's")
+        try:
+            return json.loads(raw)["meta"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointFormatError(f.path, f"not a valid meta file ({e})") from None
+
+    return parallel([lambda f=f: one(f) for f in files], READ_THREADS)
+
+
 def read_index(root: str | os.PathLike[str]) -> tuple[list[dict], dict]:
     """(index, meta) of the checkpoint whose rank directories are under `root`."""
     entries: list[dict] = []
@@ -139,8 +182,10 @@ class Index:
     def __init__(self, index: list[dict]):
         self.by: dict[tuple[str, str], list[dict]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self._reaches: dict[tuple[str, str], tuple[list[int], list[dict]]] = {}
+        files: set[str] = set()
         for e in index:
-            check_entry(e)
+            check_entry(e, files)
             shape = tuple(e["shape"])
             if self.shapes.setdefault(e["param"], shape) != shape:
                 raise CheckpointFormatError(
@@ -161,26 +206,24 @@ class Index:
         return DTYPES[self.by[(name, kind)][0]["dtype"]]
 
     def cover(self, name: str, kind: str, lo: int, hi: int) -> list[tuple[dict, int, int]]:
-        """Pieces (entry, first, last) of saved entries that cover elements [lo, hi)."""
-        entries = self.by.get((name, kind))
-        if not entries:
+        """Pieces (entry, first, last) of saved entries that cover elements [lo, hi): at
+        each point, of the entries that begin at or before it, the first reaching
+        furthest. A binary search per piece over the entries' starts and the furthest
+        reach so far (computed once per param and kind): however many ranks saved
+        fragments of it, no scan over all of them per piece."""
+        if not self.by.get((name, kind)):
             raise CheckpointFormatError(
                 INDEX,
                 f"checkpoint has no {kind!r} state for {name}: elements [{lo}, {hi}) are not "
                 "covered by the saved fragments (a rank's state missing?)",
             )
-        pieces = []
+        starts, furthest = self._reach(name, kind)
+        pieces: list[tuple[dict, int, int]] = []
         cur = lo
         while cur < hi:
-            best = None
-            for e in entries:
-                if e["start"] > cur:
-                    break
-                if e["start"] + e["numel"] > cur and (
-                    best is None or e["start"] + e["numel"] > best["start"] + best["numel"]
-                ):
-                    best = e
-            if best is None:
+            j = bisect.bisect_right(starts, cur) - 1
+            best = furthest[j] if j >= 0 else None
+            if best is None or best["start"] + best["numel"] <= cur:
                 raise CheckpointFormatError(
                     INDEX,
                     f"{name}/{kind}: elements from {cur} (of [{lo}, {hi})) are not covered by "
@@ -190,6 +233,20 @@ class Index:
             pieces.append((best, cur, end))
             cur = end
         return pieces
+
+    def _reach(self, name: str, kind: str) -> tuple[list[int], list[dict]]:
+        """The entries' starts (sorted), and for each position the first entry reaching
+        furthest among those up to it."""
+        got = self._reaches.get((name, kind))
+        if got is None:
+            starts, furthest, top = [], [], None
+            for e in self.by[(name, kind)]:
+                if top is None or e["start"] + e["numel"] > top["start"] + top["numel"]:
+                    top = e
+                starts.append(e["start"])
+                furthest.append(top)
+            got = self._reaches[(name, kind)] = (starts, furthest)
+        return got
 
 
 # --- verified reads --------------------------------------------------------------------
@@ -287,8 +344,9 @@ class Plan:
         self.need(name, kind, 0, math.prod(self.idx.shapes[name]))
         return kind
 
-    def read(self, read: Reader) -> Loaded:
-        """Check the plan against the index, then read and verify all of it."""
+    def pieces(self) -> dict[tuple[str, str], list[tuple[dict, int, int]]]:
+        """Check the plan against the index (dtypes, coverage): by (param, kind), the
+        saved pieces (entry, first, last) that cover what is needed. Reads nothing."""
         idx = self.idx
         pieces = {}
         for (name, kind), (lo, hi) in self.ranges.items():
@@ -297,9 +355,14 @@ class Plan:
                     INDEX, f"{name}/{kind}: saved as {idx.dtype(name, kind)}"
                 )
             pieces[(name, kind)] = idx.cover(name, kind, lo, hi)
+        return pieces
+
+    def read(self, read: Reader) -> Loaded:
+        """Check the plan against the index, then read and verify all of it."""
+        pieces = self.pieces()
         stats = _new_stats()
         data = {
-            key: _assemble(idx, *key, *self.ranges[key], parts, read, stats)
+            key: _assemble(self.idx, *key, *self.ranges[key], parts, read, stats)
             for key, parts in pieces.items()
         }
         return Loaded({k: lo for k, (lo, _) in self.ranges.items()}, data, _public(stats))

@@ -155,6 +155,10 @@ class CheckpointStore(StepStorage):
         complete a commit are listed as refused."""
         return uploads.read_receipts(self, step)
 
+    def receipt_attempts(self, step: int) -> set[str]:
+        """The groups (attempts) with upload receipts under a step; none is read."""
+        return uploads.receipt_attempts(self, step)
+
     def read_range(self, step: int, relpath: str, start: int, length: int) -> bytes:
         """`length` bytes at `start` of a file of `step` (a ranged GET on S3)."""
         return reads.read_range(self, step, relpath, start, length)

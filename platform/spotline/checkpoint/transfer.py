@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spotline.checkpoint.layout import RankFiles
+from spotline.checkpoint.layout import CheckpointFormatError, RankFiles
 from spotline.checkpoint.manifest import FileEntry, Manifest, Receipt
+from spotline.checkpoint.reshard import combine_meta, shared_meta
 from spotline.checkpoint.store import CheckpointStore
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class UploadResult:
     the manifest records it."""
     losses: list[tuple[int, float]] = field(default_factory=list)
     """(step, loss) of the steps trained since the rank's previous save (rank 0 only)."""
+    meta: dict[str, Any] | None = None
+    """What of the rank's meta every rank agrees on (`reshard.shared_meta`), if known."""
 
 
 @dataclass
@@ -241,6 +244,7 @@ class Uploader:
                 )
                 for entry in index:
                     entry["file"] = f"{prefix}/{entry['file']}"
+                meta = shared_meta(written.meta)
                 self.store.write_receipt(
                     Receipt(
                         **self.identity,
@@ -252,6 +256,7 @@ class Uploader:
                         index=index,
                         batch=job.batch,
                         losses=[[s, loss] for s, loss in job.losses],
+                        meta=meta,
                     )
                 )
                 result = UploadResult(
@@ -265,6 +270,7 @@ class Uploader:
                     sum(f.size for f in files),
                     batch=job.batch,
                     losses=job.losses,
+                    meta=meta,
                 )
             except Exception as e:  # noqa: BLE001 - reported to the controller, never raised here
                 result = UploadResult(
@@ -303,8 +309,9 @@ def build_manifest(
     schedule = next((r.batch for r in ranked if r.batch), None)
     batch = int(schedule["history"][-1][1]) if schedule else None
     files = sorted((f for r in results for f in r.files), key=lambda f: f.path)
-    index = [e for r in sorted(results, key=lambda r: r.rank) for e in r.index]
+    index = [e for r in ranked for e in r.index]
     identity = job_identity(spec)
+    meta = _combined_meta(ranked)
     return Manifest(
         step=step,
         files=files,
@@ -320,5 +327,18 @@ def build_manifest(
             "vocab_size": spec.vocab_size(),
             "index": index,
             **({"partition": list(partition)} if partition is not None else {}),
+            **({"meta": meta} if meta is not None else {}),
         },
     )
+
+
+def _combined_meta(ranked: list[UploadResult]) -> dict[str, Any] | None:
+    """The checkpoint's meta from every rank's (`reshard.combine_meta`), when every rank
+    reported its own; None otherwise (ranks of an older Spotline, or ranks that disagree:
+    then a restore reads every rank's meta file and says what is wrong)."""
+    if any(r.meta is None for r in ranked):
+        return None
+    try:
+        return combine_meta([r.meta for r in ranked])
+    except (CheckpointFormatError, KeyError, TypeError, AttributeError):
+        return None

@@ -20,7 +20,7 @@ from typing import Any
 
 from spotline.checkpoint.layout import FileDigest
 from spotline.checkpoint.manifest import FileEntry, ManifestError, Receipt, check_relpath
-from spotline.storage.backends import TRANSFER_THREADS
+from spotline.storage.backends import READ_THREADS, TRANSFER_THREADS
 from spotline.storage.checkpoint_root import RECEIPTS_DIR, StepStorage
 from spotline.storage.fs import hash_file
 
@@ -108,13 +108,14 @@ def upload_dir(
     return sorted(out, key=lambda e: e.path)
 
 
-def parallel(tasks: list[Callable[[], Any]]) -> list[Any]:
-    """Run tasks on a few threads; results in task order; the first error is raised
-    after the tasks already running have finished (none is left writing behind us)."""
+def parallel(tasks: list[Callable[[], Any]], threads: int = TRANSFER_THREADS) -> list[Any]:
+    """Run tasks on at most `threads` threads; results in task order; the first error
+    is raised after the tasks already running have finished (none is left writing
+    behind us)."""
     if len(tasks) <= 1:
         return [t() for t in tasks]
     with ThreadPoolExecutor(
-        max_workers=min(TRANSFER_THREADS, len(tasks)), thread_name_prefix="spotline-ckpt"
+        max_workers=min(threads, len(tasks)), thread_name_prefix="spotline-ckpt"
     ) as pool:
         futures = [pool.submit(t) for t in tasks]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
@@ -159,7 +160,9 @@ def write_receipt(storage: StepStorage, receipt: Receipt) -> None:
 def read_receipts(storage: StepStorage, step: int) -> ReceiptScan:
     """Upload receipts of a step, by the attempt (group) that wrote them. A receipt
     that does not parse, is not signed with the key (when one is set) or names
-    another step is refused: it can never complete a commit."""
+    another step is refused: it can never complete a commit. One listing, then every
+    receipt read at once through a bounded pool (READ_THREADS): a step of thousands of
+    ranks costs a few round trips' time, not one per rank."""
     step_path = storage.step_path(step)
     base = f"{step_path}/{RECEIPTS_DIR}"
     key = storage.signing_key()
@@ -169,23 +172,51 @@ def read_receipts(storage: StepStorage, step: int) -> ReceiptScan:
             found = sorted(storage.fs.find(base))
         except FileNotFoundError:
             return scan
+        named = []
         for name in found:
             rel = posixpath.relpath(str(name), step_path)
             parts = rel.split("/")
             if len(parts) < 3 or not rel.endswith(".json"):
                 continue
             scan.attempts.add(parts[1])
-            try:
-                receipt = Receipt.from_json(storage.fs.cat_file(name), key)
-            except FileNotFoundError:
-                continue
-            except ManifestError as e:
-                scan.refused.append((rel, str(e)))
-                continue
-            if receipt.step != step or receipt.attempt != parts[1]:
-                scan.refused.append(
-                    (rel, f"it is for step {receipt.step}, group {receipt.attempt!r}")
-                )
-                continue
-            scan.receipts.setdefault(receipt.attempt, []).append(receipt)
+            named.append((str(name), rel, parts[1]))
+        bodies = read_many(storage, [name for name, _, _ in named])
+    for (_, rel, attempt), raw in zip(named, bodies, strict=True):
+        if raw is None:  # gone since it was listed
+            continue
+        try:
+            receipt = Receipt.from_json(raw, key)
+        except ManifestError as e:
+            scan.refused.append((rel, str(e)))
+            continue
+        if receipt.step != step or receipt.attempt != attempt:
+            scan.refused.append((rel, f"it is for step {receipt.step}, group {receipt.attempt!r}"))
+            continue
+        scan.receipts.setdefault(receipt.attempt, []).append(receipt)
     return scan
+
+
+def receipt_attempts(storage: StepStorage, step: int) -> set[str]:
+    """The attempts (groups) with a receipt folder under a step: one listing of the
+    receipts' folder, no receipt read."""
+    base = f"{storage.step_path(step)}/{RECEIPTS_DIR}"
+    with storage.io(f"listing the upload receipts of step {step}"):
+        try:
+            names = storage.fs.ls(base, detail=False)
+        except FileNotFoundError:
+            return set()
+    return {posixpath.basename(str(n).rstrip("/")) for n in names}
+
+
+def read_many(storage: StepStorage, paths: list[str]) -> list[bytes | None]:
+    """The bytes of each of `paths` (None for one that is gone), read at once through
+    a bounded pool, each read retried as the retry policy says; the first other error
+    is raised once the reads already running have finished."""
+
+    def read(path: str) -> bytes | None:
+        try:
+            return storage.retrying(lambda: storage.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+
+    return parallel([lambda p=p: read(p) for p in paths], READ_THREADS)

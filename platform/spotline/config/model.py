@@ -66,6 +66,9 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
     ),
 }  # fmt: skip
+PRESET_VOCAB: dict[str, int] = {"llama-1b": 128256, "llama-3b": 128256, "llama-8b": 128256}
+"""The vocabulary of the model each preset is shaped like (Llama 3's): what a plan made
+without reading the tokenizer assumes. A job always takes its tokenizer's."""
 
 
 class LlamaModelSpec(_Section):

@@ -23,6 +23,7 @@ stack or writes to storage.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import statistics
 from collections import deque
@@ -230,21 +231,34 @@ class Straggler:
 
 def rank_slowdowns(per_step: dict[int, float], beats: list[RankBeat]) -> dict[int, Straggler]:
     """Every rank's compute per step (`per_step`, over a full window) against the median
-    of its stage's other ranks; a rank with no such peers is left out."""
+    of its stage's other ranks; a rank with no such peers is left out. Each stage's
+    values are sorted once: a rank's peers' median is read off them without it."""
     by_rank = {b.rank: b for b in beats}
+    stages: dict[int, list[float]] = {}
+    for rank, v in per_step.items():
+        if rank in by_rank:
+            stages.setdefault(by_rank[rank].stage, []).append(v)
+    for values in stages.values():
+        values.sort()
     out = {}
     for rank, mine in per_step.items():
         b = by_rank.get(rank)
-        if b is None:
+        if b is None or len(stages[b.stage]) < 2:
             continue
-        peers = [
-            v
-            for r, v in per_step.items()
-            if r != rank and r in by_rank and by_rank[r].stage == b.stage
-        ]
-        if peers:
-            out[rank] = Straggler(rank, b.stage, b.replica, b.node, mine, statistics.median(peers))
+        peers_s = _median_without(stages[b.stage], mine)
+        out[rank] = Straggler(rank, b.stage, b.replica, b.node, mine, peers_s)
     return out
+
+
+def _median_without(values: list[float], v: float) -> float:
+    """The median of sorted `values` with one copy of `v` (one of them) left out."""
+    i = bisect.bisect_left(values, v)
+    n = len(values) - 1
+
+    def at(k: int) -> float:  # the k-th of the values without index i
+        return values[k if k < i else k + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 def find_stragglers(
@@ -302,19 +316,24 @@ class _Window:
 
     chunks: deque = field(default_factory=deque)
     steps: int = 0
+    _median: float | None = None  # per_step() until the window changes
 
     def add(self, steps: int, seconds: float, keep: int) -> None:
         self.chunks.append((steps, seconds))
         self.steps += steps
         while self.chunks and self.steps - self.chunks[0][0] >= keep:
             self.steps -= self.chunks.popleft()[0]
+        self._median = None
 
     def per_step(self) -> float:
         """The median over the window's chunks of their seconds per step: one chunk
-        that a pause on the host stretched does not make a straggler."""
+        that a pause on the host stretched does not make a straggler. Computed once per
+        change (the straggler watch, the metrics and status all read it)."""
         if not self.steps:
             return 0.0
-        return statistics.median(s / n for n, s in self.chunks if n)
+        if self._median is None:
+            self._median = statistics.median(s / n for n, s in self.chunks if n)
+        return self._median
 
 
 # A straggler's node that could not be cordoned (the job needed it) is asked about
@@ -344,6 +363,7 @@ class HealthBook:
         self._stall_since = 0.0
         self.refused: dict[str, float] = {}  # node -> when the job could not do without it
         self.bound_s: float | None = None
+        self._exported = float("-inf")  # when the per-rank gauges were last set
 
     def _new_watch(self) -> StragglerWatch:
         f = self.f
@@ -381,7 +401,9 @@ class HealthBook:
             if b.compute_steps and step > self._first_step:
                 self._windows.setdefault(b.rank, _Window()).add(b.compute_steps, b.compute_s, keep)
         self._judge_stragglers(keep)
-        self._export()
+        if now - self._exported >= constants.SPOTLINE_RANK_METRICS_S:
+            self._exported = now
+            self._export()
 
     def _judge_stragglers(self, keep: int) -> None:
         full = {r: w.per_step() for r, w in self._windows.items() if w.steps >= keep}

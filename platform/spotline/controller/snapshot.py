@@ -20,6 +20,8 @@ from typing import Any
 
 from spotline.controller.pace import RECENT_STEPS
 from spotline.controller.state import Finished, Waiting
+from spotline.planning.choice import planned_bounds
+from spotline.planning.host_step import host_source, host_step
 from spotline.planning.memory_model import memory_per_device
 from spotline.planning.step import predict_step
 
@@ -348,6 +350,7 @@ def take_snapshot(ctl, wait_for_plan: bool = False) -> Snapshot:
             bubbles,
             replicas,
             wait_for_plan,
+            _device(ctl, group),
         ),
         ledger=tel.ledger_summary(),
         cost=tel.cost(),
@@ -464,23 +467,41 @@ class PlanView:
         bubbles: dict[str, Any] | None,
         replicas: int | None,
         wait: bool = False,
+        device: str | None = None,
     ) -> dict[str, Any]:
         """At the replica count of the measurement (memory: of the first group; step
         time, MFU, bubble: of the live group). Predictions are None until the warm-up
-        is done, unless `wait`."""
+        is done, unless `wait`. A CPU group's step is the one `spotline plan` timed on
+        this host, when it did (`planning.host_step`'s cache); else the peak's."""
         if not self._ready.wait(60 if wait else 0):
             return {"replicas": replicas, "predicted": None, "measured": None}
         d = fig.peak_memory_replicas or replicas or self.spec.replica_counts()[0]
         bounds = bounds or None
-        key = (d, replicas or d, peak_flops, tuple(bounds or ()))
+        key = (d, replicas or d, peak_flops, tuple(bounds or ()), device)
         if key not in self._predictions:  # arithmetic on the spec: once per shape
             mem = memory_per_device(self.spec, d, bounds)
-            step = predict_step(self.spec, key[1], peak_flops, peak_flops, bounds)
+            cut = bounds or planned_bounds(self.spec, key[1])
+            # A CPU step's parts, as `spotline plan` timed them on this host (its cache).
+            # The controller never times them itself: beside the ranks it would slow
+            # them and skew what they measure, and after them it would hold up the end.
+            on_cpu = device == "cpu"
+            host = host_step(self.spec, key[1], cut, measure=False) if on_cpu else None
+            step = predict_step(self.spec, key[1], peak_flops, peak_flops, cut, host)
             self._predictions[key] = {
                 "memory_bytes": {m.stage: m.total_bytes for m in mem},
                 "bubble_fraction": step.bubble_fraction,
                 "step_s": step.step_s,
                 "mfu": step.mfu,
+                "step_basis": host_source(self.spec, key[1], host)
+                if host is not None
+                else "compute at the device's peak (collectives, the optimizer step and "
+                "per-operation work not counted)"
+                + (
+                    "; `spotline plan` on this host times the step's parts, and the "
+                    "run then reports those"
+                    if on_cpu
+                    else ""
+                ),
             }
         seconds = sorted(fig.step_seconds)
         return {

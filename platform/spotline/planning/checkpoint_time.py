@@ -67,11 +67,16 @@ def shortest_notice(spec: JobSpec) -> tuple[str, float] | None:
 
 
 def jit_fit_problem(
-    spec: JobSpec, replicas: int, save_s: float | None = None, step_s: float = 0.0
+    spec: JobSpec,
+    replicas: int,
+    save_s: float | None = None,
+    step_s: float = 0.0,
+    how: str | None = None,
 ) -> str | None:
     """Why a just-in-time checkpoint may not commit before the shortest notice ends
-    (None when it fits, or there are no sources). `save_s`/`step_s`: measured figures;
-    without them, the prediction from the state size."""
+    (None when it fits, or there are no sources). `save_s`/`step_s`: measured figures,
+    or predicted ones `how` says where from; without them, the prediction from the
+    state size."""
     notice = shortest_notice(spec)
     if notice is None:
         return None
@@ -85,7 +90,7 @@ def jit_fit_problem(
         return None
     mb = save_bytes_per_rank(spec, replicas) / 1e6
     how = (
-        "measured"
+        (f"predicted {how}" if how else "measured")
         if measured
         else (
             f"predicted: {mb:,.0f} MB from the busiest rank at "

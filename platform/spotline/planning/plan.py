@@ -25,9 +25,11 @@ from spotline.planning.checkpoint_time import (
     save_bytes_per_rank,
 )
 from spotline.planning.choice import flops_balanced_bounds, planned_bounds
+from spotline.planning.host_step import host_source, host_step
 from spotline.planning.memory_model import StageMemory, memory_per_device, memory_problem, precision
 from spotline.planning.partition import sizes_from_bounds
-from spotline.planning.peer_memory import LEVELS, NodePeerMemory, node_peer_memory
+from spotline.planning.peer_memory import LEVELS, NodePeerMemory
+from spotline.planning.spot import SpotRecovery, spot_recovery
 from spotline.planning.step import StepPrediction, predict_step, stage_flops_per_token
 
 BUBBLE_WARN_FRACTION = 0.25
@@ -66,6 +68,11 @@ class Plan:
     peer_memory: NodePeerMemory | None = None
     """The busiest node's state keeper (recovery.peer_snapshots), against its budget."""
     ranks_per_node: int = 0
+    spot: SpotRecovery | None = None
+    """A just-in-time save against each cloud's notice, peer snapshots against the
+    node's memory, a restore from peer memory and from storage."""
+    unchecked: list[str] = dataclasses.field(default_factory=list)
+    """What the figures assume without having read it (a tokenizer not read)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -158,15 +165,13 @@ class Plan:
                 f"    {n.source} notice {n.deadline_s:.0f}s: just-in-time save about "
                 f"{n.save_s:.1f}s, {'fits' if n.fits else 'does NOT fit'}"
             )
-        if self.peer_memory is not None:
-            lines.append(
-                f"  peer memory       {self.peer_memory.render()} ({self.ranks_per_node} "
-                "rank(s) a node)"
-            )
+        if self.spot is not None:
+            lines += self.spot.render()
         usd = self.usd_per_1b_tokens
         if any(v is not None for v in usd.values()):
             parts = [f"${v:,.2f} {k.replace('_', '-')}" for k, v in usd.items() if v is not None]
             lines.append(f"  cost of 1B tokens {', '.join(parts)}")
+        lines += [f"  unchecked: {u}" for u in self.unchecked]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -176,15 +181,24 @@ def make_plan(
     device: tuple[int, str] | None = None,
     rate: tuple[float, float | None, str] | None = None,
     node: tuple[int, int | None] = (8, None),
+    bandwidth: tuple[float | None, float | None] = (None, None),
+    unchecked: list[str] | None = None,
+    on_host: bool = False,
 ) -> Plan:
     """The plan of `spec`. `device`: (bytes, where that figure comes from) of one device;
     `rate`: (FLOP/s a device runs at, its peak FLOP/s for MFU, where they come from);
-    `node`: (ranks on one node, its host RAM or None)."""
+    `node`: (ranks on one node, its host RAM or None); `bandwidth`: (one node's to
+    object storage, between two nodes) in Gbit/s, None where not stated; `unchecked`:
+    what the spec's figures assume without having read it; `on_host`: a CPU job planned
+    on the host it runs on, whose step is measured here (`planning.host_step`)."""
     counts = spec.replica_counts()
     d = counts[0]
     flops_per_s, peak, rate_source = rate if rate else (None, None, None)
     bounds = planned_bounds(spec, d)
-    step = predict_step(spec, d, flops_per_s, peak, bounds)
+    host = host_step(spec, d, bounds) if on_host else None
+    step = predict_step(spec, d, flops_per_s, peak, bounds, host)
+    if host is not None:
+        rate_source = host_source(spec, d, host)
     tokens = spec.global_batch(d) * spec.model.seq_len
     warnings = []
     if device is not None:
@@ -193,24 +207,27 @@ def make_plan(
             warnings.append(problem)
     if step.bubble_fraction > BUBBLE_WARN_FRACTION:
         warnings.append(bubble_warning(spec, d, step, bounds))
-    save_s = predicted_save_s(spec, d)
+    spot = spot_recovery(spec, d, node[0], node[1], *bandwidth, step.step_s, bounds)
+    # A stated bandwidth makes the node's link the bound; else each rank's assumed rate.
+    save_s = spot.save_s if bandwidth[0] else predicted_save_s(spec, d)
     margin = constants.SPOTLINE_JIT_MARGIN_S
     notices = []
     for kind, deadline in notice_deadlines(spec):
         need_s = save_s + (step.step_s or 0.0)
         notices.append(NoticeFit(kind, deadline, need_s, need_s <= deadline - margin))
-    problem = jit_fit_problem(spec, d, step_s=step.step_s or 0.0)
+    stated = f"at {bandwidth[0]:g} Gbit/s a node" if bandwidth[0] else None
+    problem = jit_fit_problem(
+        spec, d, save_s if stated else None, step_s=step.step_s or 0.0, how=stated
+    )
     if problem:
         warnings.append(problem)
-    peers = None
-    if spec.recovery.peer_snapshots:
-        peers = node_peer_memory(spec, d, node[0], node[1], bounds)
-        if peers.level != LEVELS[0]:
-            warnings.append(
-                f"recovery.peer_memory: peer snapshots need {peers.render()}; raise "
-                "recovery.peer_memory, spread the ranks over more nodes, or set "
-                "recovery.peer_snapshots: false"
-            )
+    peers = spot.peer
+    if peers is not None and peers.level != LEVELS[0]:
+        warnings.append(
+            f"recovery.peer_memory: peer snapshots need {peers.render()}; raise "
+            "recovery.peer_memory, spread the ranks over more nodes, or set "
+            "recovery.peer_snapshots: false"
+        )
     m = spec.metrics
     usd: dict[str, float | None] = {"spot": None, "on_demand": None}
     if step.step_s is not None:
@@ -246,6 +263,8 @@ def make_plan(
         activation_checkpointing=spec.parallel.activation_checkpointing,
         peer_memory=peers,
         ranks_per_node=node[0],
+        spot=spot,
+        unchecked=list(unchecked or []),
     )
 
 

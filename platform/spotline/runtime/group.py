@@ -38,6 +38,7 @@ from spotline.runtime.progress import (
     Progress,
     RankBeat,
     WorkerFailure,
+    collect,
     describe_failure,
     failure_cause,
     peer_failures,
@@ -253,12 +254,14 @@ class RayWorkerGroup:
         loads an older step into every rank, which overwrites all of the state (no rank
         keeps a part of the bad step). A file that verifies but does not parse is
         corrupt too."""
+        import ray
+
+        # Put once: every rank reads the same object, not a copy per call (a manifest
+        # of thousands of ranks is megabytes).
+        text = ray.put(manifest.to_json())
         fetched = self._corrupt_or_failure(
             lambda: self._call_all(
-                f"read of checkpoint step {manifest.step}",
-                "fetch_checkpoint",
-                manifest.to_json(),
-                source,
+                f"read of checkpoint step {manifest.step}", "fetch_checkpoint", text, source
             )
         )
         self.restored_bytes = sum(f["bytes_read"] for f in fetched)
@@ -318,15 +321,17 @@ class RayWorkerGroup:
         ready_set = set(ready)
         reports: list[dict[str, Any]] = []
         failed: tuple[int, BaseException] | None = None
-        for rank, ref in list(self._polls.items()):
-            if ref in ready_set:
-                del self._polls[rank]
-                if rank in self._final_polls:
-                    self._drained.add(rank)
-                try:
-                    reports.append(ray.get(ref))
-                except Exception as e:  # noqa: BLE001 - grouped and re-raised below
-                    failed = failed or (rank, e)
+        answered = [rank for rank, ref in self._polls.items() if ref in ready_set]
+        for rank, (report, error) in zip(
+            answered, collect([self._polls[r] for r in answered]), strict=True
+        ):
+            del self._polls[rank]
+            if rank in self._final_polls:
+                self._drained.add(rank)
+            if error is None:
+                reports.append(report)
+            else:
+                failed = failed or (rank, error)
         progress = self._fold(reports)
         progress.ranks = self._beats(reports)
         try:
@@ -347,16 +352,17 @@ class RayWorkerGroup:
             self._heard[r["rank"]] = (now, r.get("beat"))
             compute[r["rank"]] = r.get("compute") or {}
         out = []
+        starting = {"step": 0, "phase": "starting", "phase_s": 0.0}
         for rank in range(len(self.actors)):
-            topo = Topology(self.pp, self.replicas, rank)
+            stage, replica = divmod(rank, self.replicas)  # as `Topology` places a rank
             heard_at, beat = self._heard.get(rank, (now, None))
-            beat = beat or {"step": 0, "phase": "starting", "phase_s": 0.0}
+            beat = beat or starting
             c = compute.get(rank, {})
             out.append(
                 RankBeat(
                     rank=rank,
-                    stage=topo.stage,
-                    replica=topo.replica,
+                    stage=stage,
+                    replica=replica,
                     node=self._info[rank]["node_id"] if rank < len(self._info) else "",
                     step=beat["step"],
                     phase=beat["phase"],

@@ -286,8 +286,9 @@ class PeerMemory:
         for node in new:  # a keeper alive, or only slow, keeps its copies
             self._keepers[node] = self._start(node, fits[node]["budget"], fits[node]["need"])
         out = []
+        at = {n: i for i, n in enumerate(ring)}
         for node in nodes_of_ranks:
-            buddy = ring[(ring.index(node) + 1) % len(ring)]
+            buddy = ring[(at[node] + 1) % len(ring)]
             name = keeper_name(self.spec.name, node)
             far = keeper_name(self.spec.name, buddy) if buddy != node and self.level.buddy else None
             out.append((name, far))

@@ -175,6 +175,25 @@ def describe_failure(e: BaseException) -> str:
     return f"{name}: {text[-1] if text else ''}"
 
 
+def collect(refs: list[Any]) -> list[tuple[Any, BaseException | None]]:
+    """Each ref's (value, None), or (None, the exception its call raised): one `ray.get`
+    for all of them (a poll of thousands of ranks takes their reports in one call, not
+    one per rank); only when some call raised are they taken one by one, to tell which."""
+    import ray
+
+    try:
+        return [(v, None) for v in ray.get(list(refs))]
+    except Exception:  # noqa: BLE001 - which one raised is found below
+        pass
+    out: list[tuple[Any, BaseException | None]] = []
+    for ref in refs:
+        try:
+            out.append((ray.get(ref), None))
+        except Exception as e:  # noqa: BLE001 - the caller groups and re-raises them
+            out.append((None, e))
+    return out
+
+
 _QUIET_S = 0.25
 """After a rank failed, how long no other rank failing ends the wait for them."""
 

@@ -32,7 +32,7 @@ from typing import Any
 from spotline import constants
 from spotline.config.schema import JobSpec
 from spotline.runtime.placement import bundle_kinds, worker_bundle, worker_name
-from spotline.runtime.progress import WorkerFailure, describe_failure, peer_failures
+from spotline.runtime.progress import WorkerFailure, collect, describe_failure, peer_failures
 from spotline.runtime.rendezvous import check_one_device, rendezvous_url, share_node_devices
 from spotline.runtime.sealed import SealedJob
 from spotline.runtime.survivors import end
@@ -117,14 +117,13 @@ class Calls:
         pending = [ref for ref, r in self._rank_of.items() if r not in self.results]
         if pending:
             ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
-            for ref in ready:
-                try:
-                    self.results[self._rank_of[ref]] = ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - grouped and raised
+            for ref, (value, e) in zip(ready, collect(ready), strict=True):
+                if e is not None:
                     errors, causes, silent = peer_failures(
                         self._rank_of[ref], e, list(self.refs.values()), self._rank_of
                     )
                     raise WorkerFailure(self.what, errors, self.nodes, causes, silent) from None
+                self.results[self._rank_of[ref]] = value
         done = len(self.results) == len(self.refs)
         if not done and self.deadline is not None and self.clock() > self.deadline:
             late = sorted(r for r in self.refs if r not in self.results)

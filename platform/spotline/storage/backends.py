@@ -30,6 +30,10 @@ URI_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 # Files of one step move in parallel; each large S3 object is itself split into
 # concurrent parts, so a few threads are enough to fill the link.
 TRANSFER_THREADS = 4
+# Small objects read at once (every rank's upload receipt, every rank's meta file): one
+# request each, so a bounded pool of them keeps a read of thousands to a few round trips'
+# time without opening a connection per object.
+READ_THREADS = 32
 
 
 def fsync_path(path: str) -> None:

@@ -133,9 +133,11 @@ class GlooLinks:
         store.set(_KEY.format(rank=self.rank), json.dumps(own))
         keys = [_KEY.format(rank=r) for r in range(world_size)]
         store.wait(keys, timedelta(seconds=timeout_s))
-        self.listeners = {
-            (ip, int(port)) for k in keys for ip, port in json.loads(store.get(k).decode())
-        }
+        # One request for every rank's listeners, not one per rank: at thousands of
+        # ranks, each asking the one rendezvous store for every key in turn would cost
+        # the store a quadratic number of round trips.
+        got = store.multi_get(keys)
+        self.listeners = {(ip, int(port)) for raw in got for ip, port in json.loads(raw)}
 
     def _unknown(self, e: BaseException) -> None:
         log.warning(
@@ -147,13 +149,14 @@ class GlooLinks:
             e,
         )
 
-    def _is_link(self, c: Any) -> bool:
+    def _is_link(self, c: Any, ports: dict[int, set[str]]) -> bool:
+        """A connection to or from one of the listeners (`ports`: their ips by port)."""
         if not c.raddr:
             return False
-        for ip, port in self.listeners:
-            for end in (c.laddr, c.raddr):
-                if end.port == port and ip in (end.ip, "0.0.0.0", "::"):
-                    return True
+        for end in (c.laddr, c.raddr):
+            ips = ports.get(end.port, ())
+            if end.ip in ips or "0.0.0.0" in ips or "::" in ips:
+                return True
         return False
 
     def abort(self) -> int:
@@ -162,8 +165,11 @@ class GlooLinks:
         try:
             import psutil
 
+            ports: dict[int, set[str]] = {}
+            for ip, port in self.listeners:
+                ports.setdefault(port, set()).add(ip)
             for c in self._connections():
-                if c.status == psutil.CONN_ESTABLISHED and c.fd >= 0 and self._is_link(c):
+                if c.status == psutil.CONN_ESTABLISHED and c.fd >= 0 and self._is_link(c, ports):
                     n += _shut(c)
         except Exception as e:  # noqa: BLE001 - never replaces the error being handled
             log.warning(

@@ -11,8 +11,6 @@ to the host and returns; serialization and upload happen on a background thread
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import random
@@ -29,7 +27,8 @@ import torch.distributed as dist
 from spotline import constants
 from spotline.bubbles.channel import WindowChannel
 from spotline.bubbles.recorder import StepRecorder
-from spotline.checkpoint.layout import CheckpointFormatError, RankFiles, write_rank
+from spotline.checkpoint.layout import RankFiles, write_rank
+from spotline.checkpoint.reshard import checkpoint_meta
 from spotline.config.schema import JobSpec
 from spotline.data import Prefetcher, Sampler, open_dataset
 from spotline.metrics.mfu import device_peak
@@ -460,23 +459,17 @@ class Trainer:
         written at any shape (ranged reads; no collective). The engine is changed only
         once every byte this rank needs has verified."""
         index = manifest.extra.get("index")
-        files = {f.path: f for f in manifest.files}
-        metas = {}
-        for path, entry in files.items():
-            if path.endswith(f"/{state.META_FILE}"):
-                raw = store.read_range(manifest.step, path, 0, entry.size)
-                if hashlib.sha256(raw).hexdigest() != entry.sha256:
-                    raise CheckpointFormatError(path, "sha256 differs from the manifest's")
-                try:
-                    metas[path] = json.loads(raw)["meta"]
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CheckpointFormatError(path, f"not a valid meta file ({e})") from None
-        meta = state.combine_meta(list(metas.values()))
+        # This rank's own meta file (its RNG states) matters only at the saved shape.
+        topo = manifest.topology
+        same = (topo.get("replicas"), topo.get("pipeline_stages")) == (
+            self.topo.replicas,
+            self.topo.pipeline_stages,
+        )
+        meta, mine = checkpoint_meta(manifest, store, self.topo.rank if same else None)
         stats = state.load(
             self.engine, self.topo, index, meta, state.store_reader(store, manifest.step)
         )
-        mine = [m for m in metas.values() if m.get("topology", {}).get("rank") == self.topo.rank]
-        return Fetched(manifest.step, mine[0] if mine else None, meta, stats["bytes_read"])
+        return Fetched(manifest.step, mine, meta, stats["bytes_read"])
 
     def load(self, fetched: Fetched) -> None:
         """Finish a load: the step, RNG streams (the same ones when this rank existed at

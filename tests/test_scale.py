@@ -1,0 +1,165 @@
+"""What keeps the controller, the commit and recovery linear in the ranks, and the scale
+harness (`benchmarks/scale.py`) that measures them, run here at a small size so that it
+cannot rot. Behaviour only: the figures are the benchmark's."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from spotline.checkpoint import CheckpointStore
+from spotline.checkpoint.coordinator import CommitCoordinator
+from spotline.storage.backends import READ_THREADS
+
+pytestmark = pytest.mark.unit
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import scale  # noqa: E402
+import scale_sim  # noqa: E402
+
+
+class SlowFs:
+    """A filesystem whose reads take a while, counting how many are in flight."""
+
+    def __init__(self, fs, delay_s: float = 0.02):
+        self.fs, self.delay_s = fs, delay_s
+        self.lock = threading.Lock()
+        self.now = self.most = self.reads = 0
+        self.paths: list[str] = []
+
+    def cat_file(self, path, *a, **k):
+        with self.lock:
+            self.now += 1
+            self.reads += 1
+            self.most = max(self.most, self.now)
+            self.paths.append(str(path))
+        try:
+            time.sleep(self.delay_s)
+            return self.fs.cat_file(path, *a, **k)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+def _slow(store: CheckpointStore) -> SlowFs:
+    slow = SlowFs(store.fs)
+    store._fs = slow
+    return slow
+
+
+@pytest.fixture(scope="module")
+def job():
+    """A 64-rank job of the harness (pp=8 x dp=8) and its stages' parameters."""
+    spec = scale_sim.sim_spec(64, "file:///unused")
+    return spec, scale_sim.stage_params(spec)
+
+
+def _store(spec, uri: str) -> CheckpointStore:
+    return CheckpointStore(uri, signing_key_env=spec.checkpoint.signing_key_env)
+
+
+def test_a_commit_from_storage_reads_the_receipts_at_once_through_a_bounded_pool(tmp_path, job):
+    spec, stages = job
+    uri = f"file://{tmp_path}/ckpt"
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
+    store = _store(spec, uri)
+    scale_sim.write_step(spec, store, stages, 8, 40, "g0")
+    coordinator = CommitCoordinator(spec, _store(spec, uri), lambda *a, **k: None)
+    slow = _slow(coordinator.store)
+    done = coordinator.commit_from_storage()
+    assert [d.step for d in done] == [40] and len(done[0].manifest.files) == 2 * 64
+    # Every receipt read once, many at a time, never more than the pool holds.
+    receipts = [p for p in slow.paths if "/_receipts/" in p]
+    assert len(receipts) == len(set(receipts)) == 64
+    assert 1 < slow.most <= READ_THREADS
+
+
+def test_a_commit_reads_no_receipt_and_records_the_ranks_meta(tmp_path, job):
+    spec, stages = job
+    uri = f"file://{tmp_path}/ckpt"
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
+    coordinator = CommitCoordinator(spec, _store(spec, uri), lambda *a, **k: None)
+    results = scale_sim.write_step(spec, coordinator.store, stages, 8, 10, "g0")
+    scale_sim.write_step(spec, coordinator.store, stages, 8, 10, "dead")  # a re-save that died
+    slow = _slow(coordinator.store)
+    coordinator.expect(10, "g0", 64)
+    (done,) = coordinator.receive(results)
+    # The sweep of the dead group's files lists the groups; it reads none of 128 receipts.
+    assert not [p for p in slow.paths if "/_receipts/" in p]
+    assert not (tmp_path / "ckpt" / "step_00000010" / "a-dead").exists()
+    assert (tmp_path / "ckpt" / "step_00000010" / "a-g0").exists()
+    meta = done.manifest.extra["meta"]
+    assert meta["topology"] == {"pipeline_stages": 8, "replicas": 8, "zero_stage": 1}
+    assert meta["global_steps"] == 10
+
+
+def test_a_restoring_rank_reads_its_own_meta_file_only(tmp_path, job):
+    from spotline.checkpoint.reshard import checkpoint_meta
+
+    spec, stages = job
+    uri = f"file://{tmp_path}/ckpt"
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
+    coordinator = CommitCoordinator(spec, _store(spec, uri), lambda *a, **k: None)
+    coordinator.expect(10, "g0", 64)
+    (done,) = coordinator.receive(
+        scale_sim.write_step(spec, coordinator.store, stages, 8, 10, "g0")
+    )
+    store = _store(spec, uri)
+    slow = _slow(store)
+    meta, mine = checkpoint_meta(done.manifest, store, 5)
+    assert len(slow.paths) == 1 and slow.paths[0].endswith("rank_00005/meta.json")
+    assert mine["topology"]["rank"] == 5 and meta["global_steps"] == 10
+    # At another shape no rank's own meta is wanted: nothing is read.
+    assert checkpoint_meta(done.manifest, store, None)[1] is None and len(slow.paths) == 1
+    # A manifest without the combined meta (an older Spotline's): every rank's meta file,
+    # at once through the bounded pool.
+    del done.manifest.extra["meta"]
+    meta, mine = checkpoint_meta(done.manifest, store, 5)
+    assert len(slow.paths) == 1 + 64 and 1 < slow.most <= READ_THREADS
+    assert mine["topology"]["rank"] == 5 and meta["global_steps"] == 10
+
+
+def test_the_harness_fake_group_publishes_every_rank_and_the_loop_commits(tmp_path):
+    figures = scale.measure_loop(16, tmp_path)
+    for name in ("poll_cpu_ms", "loop_step_cpu_ms", "status_ms", "controller_rss_mb"):
+        assert figures[name] > 0
+    assert figures["loop_commit_file_s"] is not None  # a checkpoint committed in the loop
+    assert figures["demand_bundles"] == 16  # a bundle per rank of max_replicas
+
+
+def test_the_harness_fake_group_is_what_the_controller_folds(tmp_path, job):
+    spec, stages = job
+    store = _store(spec, f"file://{tmp_path}/ckpt")
+    clock = scale_sim.SimClock()
+    group = scale_sim.SimGroup(spec, 8, store, clock, stages, scale_sim.node_names(8))
+    group.run(100)
+    progress = group.poll(scale_sim.STEP_S)
+    assert [b.rank for b in progress.ranks] == list(range(64))
+    assert {b.node for b in progress.ranks} == set(scale_sim.node_names(8))
+    assert progress.steps and len(progress.bubbles) == 64
+    # Only the first replicas of each stage send their timelines (what the trace draws).
+    drawn = {(b["stage"], b["replica"]) for b in progress.bubbles if "steps_timeline" in b}
+    assert drawn == {(s, r) for s in range(8) for r in range(4)}
+
+
+def test_the_harness_storage_and_peer_paths_at_a_small_size(tmp_path):
+    figures = scale.measure_storage(16, f"file://{tmp_path}/paths", None, "file")
+    for name in ("commit_file_s", "commit_from_storage_file_s", "restore_plan_file_s",
+                 "reshard_plan_file_s", "manifest_bytes_file"):  # fmt: skip
+        assert figures[name] > 0
+    assert scale.measure_peer(16)["peer_offer_s"] > 0
+
+
+def test_the_growth_exponent_is_the_log_log_slope():
+    assert scale.exponent([8, 64, 512], [1.0, 8.0, 64.0]) == pytest.approx(1.0)
+    assert scale.exponent([8, 64, 512], [2.0, 2.0, 2.0]) == pytest.approx(0.0)
+    assert scale.exponent([8, 64], [1.0, None]) is None
