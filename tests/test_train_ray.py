@@ -300,5 +300,9 @@ def test_the_plan_is_close_to_what_the_quickstart_measures(ray_session, tmp_path
     assert measured["bubble_fraction"] > 0
     assert abs(predicted["bubble_fraction"] - measured["bubble_fraction"]) <= 0.10
     assert predicted["step_s"] > 0 and measured["step_s"] > 0
+    # One prediction: the run reports the step `spotline plan` predicts on this host,
+    # timed before its ranks started.
+    assert predicted["step_s"] == pytest.approx(job.plan().step.step_s, rel=1e-9)
+    assert predicted["step_basis"].startswith("this host's measured passes")
     text = result.summary()
     assert "plan vs run" in text and "stage 1 memory" in text

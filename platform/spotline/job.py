@@ -21,7 +21,7 @@ from spotline import constants, job_index
 from spotline.config import JobSpec, apply_overrides, load_spec
 from spotline.config.loader import register_spec_secrets, validate_dict
 from spotline.config.redact import install_log_redaction, split_secrets, write_secrets_package
-from spotline.planning.plan import Plan
+from spotline.planning.plan import Plan, time_cpu_step_here
 from spotline.runtime.cluster import connect_ray
 
 
@@ -499,6 +499,8 @@ class Job:
         install_log_redaction()
         local = address is None and not os.environ.get("RAY_ADDRESS")
         store = preflight(self.spec, local_cluster=local)
+        if local:
+            time_cpu_step_here(self.spec)  # one prediction in plan and run (see it)
         connect_ray(address)
         run = JobRun(self.spec, start_controller(self.spec, store))
         job_index.record(self.spec, store.uri, address)  # `spotline status NAME` once it ends

@@ -11,6 +11,7 @@ prints `Plan.render()`; the job's summary puts the plan beside what the run meas
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,6 +267,26 @@ def make_plan(
         spot=spot,
         unchecked=list(unchecked or []),
     )
+
+
+def time_cpu_step_here(spec: JobSpec) -> None:
+    """Before a CPU job's ranks start on a local cluster: its step's parts timed on this
+    host at each replica count it may run at, cut as planned, and kept
+    (`planning.host_step`), so that its run's "plan vs run" reports the step `spotline
+    plan` predicts, without the controller timing anything beside the ranks. Cached per
+    shape: a job run again is not timed again. A job that will run on a GPU is not
+    timed; a balanced cut, measured as the ranks start, is not known here."""
+    import torch
+
+    device = spec.resources.device
+    if device == "gpu" or (device == "auto" and torch.cuda.is_available()):
+        return
+    try:
+        for d in spec.replica_counts():
+            host_step(spec, d, planned_bounds(spec, d))
+    except Exception:  # noqa: BLE001 - a prediction is a report, never a reason not to start
+        # The model's own errors are the workers' to report, naming the user's code.
+        logging.getLogger("spotline.plan").debug("the CPU step was not timed", exc_info=True)
 
 
 def bubble_warning(spec: JobSpec, replicas: int, step: StepPrediction, bounds: list[int]) -> str:
