@@ -417,7 +417,9 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
     from spotline.checkpoint.transfer import attempt_dir
 
     rng = random.Random(13)
-    kills_wanted, deadline = 8, time.monotonic() + 480
+    # Until each phase of the checkpoint path was hit and at least `kills_least` kills,
+    # at most `kills_most`.
+    kills_least, kills_most, deadline = 4, 8, time.monotonic() + 480
     over = {
         "train.steps": 160,
         "checkpoint.interval_steps": 2,
@@ -431,7 +433,14 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
     run = spotline.Job(spec).start()
 
     kills: list[dict[str, Any]] = []
-    while len(kills) < kills_wanted and time.monotonic() < deadline:
+
+    def enough() -> bool:
+        phases = {k["phase"] for k in kills}
+        return len(kills) >= kills_most or (
+            len(kills) >= kills_least and {"save", "upload", "commit"} <= phases
+        )
+
+    while not enough() and time.monotonic() < deadline:
         want = rng.choice(["save", "upload", "commit"])
         # The group that is up now, trained at least one step past its restore.
         st = wait_for(
@@ -471,7 +480,7 @@ def test_chaos_loop_never_loses_a_commit_nor_loads_a_partial_or_mixed_one(
 
     result = run.wait(verbose=False)
     phases = [k["phase"] for k in kills]
-    assert len(kills) == kills_wanted, phases
+    assert len(kills) >= kills_least, phases
     assert {"save", "upload", "commit"} <= set(phases), phases
     assert result.state == "finished", result.error
     assert result.failures == len(kills)
