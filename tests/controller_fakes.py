@@ -194,6 +194,10 @@ class FakeGroup:
             notice = self.script.get("notices", {}).pop(self.step, None)
             if notice is not None:
                 self.controller.door.notify(notice)
+            sigterm = self.script.get("sigterms", {}).pop(self.step, None)
+            if sigterm is not None:  # as a rank's SIGTERM: its notice, and save and stop now
+                self.controller.door.notify(sigterm)
+                self.stop_at, self.reason = self.step, "SIGTERM to rank 1"
             if self.script.get("stop_at_step") == self.step:
                 self.controller.door.request_stop("maintenance")
             s = self.step

@@ -44,6 +44,27 @@ def test_notice_commits_a_jit_checkpoint_and_restarts_off_the_doomed_node(tmp_pa
     assert steps == list(range(1, 26))  # no step trained twice
 
 
+def test_ranks_that_stop_on_a_sigterm_before_the_controller_hears_of_it_move_off_its_node(
+    tmp_path,
+):
+    """A rank's SIGTERM makes the ranks save and stop at once, on their own: the poll that
+    brings its notice can also bring the whole group's stop. That stop is the notice's
+    just-in-time checkpoint, not the job's end."""
+    total = {"nodes": 2}
+    script = {"sigterms": {13: _notice("node-1", source="sigterm")}, "steps_per_poll": 5}
+    ctl, store = make(tmp_path, script=script, capacity=_devices(total))
+    res = ctl.run()
+    assert res["state"] == "finished", res["error"]
+    first, second = FakeGroup.instances
+    assert first.saves[-1] == 13 and second.restored == [13] and second.replicas == 1
+    assert "node-1" not in second.node_ids()
+    (n,) = res["notices"]
+    assert n["committed_step"] == 13 and n["outcome"] == "just-in-time checkpoint committed"
+    steps = [s for a in res["attempts"] for s, _ in a["losses"]]
+    assert steps == list(range(1, 26))  # no step lost or trained twice
+    assert 25 in store.committed_steps()
+
+
 def test_a_long_notice_keeps_training_on_the_doomed_capacity_until_it_must_save(tmp_path):
     total = {"nodes": 2}
     over = {"train.steps": 400, "checkpoint.interval_steps": 100}

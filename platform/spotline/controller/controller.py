@@ -344,6 +344,12 @@ class Controller:
     def _running(self, state: Running) -> State:
         progress = self.intake.poll()
         if progress.finished is not None:
+            stopped = int(progress.finished["stopped_at"])
+            if stopped < self.spec.train.steps:
+                # The ranks stopped short of the last step on their own: a rank's SIGTERM
+                # (its notice comes in with this poll). Its save is the notice's
+                # just-in-time checkpoint; the group then starts again without the node.
+                return Leaving("preemption", stopped, self.clock())
             return Finishing()
         return self.departures.due() or state
 
