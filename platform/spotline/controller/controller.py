@@ -343,15 +343,14 @@ class Controller:
 
     def _running(self, state: Running) -> State:
         progress = self.intake.poll()
-        if progress.finished is not None:
-            stopped = int(progress.finished["stopped_at"])
-            if stopped < self.spec.train.steps:
-                # The ranks stopped short of the last step on their own: a rank's SIGTERM
-                # (its notice comes in with this poll). Its save is the notice's
-                # just-in-time checkpoint; the group then starts again without the node.
-                return Leaving("preemption", stopped, self.clock())
+        if progress.finished is None:
+            return self.departures.due() or state
+        stopped = int(progress.finished["stopped_at"])
+        if stopped >= self.spec.train.steps:
             return Finishing()
-        return self.departures.due() or state
+        # Short of the last step, the ranks stopped on their own (a rank's SIGTERM, its
+        # notice in this poll): that save is the notice's just-in-time checkpoint.
+        return Leaving("preemption", stopped, self.clock())
 
     # --- leaving a group: preemption, grow, re-partition, cordon, stop -----------------
 
@@ -368,13 +367,10 @@ class Controller:
             self.say(gone.detail, track="end")
             return Stopped(reason=self.inbox.stop_reason or "stop requested")
         attempt.ended_by = _ENDED.get(gone.why, gone.why)
-        group = self.group
-        assert group is not None
-        before = group.replicas
-        self.rec.resizes.append(
-            {"step": self.step_count, "from_replicas": before, "why": gone.why,
-             "detail": gone.detail}
-        )  # fmt: skip
+        assert self.group is not None
+        before = self.group.replicas
+        resize = {"step": self.step_count, "from_replicas": before, "why": gone.why}
+        self.rec.resizes.append(resize | {"detail": gone.detail})
         self.say(
             f"restarting at step {self.step_count} from {before} replica(s): {gone.detail}",
             track="restart",
