@@ -102,7 +102,6 @@ class Watch:
     def _loop(self) -> None:
         import psutil
         import ray
-        from ray.util.state import list_actors
 
         from spotline.runtime.keeper import keeper_name
 
@@ -118,13 +117,15 @@ class Watch:
                         self.nodes.setdefault(w["node_id"], [])
                         if w["rank"] not in self.nodes[w["node_id"]]:
                             self.nodes[w["node_id"]].append(w["rank"])
-                if not keepers:
-                    # This job's keepers only: an earlier arm's may still be going away.
-                    alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True)
-                    for a in alive:
-                        mine = keeper_name(self.run.spec.name, a["node_id"])
-                        if a.get("name") == mine:
-                            keepers[a["node_id"]] = (ray.get_actor(mine), a["pid"])
+                # This job's keepers only (an earlier arm's may still be going away), by
+                # name on its workers' nodes: Ray's state API needs a dashboard, and the
+                # cluster here runs none.
+                for node in self.nodes:
+                    if node not in keepers:
+                        with contextlib.suppress(ValueError):  # not started yet
+                            handle = ray.get_actor(keeper_name(self.run.spec.name, node))
+                            pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+                            keepers[node] = (handle, pid)
                 for node, (handle, pid) in keepers.items():
                     held = ray.get(handle.nbytes.remote(), timeout=5)
                     self.keeper_bytes[node] = max(self.keeper_bytes[node], held)
