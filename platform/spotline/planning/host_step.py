@@ -19,9 +19,11 @@ time"). Compute is divided by the share of a core each rank gets when the job's 
 outnumber the host's cores (a local cluster); what that leaves out (Ray's own processes
 on the same cores, other work on the host) is said with the figure.
 
-The measurement is kept in the user's cache under its shape and this host's CPU: a
-run's controller on the same host reads what the plan measured (it never times passes
-itself) and reports the same prediction. Never used for a GPU job: there the datasheet peak and the schedule decide.
+The measurement is kept in the user's cache under its shape and this host's CPU. `spotline
+plan`, and `spotline run` on a local cluster before its ranks start, take it; a run's
+controller only reads it (it never times passes beside the ranks), so plan and run
+report one prediction. Never used for a GPU job: there the datasheet peak and the
+schedule decide.
 """
 
 from __future__ import annotations
