@@ -45,11 +45,14 @@ def pytest_configure(config: pytest.Config) -> None:
 # Faults a test injects into its own job's ranks (spotline.runtime.faults): one JSON
 # list per job name in this directory, which every worker learns through Ray's job
 # runtime_env. A hang is declared after 10 s without a step (production: 20 s), so a
-# test that freezes a rank waits for that, not for the collective timeout.
+# test that freezes a rank waits for that, not for the collective timeout. A group's
+# peer copies are measured after 2 warm-up steps (production: 10), so that the tests'
+# 30-step jobs price k within their first group.
 FAULTS_DIR = Path(tempfile.mkdtemp(prefix="spotline-faults-"))
 WORKER_ENV = {
     "SPOTLINE_TEST_FAULTS": str(FAULTS_DIR),
     "SPOTLINE_HANG_FLOOR_S": "10",
+    "SPOTLINE_PEER_WARM_STEPS": "2",
 }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spotline import constants
 from spotline.checkpoint.layout import FORMAT, RankSnapshot, write_rank
 from spotline.checkpoint.peer import PEER_KEY, PeerCopy, newest_complete, peer_copy
 from spotline.checkpoint.reshard import Plan
@@ -207,24 +208,29 @@ def _copy(step: int, started: float, ended: float, world: int = 2, **extra) -> l
     return taken + sent
 
 
-def test_the_book_prices_a_copy_by_what_it_slowed_the_jobs_steps():
+def test_the_book_prices_a_copy_by_what_it_slowed_the_jobs_steps(monkeypatch):
+    monkeypatch.setattr(constants, "SPOTLINE_PEER_WARM_STEPS", 10)
     book = PeerBook(_spec())
     assert book.run_every() == MEASURE
-    # Steps of 0.5 s; a copy begins after step 10 (wall 5.0) and ends at 6.2 s: steps
-    # 11 to 13 took 0.9, 0.6 and 0.5 s instead of 0.5: the job lost 0.5 s to it.
-    pace = _pace(1, 10, 0.0)
-    later = _pace(11, 30, pace[-1][3], slow={11: 0.9, 12: 0.6})
-    assert book.take(_copy(10, 5.0, 6.2), 2, pace) is None  # its end not stepped past yet
-    # k: 0.5 s of a 0.5 s step at a 2% budget: every 50 steps.
-    assert book.take([], 2, later) == 50
-    assert book.costs == [pytest.approx(0.5)] and book.base_step_s == pytest.approx(0.5)
-    assert book.settled == 10 and book.rank_bytes == {0: 100, 1: 101}
+    # The group's ten warm-up steps take 2 s each and are nobody's pace. Then steps of
+    # 0.5 s; the measuring copy begins after step 11 (wall 20.5) and ends at 21.2: step
+    # 12 took 0.9 s instead of 0.5, so the job lost 0.4 s to it.
+    warm = _pace(1, 10, 0.0, step_s=2.0)
+    pace = _pace(11, 15, warm[-1][3], slow={12: 0.9})
+    # Three steady steps untouched by the copy are no pace yet: not priced.
+    assert book.take(_copy(11, 20.5, 21.2), 2, warm + pace) is None
+    assert book.costs == [] and book.k is None
+    later = _pace(16, 30, pace[-1][3])
+    # k: 0.4 s of a 0.5 s step at a 1% budget: every 80 steps.
+    assert book.take([], 2, later) == 80
+    assert book.costs == [pytest.approx(0.4)] and book.base_step_s == pytest.approx(0.5)
+    assert book.settled == 11 and book.rank_bytes == {0: 100, 1: 101}
     # A copy that costs a little more moves k by less than a quarter: nothing to ask.
     t = later[-1][3]
-    assert book.take(_copy(31, t, t + 0.1), 2, _pace(31, 40, t, slow={31: 1.05})) is None
-    assert book.k == 50
+    assert book.take(_copy(31, t, t + 0.1), 2, _pace(31, 40, t, slow={31: 0.95})) is None
+    assert book.k == 80
     summary = book.summary()
-    assert summary["every_steps"] == 50 and summary["copies"] == 2
+    assert summary["every_steps"] == 80 and summary["copies"] == 2
     # A copy a rank skipped (its upload thread still busy with a save) is not a copy.
     skipped = [{"step": 46, "rank": r, "taken": False} for r in (0, 1)]
     assert book.take(skipped, 2, []) is None and book.skipped == 2

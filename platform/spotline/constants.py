@@ -44,6 +44,10 @@ SPOTLINE_STACKS_TIMEOUT_S = _env_float("SPOTLINE_STACKS_TIMEOUT_S", 20.0)
 # A hung group of at most this many ranks has every rank's stack taken (the ranks of a
 # node are read in parallel by one task there); a larger one, the named ranks' only.
 SPOTLINE_STACKS_ALL_RANKS = int(_env_float("SPOTLINE_STACKS_ALL_RANKS", 64))
+# A group's first steps warm up (allocation, caches, a first pass through the data): a
+# peer copy's cost is read only against the steps after them, and the copy that measures
+# it is taken right after them.
+SPOTLINE_PEER_WARM_STEPS = int(_env_float("SPOTLINE_PEER_WARM_STEPS", 10))
 # How often the controller collects the ranks' progress (losses, finished uploads,
 # failures). Training never waits for it; a step commits at most this long after its
 # last upload finished.

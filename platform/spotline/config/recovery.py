@@ -42,8 +42,8 @@ class RecoverySpec(BaseModel):
     peer_interval_steps: int | Literal["auto"] = "auto"
     """Steps between peer snapshots (k). "auto": measured, the smallest k whose snapshots
     cost at most `peer_cost_budget` of the step time."""
-    peer_cost_budget: float = Field(0.02, gt=0.0, lt=1.0)
-    """The share of training time peer snapshots may take under "auto" (0.02: 2%)."""
+    peer_cost_budget: float = Field(0.01, gt=0.0, lt=1.0)
+    """The share of training time peer snapshots may take under "auto" (0.01: 1%)."""
     peer_memory: float | str = 0.25
     """Host memory the state keepers of one node may hold: a share of the node's RAM
     (0.25: a quarter), or a size ('64GB', '512MiB'). The copies a node's keeper holds

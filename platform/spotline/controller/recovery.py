@@ -6,8 +6,10 @@ what the job pays for it, read off the group's own pace: the wall time of the st
 from the copy's host copy to the end of its send (serialization, the object store,
 the keepers receiving it, on the same host cores as training on CPU), less what those
 steps take without a copy (the median of the steps no copy touched). A group's first
-run takes one copy at its first steady step to measure; `peer_interval` then picks
-the smallest k whose copies cost at most `recovery.peer_cost_budget` of training.
+steps warm up and are nobody's pace (`SPOTLINE_PEER_WARM_STEPS`): its first run takes
+one copy right after them to measure, priced once enough steady steps give the pace;
+`peer_interval` then picks the smallest k whose copies cost at most
+`recovery.peer_cost_budget` of training.
 Later copies refine it; the ranks are asked for a new k, and the event log says it,
 only when k moves by more than a quarter.
 
@@ -32,11 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotline import constants
 from spotline.checkpoint.peer import PeerOffer
 from spotline.config.schema import JobSpec
 
 MEASURE = -1
-"""`peer_every` for a group's run: take one copy at the first steady step, to measure."""
+"""`peer_every` for a group's run: take one copy after the warm-up steps, to measure."""
 
 
 def peer_interval(cost_s: float, step_s: float, budget: float) -> int:
@@ -50,6 +53,8 @@ _K_MOVE = 0.25
 """k changes (and is said) only when the measured one differs by more than this share."""
 _STEPS_KEPT = 400
 """Steps of the group's pace the book keeps to read copies' costs from."""
+_BASE_STEPS = 5
+"""Steady steps no copy touched before a copy is priced against their median."""
 
 
 @dataclass
@@ -75,6 +80,7 @@ class PeerBook:
         self._copies: dict[int, _Copy] = defaultdict(_Copy)
         self._unpriced: list[_Copy] = []  # complete, waiting for the step after its end
         self._pace: deque[tuple[int, float]] = deque(maxlen=_STEPS_KEPT)  # (step, wall end)
+        self._warming = constants.SPOTLINE_PEER_WARM_STEPS  # the group's steps left to warm
         self.costs: list[float] = []  # per complete copy: the job's seconds lost to it
         self.base_step_s: float | None = None
         self.copies = 0  # steps every rank sent to its keepers
@@ -100,6 +106,7 @@ class PeerBook:
         self._copies.clear()
         self._unpriced.clear()
         self._pace.clear()
+        self._warming = constants.SPOTLINE_PEER_WARM_STEPS
         self.settled = None
         self.rank_bytes = {}
 
@@ -109,6 +116,9 @@ class PeerBook:
         """Fold a poll's peer reports and the group's steps ((step, loss, seconds, wall
         end), rank 0's); the new k to ask the ranks for, or None."""
         for st in steps or []:
+            if self._warming > 0:  # allocation and caches, not the group's pace
+                self._warming -= 1
+                continue
             self._pace.append((int(st[0]), float(st[3])))
         for r in reports:
             if "error" in r:
@@ -161,7 +171,7 @@ class PeerBook:
             s for s, w, t in walls for c in self._unpriced if t > c.started and t - w <= c.ended
         }
         untouched = [w for s, w, _ in walls if s not in touched]
-        if untouched:
+        if len(untouched) >= _BASE_STEPS:
             self.base_step_s = statistics.median(untouched[-50:])
         base, last_end = self.base_step_s, walls[-1][2]
         left = []

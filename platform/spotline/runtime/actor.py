@@ -411,7 +411,7 @@ class TrainWorker:
         A request to save at step k is served by the first save at a step >= k
         (a periodic one included); a stop always saves at the step it stops at.
         `peer_every`: steps between peer copies (0: none until the controller asks;
-        -1: one at the first steady step, whose cost the controller measures k by).
+        -1: one after the warm-up steps, whose cost the controller measures k by).
         """
         assert self.trainer is not None
         tr = self.trainer
@@ -519,12 +519,14 @@ class TrainWorker:
 
     def _peer_due(self, step: int, every: int) -> bool:
         """A peer copy at `step`: every `every` steps (the same on every rank, agreed);
-        `every` -1 asks for one copy at the first steady step to measure its cost."""
+        `every` -1 asks for one copy right after the group's warm-up steps, to measure
+        its cost against the steady steps that follow."""
         if self.uploader.peer is None:
             return False
         if every == -1:
             with self._lock:
-                if self._req.peer_every == -1 and self._steps_run >= 2:
+                warm = self._steps_run > constants.SPOTLINE_PEER_WARM_STEPS
+                if self._req.peer_every == -1 and warm:
                     self._req.peer_every = 0  # measured once: k comes from the controller
                     return True
             return False
