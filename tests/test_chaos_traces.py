@@ -256,6 +256,19 @@ def test_the_verdict_says_why_and_blames_the_job_for_its_own_data():
     assert failed.verdict == "FAIL" and "the job failed: boom" in failed.reasons
 
 
+def test_a_trace_whose_faults_reach_no_rank_of_the_job_rehearsed_nothing():
+    from spotline.chaos.verdict import EventReport
+
+    missed = EventReport(at=8.1, kind="loss", node=1, node_id="n1", hit=False, step=90)
+    joined = EventReport(at=12.0, kind="join", node=2, node_id="n2", hit=False, step=120)
+    v = _judge(reports=[missed, joined])
+    assert v.verdict == "FAIL"
+    (line,) = [r for r in v.reasons if "no fault of the trace" in r]
+    assert "the loss at 8.1s (node 1) found none of its ranks" in line
+    hit = EventReport(at=8.1, kind="loss", node=0, node_id="n0", hit=True, step=90)
+    assert _judge(reports=[missed, hit]).verdict == "PASS"
+
+
 def test_a_checkpoint_interval_far_above_the_loss_spacing_is_named_with_what_costs_less():
     from spotline.chaos.verdict import EventReport
     from spotline.config import load_spec

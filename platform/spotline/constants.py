@@ -144,3 +144,7 @@ SPOTLINE_TRACKER_CLOSE_TIMEOUT_S = _env_float("SPOTLINE_TRACKER_CLOSE_TIMEOUT_S"
 # rehearsal gives up on it.
 SPOTLINE_CHAOS_POLL_S = _env_float("SPOTLINE_CHAOS_POLL_S", 0.2)
 SPOTLINE_CHAOS_START_TIMEOUT_S = _env_float("SPOTLINE_CHAOS_START_TIMEOUT_S", 900.0)
+# How long the rehearsal's trace waits, after the job's first step, for the job to run
+# every rank the cluster holds for it (a start that fell back to fewer replicas grows
+# back first); past it the trace starts anyway, and says so.
+SPOTLINE_CHAOS_FULL_SIZE_WAIT_S = _env_float("SPOTLINE_CHAOS_FULL_SIZE_WAIT_S", 60.0)

@@ -2,7 +2,7 @@
 job uninterrupted, compared; the verdict and a report directory.
 
 One cluster serves both runs: the rehearsal first (the trace replayed from its first
-step, stopped with a commit when the trace ends), then the cluster is reset to its
+step at full size, stopped with a commit when the trace ends), then the cluster is reset to its
 fresh nodes and the same job runs uninterrupted from the same seed to the same step.
 Both runs' times count from their first step (start-up is the same for both).
 """
@@ -36,6 +36,7 @@ from spotline.config import JobSpec, SpecError
 
 POLL_S = constants.SPOTLINE_CHAOS_POLL_S
 START_TIMEOUT_S = constants.SPOTLINE_CHAOS_START_TIMEOUT_S
+FULL_SIZE_WAIT_S = constants.SPOTLINE_CHAOS_FULL_SIZE_WAIT_S
 
 
 @dataclass
@@ -171,12 +172,12 @@ class Rehearsal:
         # reused cluster's fresh nodes may carry other numbers.
         self.numbers = dict(enumerate(cluster.live()))
         applied: list[Applied] = []
-        assert arm.t0 is not None
-        end = arm.t0 + self.trace.duration_s
+        origin = self._until_full_size(run, arm)
+        end = origin + self.trace.duration_s
         while True:
             st = self._poll(run, arm)
             now = time.time()
-            while todo and now >= arm.t0 + todo[0].at and not _ended(st):
+            while todo and now >= origin + todo[0].at and not _ended(st):
                 applied.append(self._apply(cluster, run, todo.pop(0), arm, st))
                 st = self._poll(run, arm)
             if _ended(st) or (now >= end and not todo):
@@ -223,6 +224,29 @@ class Rehearsal:
             f"{run.spec.name}: no training step within {START_TIMEOUT_S:.0f}s of its start; "
             "the job may be too big for this machine (try --scale-model)"
         )
+
+    def _until_full_size(self, run, arm: Arm) -> float:
+        """When the trace starts: once the job runs every rank the cluster's nodes hold
+        for it (up to elastic.max_replicas), so that the trace meets the job it was
+        written for and not a start that fell back to fewer replicas; at most
+        FULL_SIZE_WAIT_S after its first step."""
+        pp = run.spec.parallel.pipeline_stages
+        fits = len(self.numbers) * self.shape.slots // pp
+        want = min(run.spec.elastic.max_replicas, fits) * pp
+        deadline = time.time() + FULL_SIZE_WAIT_S
+        while True:
+            st = self._poll(run, arm)
+            ranks = len(st["workers"] or [])
+            if _ended(st) or ranks >= want:
+                return time.time()
+            if time.time() >= deadline:
+                self.say(
+                    f"[{arm.name}] {ranks} of the job's {want} ranks run "
+                    f"{FULL_SIZE_WAIT_S:.0f}s after its first step "
+                    "(SPOTLINE_CHAOS_FULL_SIZE_WAIT_S): the trace starts now"
+                )
+                return time.time()
+            time.sleep(POLL_S)
 
     def _poll(self, run, arm: Arm) -> dict[str, Any]:
         import ray

@@ -355,6 +355,13 @@ def judge(
             else f"resume differs from the uninterrupted run at step {diff.first} "
             f"({diff.got:.6g} vs {diff.want:.6g}); {v.why_different}"
         )
+    faults = [r for r in reports if r.kind != "join"]
+    if faults and not any(r.hit for r in faults):
+        where = ", ".join(f"the {r.kind} at {r.at:.1f}s (node {r.node})" for r in faults)
+        fails.append(
+            f"no fault of the trace reached the job: {where} found none of its ranks, so "
+            "nothing was rehearsed; see the timeline for where its ranks ran, and rerun"
+        )
     if lost:
         fails += [f"a committed step was lost: {x}" for x in lost]
     elif any(r.hit and r.kind != "join" for r in reports):
