@@ -2,8 +2,9 @@
 job uninterrupted, compared; the verdict and a report directory.
 
 One cluster serves both runs: the rehearsal first (the trace replayed from its first
-step at full size, stopped with a commit when the trace ends), then the cluster is reset to its
-fresh nodes and the same job runs uninterrupted from the same seed to the same step.
+step at full size, stopped with a commit when the trace ends), then the cluster is
+reset to its fresh nodes and the same job runs uninterrupted from the same seed to the
+same step.
 Both runs' times count from their first step (start-up is the same for both).
 """
 

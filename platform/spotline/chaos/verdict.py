@@ -364,7 +364,7 @@ def judge(
         )
     if lost:
         fails += [f"a committed step was lost: {x}" for x in lost]
-    elif any(r.hit and r.kind != "join" for r in reports):
+    elif any(r.hit for r in faults):
         passes.append("no committed step was lost")
     for r in reports:
         late = r.before_deadline_s is not None and r.before_deadline_s < 0
