@@ -205,7 +205,7 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from spotline.planning.memory_model import human_bytes
+    from spotline.units import human_bytes
 
     tmp = Path(tempfile.mkdtemp(prefix="spotline-peermem-"))
     c = cluster()

@@ -260,7 +260,7 @@ def measure_peer(world: int) -> dict[str, Any]:
     from scale_sim import PP, keeper_holdings, node_names, sim_spec, stage_params
     from spotline.controller.recovery import PeerRecovery
     from spotline.controller.snapshot import Attempt
-    from spotline.runtime.keeper import PeerMemory
+    from spotline.runtime.peers import PeerMemory
 
     spec = sim_spec(world, "file:///unused", **{"recovery.peer_snapshots": True})
     replicas = world // PP

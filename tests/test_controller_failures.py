@@ -206,7 +206,7 @@ def test_a_group_whose_only_restore_is_a_peer_copy_still_initialises_its_weights
     read leaves it training from the start, not refusing to step on empty weights."""
     from spotline.checkpoint.peer import PEER_KEY, PeerOffer
     from spotline.checkpoint.transfer import build_manifest
-    from spotline.runtime.keeper import PeerMemory
+    from spotline.runtime.peers import PeerMemory
 
     ctl, store = make(tmp_path, {"kill_at": 7, "peer_unreadable": True})
     asked = []

@@ -194,7 +194,7 @@ def test_a_restart_hands_the_ranks_that_stay_to_the_next_group_but_never_after_a
 def test_a_lost_nodes_state_keeper_is_forgotten_before_the_next_group_asks(tmp_path):
     """A restore asks every keeper it knows what it holds; one on a lost node would keep
     the next group waiting for Ray to call it unavailable."""
-    from spotline.runtime.keeper import PeerMemory
+    from spotline.runtime.peers import PeerMemory
 
     ctl, _ = make(tmp_path, {"kill_at": 17, "lose_node": "node-1"}, _two_nodes)
     peers = PeerMemory(ctl.spec)

@@ -113,8 +113,9 @@ def test_a_slow_keeper_is_never_forgotten_and_its_copies_go_with_the_job(
 ):
     import ray
 
-    from spotline.runtime import keeper as keepers
-    from spotline.runtime.keeper import PeerMemory, StateKeeper
+    from spotline.runtime import peers as peer_memory
+    from spotline.runtime.keeper import StateKeeper
+    from spotline.runtime.peers import PeerMemory
 
     gate = tmp_path / "slow"
     gate.touch()
@@ -143,7 +144,7 @@ def test_a_slow_keeper_is_never_forgotten_and_its_copies_go_with_the_job(
         # The keeper answers while the copy arrives (its own thread), holding nothing
         # complete yet, and stays known.
         assert peers.held() == [] and node in peers._keepers
-        monkeypatch.setattr(keepers, "ASK_TIMEOUT_S", 1.0)
+        monkeypatch.setattr(peer_memory, "ASK_TIMEOUT_S", 1.0)
         (gate.parent / "mute").touch()
         assert peers.held() == [] and node in peers._keepers  # no answer: left out, kept
         (gate.parent / "mute").unlink()

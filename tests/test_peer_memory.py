@@ -415,7 +415,7 @@ def test_a_nodes_keeper_holds_its_own_ranks_and_the_previous_nodes():
 def test_the_placement_takes_the_level_the_tightest_node_allows():
     """`PeerMemory.fit` (no Ray): every node's keeper within its own budget, and the
     level said once with the busiest node's figures and the field to change."""
-    from spotline.runtime.keeper import PeerMemory
+    from spotline.runtime.peers import PeerMemory
 
     peers = PeerMemory(load_spec({"name": "peer", "recovery": {"peer_memory": 0.5}}))
     nodes = ["a", "a", "b", "b", "c"]

@@ -1,7 +1,8 @@
 """What a new rank's process pays before its first step: DeepSpeed loads without the
 MLflow import of its autotuner (about a second of every restart), and MLflow stays
 importable afterwards; building an engine does not load torch's inductor compiler for
-DeepSpeed's Muon optimizer (about another second)."""
+DeepSpeed's Muon optimizer (about another second). A state keeper's process loads
+neither torch nor the planner: its memory and start-up CPU are its copies'."""
 
 from __future__ import annotations
 
@@ -63,6 +64,29 @@ def test_the_engine_check_of_muon_does_not_load_the_compiler() -> None:
 @pytest.mark.procs
 def test_a_plain_import_of_muon_does_load_the_compiler() -> None:
     assert _fresh(_ENGINE_CHECK.format(imp="import deepspeed")) == "True True"
+
+
+@pytest.mark.procs
+def test_a_state_keepers_process_loads_neither_torch_nor_the_planner() -> None:
+    got = _fresh(
+        "import sys\n"
+        "from spotline.runtime.keeper import StateKeeper\n"
+        "StateKeeper(budget=None, steps=2)\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'spotline.planning', 'spotline.models',"
+        " 'spotline.job') if m in sys.modules))\n"
+    )
+    assert got == "[]"
+
+
+@pytest.mark.procs
+def test_the_packages_names_still_load_on_first_use() -> None:
+    got = _fresh(
+        "import sys, spotline\n"
+        "before = 'spotline.job' in sys.modules\n"
+        "print(before, spotline.Job.__module__, spotline.load_spec.__module__,"
+        " 'Job' in dir(spotline))\n"
+    )
+    assert got == "False spotline.job spotline.config.loader True"
 
 
 @pytest.mark.unit

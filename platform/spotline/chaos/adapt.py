@@ -169,7 +169,7 @@ class Footprint:
     """A rough step time on this machine's CPU (`CPU_FLOPS_PER_WORKER`)."""
 
     def describe(self) -> str:
-        from spotline.planning.memory_model import human_bytes
+        from spotline.units import human_bytes
 
         return (
             f"{self.ranks} ranks x {human_bytes(self.rank_bytes)} = "
@@ -205,7 +205,7 @@ def check_fits(
     """Refuse a job too big for this machine (its ranks' memory, or too slow to train
     `MIN_STEPS` steps in the run), naming what would make it fit: `shrunk` is the job
     under --scale-model (None when it cannot shrink), `flag_hint` the flags to show."""
-    from spotline.planning.memory_model import human_bytes
+    from spotline.units import human_bytes
 
     need = footprint(adapted.spec)
     room = int(available_bytes * MEMORY_SHARE)

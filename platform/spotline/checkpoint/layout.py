@@ -43,11 +43,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from spotline.storage import UnsafePathError, check_relpath
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "spotline.sharded/1"
 STATE_FILE = "state.safetensors"
@@ -58,12 +59,10 @@ WEIGHT = "weight"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 INDEX = "<index>"  # the `path` of errors about the index rather than a file
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+"""The dtypes a checkpoint holds, by name, and their bytes per element. The layout
+names them without importing torch, so a process that only moves a step's bytes (a
+state keeper, a verifier) never loads it."""
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
@@ -138,6 +137,12 @@ def load_json(path: str | os.PathLike[str]) -> Any:
 
 
 # --- one rank's files --------------------------------------------------------------------
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -249,7 +254,7 @@ def write_rank(
             info = header[e["key"]]
             begin, end = info["data_offsets"]
             nbytes = end - begin
-            itemsize = DTYPES[e["dtype"]].itemsize
+            itemsize = ITEMSIZE[e["dtype"]]
             if _ST_DTYPES.get(info["dtype"]) != e["dtype"] or nbytes != e["numel"] * itemsize:
                 raise RuntimeError(f"{tmp}: {e['key']} was not written as recorded")
             where[e["key"]] = (data_start + begin, nbytes)
@@ -320,12 +325,12 @@ def check_entry(e: Any, checked: set[str] | None = None) -> None:
             ) from None
         if checked is not None:
             checked.add(e["file"])
-    if e["dtype"] not in DTYPES:
+    if e["dtype"] not in ITEMSIZE:
         raise CheckpointFormatError(where, f"{e['key']}: unknown dtype {e['dtype']!r}")
     numel = math.prod(e["shape"])
     if e["start"] < 0 or e["numel"] <= 0 or e["start"] + e["numel"] > numel:
         raise CheckpointFormatError(where, f"{e['key']}: range outside its param's shape")
-    if e["nbytes"] != e["numel"] * DTYPES[e["dtype"]].itemsize or e["chunk_bytes"] <= 0:
+    if e["nbytes"] != e["numel"] * ITEMSIZE[e["dtype"]] or e["chunk_bytes"] <= 0:
         raise CheckpointFormatError(where, f"{e['key']}: byte size does not match numel/dtype")
     if len(e["chunk_sha256"]) != max(1, -(-e["nbytes"] // e["chunk_bytes"])):
         raise CheckpointFormatError(where, f"{e['key']}: wrong number of chunk hashes")

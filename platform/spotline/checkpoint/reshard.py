@@ -13,6 +13,8 @@ hash when that range is the whole entry). Every byte handed back was checked; a 
 reads what it needs rounded out to chunk boundaries (4 MiB by default).
 
 Never here: engines or DeepSpeed (the caller applies what was read), writes of any kind.
+torch loads only when tensors are built: a process that only moves or describes a
+step's bytes (a state keeper, the uploader's receipts) imports this room without it.
 """
 
 from __future__ import annotations
@@ -24,12 +26,9 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from spotline.checkpoint.layout import (
-    DTYPES,
     FORMAT,
     FP32,
     INDEX,
@@ -38,8 +37,12 @@ from spotline.checkpoint.layout import (
     CheckpointFormatError,
     check_entry,
     load_json,
+    torch_dtype,
 )
 from spotline.storage import UnsafePathError, join_under
+
+if TYPE_CHECKING:
+    import torch
 
 Reader = Callable[[dict, int, int], bytes]
 """read(entry, byte_start, byte_len): bytes of an entry's tensor data."""
@@ -203,7 +206,7 @@ class Index:
         return (name, kind) in self.by
 
     def dtype(self, name: str, kind: str) -> torch.dtype:
-        return DTYPES[self.by[(name, kind)][0]["dtype"]]
+        return torch_dtype(self.by[(name, kind)][0]["dtype"])
 
     def cover(self, name: str, kind: str, lo: int, hi: int) -> list[tuple[dict, int, int]]:
         """Pieces (entry, first, last) of saved entries that cover elements [lo, hi): at
@@ -294,6 +297,8 @@ def _public(stats: dict[str, Any]) -> dict[str, Any]:
 
 def _assemble(idx, name, kind, lo, hi, parts, read, stats) -> torch.Tensor:
     """Elements [lo, hi) of (name, kind) from the verified bytes of `parts`."""
+    import torch
+
     buf = torch.empty(hi - lo, dtype=idx.dtype(name, kind))
     for entry, first, last in parts:
         raw = _read_verified(entry, first, last, read, stats)
@@ -347,6 +352,8 @@ class Plan:
     def pieces(self) -> dict[tuple[str, str], list[tuple[dict, int, int]]]:
         """Check the plan against the index (dtypes, coverage): by (param, kind), the
         saved pieces (entry, first, last) that cover what is needed. Reads nothing."""
+        import torch
+
         idx = self.idx
         pieces = {}
         for (name, kind), (lo, hi) in self.ranges.items():

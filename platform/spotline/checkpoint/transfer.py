@@ -101,7 +101,7 @@ class Uploader:
         self._saves = 0  # of them, checkpoint saves (not peer copies)
         self.peer: Callable[..., dict] | None = None
         """Called with each save's written files before they upload (peer memory keeps
-        a copy: `spotline.runtime.keeper.PeerSender`); what it returns is reported."""
+        a copy: `spotline.runtime.peers.PeerSender`); what it returns is reported."""
         self._peer_done: list[dict[str, Any]] = []
         self._thread = threading.Thread(
             target=self._loop, name=f"spotline-upload-{rank}", daemon=True

@@ -58,7 +58,7 @@ class ControllerActor:
         from spotline.runtime.cluster import RayClusterView
         from spotline.runtime.demand import RayDemand
         from spotline.runtime.group import RayWorkerGroup
-        from spotline.runtime.keeper import PeerMemory
+        from spotline.runtime.peers import PeerMemory
         from spotline.runtime.stacks import RayStacks
         from spotline.runtime.standby import Standby
 

@@ -230,7 +230,7 @@ def restored_what(manifest: Any, attempt: Any, stages: int, replicas: int) -> st
 
 
 class PeerRecovery:
-    """The job's state keepers (`spotline.runtime.keeper.PeerMemory`, or None when
+    """The job's state keepers (`spotline.runtime.peers.PeerMemory`, or None when
     recovery.peer_snapshots is off) and the book of their copies."""
 
     def __init__(self, spec: JobSpec, peers: Any, event: Callable[..., None]):

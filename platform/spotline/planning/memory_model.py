@@ -35,6 +35,7 @@ from spotline.config.schema import JobSpec
 from spotline.models import ModelDef, layer_param_counts, model_def
 from spotline.models.flops import model_width
 from spotline.planning.partition import stage_bounds
+from spotline.units import human_bytes
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 PIPE_BUFFERS = 2  # DeepSpeed's 1F1B keeps max(2, stages - stage) buffers: 2 on the last
@@ -174,14 +175,6 @@ def _bucket_bytes(spec: JobSpec, params: int) -> int:
         return 0
     overlap = (spec.deepspeed.get("zero_optimization") or {}).get("overlap_comm", False)
     return bucket * 4 * (2 if overlap else 1)  # double-buffered when overlapping comms
-
-
-def human_bytes(n: float) -> str:
-    """1.2 GB, 340.0 MB, 12.0 kB: decimal units, one decimal."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n:,.0f} B"
 
 
 def memory_problem(spec: JobSpec, capacity: int, source: str) -> str | None:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 from spotline.config.schema import JobSpec
 from spotline.models import layer_tensor_sizes, model_def
-from spotline.planning.memory_model import ADAM_BYTES, MASTER_BYTES, human_bytes, precision
+from spotline.planning.memory_model import ADAM_BYTES, MASTER_BYTES, precision
 from spotline.planning.partition import stage_bounds
+from spotline.units import human_bytes
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from spotline import constants
 from spotline.config.schema import JobSpec
 from spotline.planning.checkpoint_time import SAVE_FIXED_S, NoticeFit
-from spotline.planning.memory_model import human_bytes
 from spotline.planning.peer_memory import (
     NodePeerMemory,
     node_peer_memory,
     node_ranks,
     rank_copy_bytes,
 )
+from spotline.units import human_bytes
 
 CLOUD_NOTICES = (("AWS", 120.0), ("GCP", 30.0), ("Azure", 30.0))
 """The notice each cloud gives before it takes a spot instance back."""

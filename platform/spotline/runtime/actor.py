@@ -51,7 +51,7 @@ from spotline.preemption import make_source
 from spotline.registry import blames_user_code
 from spotline.runtime.cpu import pin_process
 from spotline.runtime.faults import Faults
-from spotline.runtime.keeper import PeerReader, PeerSender
+from spotline.runtime.peers import PeerReader, PeerSender
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
 from spotline.train.comms import Comms, comms_for

@@ -71,7 +71,7 @@ class RayWorkerGroup:
         self.spec = spec
         self.clock = clock
         self.peers = peers
-        """The job's state keepers (`spotline.runtime.keeper.PeerMemory`), or None."""
+        """The job's state keepers (`spotline.runtime.peers.PeerMemory`), or None."""
         self.restored_bytes = 0
         """Bytes the ranks read in the latest restore (from storage or peer memory)."""
         self.avoid = avoid if avoid is not None else set()
