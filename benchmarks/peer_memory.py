@@ -13,7 +13,8 @@ it runs the job with no preemption, alternating arms in one invocation:
   budget   `on` with recovery.peer_memory at 1.5 copies of the busiest node's share:
            one kept step (the first degrade level)
 
-and reads, every half second while each job trains:
+and reads, every half second while each job trains (from /proc; each keeper's own
+high-water mark of the bytes it held is asked every five seconds):
 
 - keeper_bytes_ratio: the most a node's keeper held (its own count of bytes, and its
   process's resident memory above where it started) over that node's share of the
@@ -48,6 +49,10 @@ from typing import Any
 SHAPES = {"pp1": (1, 4), "pp2": (2, 2)}
 """Shape -> (pipeline stages, replicas)."""
 NODES, SLOTS = 2, 2
+SAMPLE_S = 0.5
+"""How often the ranks' and keepers' resident memory is read (from /proc, no call)."""
+ASK_EVERY = 10
+"""Samples between two questions to a keeper (its high-water mark of bytes held)."""
 
 WORKLOAD: dict[str, Any] = {
     "model": {"n_layers": 4, "d_model": 256, "n_heads": 4, "seq_len": 64},
@@ -106,7 +111,9 @@ class Watch:
         from spotline.runtime.keeper import keeper_name
 
         keepers: dict[str, tuple[Any, int]] = {}
+        tick = 0
         while not self._stop.is_set():
+            tick += 1
             with contextlib.suppress(Exception):  # a job between states, a keeper gone
                 st = self.run.status()
                 if st["step"] >= 2:  # optimizer state exists
@@ -127,11 +134,14 @@ class Watch:
                             pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
                             keepers[node] = (handle, pid)
                 for node, (handle, pid) in keepers.items():
-                    held = ray.get(handle.nbytes.remote(), timeout=5)
-                    self.keeper_bytes[node] = max(self.keeper_bytes[node], held)
+                    # The keeper's own high-water mark, asked every ASK_EVERY samples:
+                    # a call into it at each sample would slow the `on` arm alone.
+                    if tick % ASK_EVERY == 0:
+                        held = ray.get(handle.peak_nbytes.remote(), timeout=5)
+                        self.keeper_bytes[node] = max(self.keeper_bytes[node], held)
                     with contextlib.suppress(psutil.Error):
                         self.keeper_rss[node].append(psutil.Process(pid).memory_info().rss)
-            self._stop.wait(0.5)
+            self._stop.wait(SAMPLE_S)
 
 
 def run_arm(shape: str, arm: str, steps: int, tmp: Path, budget: int | None = None) -> dict:

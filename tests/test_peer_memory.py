@@ -150,6 +150,8 @@ def test_a_keeper_holds_the_settled_step_and_the_one_arriving(tmp_path: Path):
     _keep(keeper, tmp_path, "g1", 0, 8)  # 6 never settled: the settled 4 stays beside it
     assert _steps(keeper) == [("g1", 0, 4), ("g1", 0, 8)]
     one = keeper.nbytes() // 2
+    # Never three at once: the unsettled 6 went before step 8 took its room.
+    assert keeper.peak_nbytes() == 2 * one
     # A new group's copies beside the old one's, until the new one settles a step.
     _keep(keeper, tmp_path, "g2", 1, 2)
     assert _steps(keeper)[-1] == ("g2", 1, 2)
@@ -158,6 +160,8 @@ def test_a_keeper_holds_the_settled_step_and_the_one_arriving(tmp_path: Path):
     with pytest.raises(KeyError):
         keeper.read("g1", 8, "a-g1/rank_00000/meta.json", 0, 1)
     assert keeper.retain(["g3"]) == 0 and keeper.holdings() == []
+    # A high-water mark (dropping keeps it): g1's two copies beside g2's first one.
+    assert keeper.peak_nbytes() == 3 * one
     local, written = _rank_files(tmp_path, 1, 8)
     copy, blobs = peer_copy("g2", 1, 2, 8, local, written)
     blobs.pop(next(iter(blobs)))

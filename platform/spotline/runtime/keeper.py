@@ -67,6 +67,7 @@ class StateKeeper:
         self._settled: dict[str, int] = {}  # attempt -> newest step complete everywhere
         self.budget = budget
         self.steps = steps
+        self._peak = 0  # the most held at once, the room of a copy arriving included
 
     def configure(self, steps: int, budget: int | None) -> int:
         """A new level (`steps` per rank) and budget; drops what no longer fits.
@@ -96,6 +97,7 @@ class StateKeeper:
                     f"{human_bytes(self.budget)} (recovery.peer_memory)"
                 )
             self._copies[(c.attempt, c.rank, c.step)] = _Held(c)  # its room, taken now
+            self._peak = max(self._peak, held + size)
         region = mmap.mmap(-1, size) if size else None
         spans, at = {}, 0
         for path, blob in blobs.items():
@@ -166,6 +168,12 @@ class StateKeeper:
     def nbytes(self) -> int:
         with self._lock:
             return self._nbytes()
+
+    def peak_nbytes(self) -> int:
+        """The most this keeper held at once so far: what its budget had to cover (read
+        rarely, it misses no moment between two reads)."""
+        with self._lock:
+            return self._peak
 
     def _nbytes(self) -> int:
         return sum(h.copy.nbytes for h in self._copies.values())
