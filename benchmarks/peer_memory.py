@@ -26,8 +26,8 @@ high-water mark of the bytes it held is asked every five seconds):
 - recovery_on_vs_off: committed steps per minute (job start to result) of `on` over
   `off`, each pair run back to back, the median of the pairs (goal >= 0.98). A short
   job runs first on each shape and is not counted: the first job on a new cluster
-  reaches its first step 2.5-5 s later than the ones after it (Ray's worker pool and
-  the page cache fill), whichever arm it is.
+  reached its first step 2-4.5 s later than the ones after it, whichever arm it was
+  (a one-time cost of the cluster's first job, not of either arm).
 
     python benchmarks/peer_memory.py [--steps N] [--pairs 3] [--warmup-steps 30]
         [--only pp1 pp2] [--json PATH]
