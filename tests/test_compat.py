@@ -119,6 +119,53 @@ def test_torch_seam() -> None:
 
 
 @pytest.mark.unit
+def test_a_build_lock_a_killed_build_left_is_removed_and_a_live_builds_is_kept(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """torch's JIT build of a DeepSpeed op holds `lock` in its build directory; a build
+    killed midway leaves it, and every later load of the op waits on it forever. A
+    starting rank removes a lock whose directory has been quiet for the threshold, and
+    leaves one beside a file that is still being written, or one just taken."""
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.file_baton import FileBaton
+
+    from spotline import constants
+    from spotline.compat import torch as seam
+    from spotline.train.process import clear_stale_build_locks
+
+    # The root is where torch itself builds, with and without TORCH_EXTENSIONS_DIR.
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert seam.extension_build_root() == Path(_get_build_directory("probe", False)).parent
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert seam.extension_build_root() == Path(_get_build_directory("probe", False)).parent
+
+    old = time.time() - constants.SPOTLINE_STALE_BUILD_LOCK_S - 60
+    locks = {}
+    for op in ("killed", "building", "just_taken"):
+        build = Path(_get_build_directory(op, False))
+        (build / "build.ninja").write_text("")
+        locks[op] = build / "lock"
+        assert FileBaton(str(locks[op])).try_acquire()  # the build's own lock
+        for f in build.iterdir():
+            os.utime(f, (old, old))
+    (locks["building"].parent / "shm.o").write_bytes(b"")  # being written now
+    os.utime(locks["just_taken"], None)
+    assert not FileBaton(str(locks["killed"])).try_acquire()  # what a load would wait on
+
+    caplog.set_level("WARNING", logger="spotline.worker")
+    assert clear_stale_build_locks(rank=3) == [str(locks["killed"])]
+    assert FileBaton(str(locks["killed"])).try_acquire()  # the next load builds
+    assert locks["building"].exists() and locks["just_taken"].exists()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"rank 3: removed {locks['killed']}, the build lock of DeepSpeed op")
+    assert clear_stale_build_locks(rank=3) == []  # said once
+
+
+@pytest.mark.unit
 def test_ray_seam_without_a_cluster(monkeypatch) -> None:
     from ray._private import ray_constants
     from ray.tune.schedulers import PopulationBasedTraining

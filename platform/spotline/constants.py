@@ -25,6 +25,12 @@ SPOTLINE_WORKER_START_TIMEOUT_S = _env_float("SPOTLINE_WORKER_START_TIMEOUT_S", 
 # How long a grow that pays waits, training on, for replicas started ahead to be ready
 # (`runtime/standby.py`); past it, the grow starts its own processes instead.
 SPOTLINE_STANDBY_WAIT_S = _env_float("SPOTLINE_STANDBY_WAIT_S", 120.0)
+# How long a JIT-compiled op's build lock (torch's extension cache, where DeepSpeed
+# builds its ops on a node's first use) and everything in its build directory must be
+# untouched before a starting rank takes the lock for one a killed build left, and
+# removes it: a live build writes its objects as it goes, and a left lock makes every
+# later start on the node wait on it forever.
+SPOTLINE_STALE_BUILD_LOCK_S = _env_float("SPOTLINE_STALE_BUILD_LOCK_S", 600.0)
 # How long taking the replicas started ahead waits for their ranks to answer (all at
 # once): one that does not answer in time is dropped, and the next group starts its own
 # processes in its place. A live idle rank answers in milliseconds, a dead one at once.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spotline.compat.torch import set_default_group_timeout
+from spotline import constants
+from spotline.compat.torch import set_default_group_timeout, stale_extension_locks
+
+log = logging.getLogger("spotline.worker")
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,7 @@ def init_distributed(
     process (its default): a survivor keeps its process to re-form in. A value the user
     set is kept."""
     deepspeed = import_deepspeed()
+    clear_stale_build_locks(topo.rank)
     os.environ.update(
         RANK=str(topo.rank),
         WORLD_SIZE=str(topo.world_size),
@@ -238,6 +243,32 @@ def init_distributed(
     # DeepSpeed adopts the process group that exists.
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     return backend
+
+
+def clear_stale_build_locks(rank: int) -> list[str]:
+    """Remove the build locks of DeepSpeed's JIT-compiled ops that a killed build left
+    on this node (`compat.torch.stale_extension_locks`), each with a warning; returns
+    their paths. Called before DeepSpeed loads an op (its process group loads one, its
+    optimizer another), so a rank that was killed while building one cannot leave every
+    later start on the node waiting forever. Ranks starting together on one node may
+    each find the same lock: the first removes it."""
+    removed = []
+    for lock, quiet_s in stale_extension_locks(constants.SPOTLINE_STALE_BUILD_LOCK_S):
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(str(lock))
+        log.warning(
+            "rank %d: removed %s, the build lock of DeepSpeed op %r, untouched for %.0f min: "
+            "a build killed before it finished left it, and every load of the op on this "
+            "node would have waited on it forever; the op is built again",
+            rank,
+            lock,
+            lock.parent.name,
+            quiet_s / 60,
+        )
+    return removed
 
 
 def leave_distributed() -> None:
