@@ -127,6 +127,13 @@ def test_an_entry_of_one_chunk_has_its_chunks_hash(tmp_path: Path) -> None:
         assert e["chunk_sha256"] == [e["sha256"]]
 
 
+def test_a_dtype_named_by_an_index_is_only_ever_a_checkpoint_dtype() -> None:
+    assert layout.torch_dtype("bfloat16") is torch.bfloat16
+    assert layout.ITEMSIZE["bfloat16"] == torch.bfloat16.itemsize
+    with pytest.raises(KeyError, match="not a checkpoint dtype"):
+        layout.torch_dtype("load")  # an attribute of torch, never a dtype of a checkpoint
+
+
 def test_reads_at_another_shape_are_verified_and_chunk_aligned(tmp_path: Path) -> None:
     _write(tmp_path, 4, chunk_bytes=32)  # written by 4 ranks, 32 elements each
     index, meta = reshard.read_index(tmp_path)

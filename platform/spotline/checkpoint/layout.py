@@ -140,8 +140,11 @@ def load_json(path: str | os.PathLike[str]) -> Any:
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a checkpoint dtype name (one of `ITEMSIZE`; KeyError else)."""
     import torch
 
+    if name not in ITEMSIZE:  # never another attribute of torch
+        raise KeyError(f"{name!r} is not a checkpoint dtype ({', '.join(ITEMSIZE)})")
     return getattr(torch, name)
 
 
