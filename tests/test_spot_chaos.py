@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -60,21 +61,33 @@ class SpotCluster:
     def node(self, node_id: str) -> Any:
         return next(n for n in self.spot if n.node_id == node_id)
 
-    def reset(self, n_spot: int = 2) -> None:
-        """Exactly `n_spot` healthy spot nodes: drop dead or draining ones, add fresh ones."""
+    def reset(self, n_spot: int = 2, tries: int = 3) -> None:
+        """Exactly `n_spot` healthy spot nodes: drop dead or draining ones, add fresh ones.
+
+        A node whose raylet dies while the cluster waits for it to register (the GCS
+        then never counts it) is dropped and replaced, up to `tries` times, each said on
+        stderr: the nodes a test starts on are set-up, not what it tests."""
         import ray
 
         gcs = ray._private.worker.global_worker.gcs_client
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        draining = set(gcs.get_draining_nodes())
-        for n in list(self.spot):
-            if n.node_id not in alive or n.node_id in draining:
-                self.remove(n)
-        while len(self.spot) > n_spot:
-            self.remove(self.spot[-1])
-        while len(self.spot) < n_spot:
-            self.spot.append(self.cluster.add_node(**SPOT_NODE))
-        self.cluster.wait_for_nodes()
+        for attempt in range(1, tries + 1):
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            draining = set(gcs.get_draining_nodes())
+            for n in list(self.spot):
+                if n.node_id not in alive or n.node_id in draining or n.dead_processes():
+                    self.remove(n)
+            while len(self.spot) > n_spot:
+                self.remove(self.spot[-1])
+            while len(self.spot) < n_spot:
+                self.spot.append(self.cluster.add_node(**SPOT_NODE))
+            try:
+                self.cluster.wait_for_nodes()
+                return
+            except TimeoutError:
+                if attempt == tries:
+                    raise
+                dead = [n.node_id for n in self.spot if n.dead_processes()]
+                print(f"spot node(s) {dead} died while registering; replacing", file=sys.stderr)
 
     def remove(self, node: Any) -> None:
         self.spot.remove(node)
