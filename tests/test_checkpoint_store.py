@@ -247,6 +247,61 @@ def test_commit_refuses_a_manifest_whose_files_are_not_uploaded(
     assert store.committed_steps() == []
 
 
+def test_commit_lists_only_the_folders_its_files_are_in(
+    store: CheckpointStore, tmp_path: Path, monkeypatch
+) -> None:
+    """The check before a commit lists the group's folder, not the step's receipts (one
+    a rank: a third of a large step's keys); a file missing there is still refused, and a
+    manifest with a file at the step's top lists the whole step."""
+    files = store.upload_dir(make_staging(tmp_path / "s", 4), 4, prefix="a-g0")
+    store.upload_dir(make_staging(tmp_path / "r", 4), 4, prefix="_receipts")
+    listed: list[str] = []
+    real = store.fs.find
+    monkeypatch.setattr(
+        store.fs, "find", lambda path, **kw: listed.append(path) or real(path, **kw)
+    )
+    step_path = store.step_path(4)
+    store.commit(Manifest(4, files, dict(TOPOLOGY), {"next_step": 4}, "h", time.time()))
+    assert listed == [f"{step_path}/a-g0"]
+
+    more = store.upload_dir(make_staging(tmp_path / "t", 5), 5, prefix="a-g1")
+    (tmp_path / "latest").write_text("5")
+    top = store.upload_file(tmp_path / "latest", 5, "latest")
+    (_root(store) / "step_00000005" / more[-1].path).unlink()
+    listed.clear()
+    with pytest.raises(CorruptCheckpointError, match="refusing to commit") as ei:
+        store.commit(Manifest(5, [*more, top], dict(TOPOLOGY), {"next_step": 5}, "h", time.time()))
+    assert ei.value.path == more[-1].path
+    assert listed == [store.step_path(5)]
+
+
+def test_the_newest_verified_manifest_is_not_read_again_until_it_changes(
+    store: CheckpointStore, tmp_path: Path, monkeypatch
+) -> None:
+    """A restore lists the steps (reading and verifying each new manifest), then loads the
+    newest: that one is not read again while it is the same object in storage; a rewrite
+    is read and verified afresh."""
+    save_step(store, 100, tmp_path)
+    manifest = save_step(store, 200, tmp_path)
+    reads: list[str] = []
+    real = store.fs.cat_file
+    monkeypatch.setattr(
+        store.fs, "cat_file", lambda p, *a, **k: reads.append(p) or real(p, *a, **k)
+    )
+    assert store.list_steps().committed == [100, 200]
+    assert len(reads) == 2
+    assert store.load_manifest(200).to_json() == manifest.to_json()
+    assert store.load_manifest(100).step == 100
+    assert len(reads) == 3  # step 100 is read; step 200 is the one kept
+
+    path = _root(store) / "step_00000200" / "manifest.json"
+    text = path.read_text().replace('"seed": 1234', '"seed": 43210')
+    path.unlink()
+    path.write_text(text)  # another object, of another size
+    assert store.load_manifest(200).data_position["seed"] == 43210
+    assert len(reads) == 4
+
+
 # --- verification and fallback ---------------------------------------------------------
 
 

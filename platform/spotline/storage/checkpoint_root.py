@@ -116,6 +116,10 @@ class StepStorage:
         self.verdicts: dict[int, tuple[Any, str | None]] = {}
         """What the catalog made of each step's manifest the last time it read it: step ->
         (what identified the manifest, what is wrong with it or None). Never pickled."""
+        self.newest_manifest: tuple[Any, Any] | None = None
+        """The newest manifest the catalog verified, parsed, with what identified it
+        then: one manifest, not one per step (thousands of ranks make each tens of MB in
+        memory). Never pickled."""
 
     # Pickling sends the arguments and rebuilds the client lazily on the other side;
     # the normalized URI goes, so a relative file:// path keeps meaning the same place.
