@@ -204,6 +204,58 @@ def test_the_first_differing_step_and_the_tolerance():
     assert first_difference({1: 3.0, 2: 2.5, 3: 2.1}, ref, upto=2).first is None
 
 
+def _drifting_run(replay_error=0.0, restore_error=0.0):
+    """A reference at 2 replicas, and a job whose groups ran at 2, 1, 1 and 2 replicas
+    (resumed from steps 60, 150 and 250); at 1 replica its losses drift from the
+    reference's, quadratically in the steps since, 1e-4 relative at step 160."""
+
+    def ref(s):
+        return 2.0 + 1.0 / s
+
+    def drifted(s):
+        return ref(s) * (1 + 1e-8 * (s - 60) ** 2)
+
+    def group(i, replicas, restored, steps, loss):
+        return {"attempt": f"g{i}", "replicas": replicas, "restored_from": restored,
+                "losses": [[s, loss(s)] for s in steps]}  # fmt: skip
+
+    attempts = [
+        group(0, 2, None, range(1, 81), ref),
+        group(1, 1, 60, range(61, 201), lambda s: drifted(s) * (1 + restore_error * (s < 70))),
+        group(2, 1, 150, range(151, 251), lambda s: drifted(s) * (1 + replay_error)),
+        group(3, 2, 250, range(251, 301), drifted),
+    ]
+    losses = {s: v for a in attempts for s, v in a["losses"]}
+    reference = {s: ref(s) for s in range(1, 301)}
+    return losses, reference, attempts, [group(0, 2, None, range(1, 301), ref)]
+
+
+def test_a_job_at_another_replica_count_is_compared_with_the_reference_then_with_its_replays():
+    losses, reference, attempts, ref_attempts = _drifting_run()
+    assert first_difference(losses, reference).first == 160  # compared step for step
+    d = first_difference(losses, reference, None, 1e-4, attempts, ref_attempts)
+    assert d.first is None and d.drift_from == 61
+    assert d.replayed == 50  # steps 151-200, trained by group 1 and again by group 2
+    assert d.compared == 110 + 50 and d.unchecked == [250]
+    (line,) = _judge(diff=d).reasons
+    assert "up to 50 steps after step 61" in line and "50 of later resumed groups'" in line
+    assert "not checked: the groups resumed from step(s) 250" in line
+    # The same run with no group at another replica count is compared step for step.
+    same = [{**a, "replicas": 2} for a in attempts]
+    assert first_difference(losses, reference, None, 1e-4, same, ref_attempts).first == 160
+
+
+def test_a_resume_that_differs_from_its_replay_or_the_reference_is_found():
+    losses, reference, attempts, ref_attempts = _drifting_run(replay_error=1e-3)
+    d = first_difference(losses, reference, None, 1e-4, attempts, ref_attempts)
+    assert d.first == 151 and "resumed from step 150" in d.against
+    line = _judge(diff=d, data_pure=(True, ""), first_restart_step=60).reasons[0]
+    assert line.startswith("resume differs from the group before it") and "Spotline's" in line
+    losses, reference, attempts, ref_attempts = _drifting_run(restore_error=1e-2)
+    d = first_difference(losses, reference, None, 1e-4, attempts, ref_attempts)
+    assert d.first == 61 and d.against == "the uninterrupted run"
+
+
 def _applied(kind, attempt, committed, hit=True):
     return Applied(at=10.0, t=100.0, kind=kind, node=1, node_id="n1", step=30,
                    committed=committed, attempt=attempt, hit=hit)  # fmt: skip

@@ -223,10 +223,12 @@ def assert_exact_resume(
 ) -> None:
     """Every step `result` trained (the loss of the group that trained it last) has the
     loss of the uninterrupted `reference`, within `tolerance` relative; `upto`: only
-    the steps up to it (default: every step both trained)."""
+    the steps up to it (default: every step both trained). Where `result` trained at
+    another replica count than `reference`, the comparison is `spotline chaos`'s (see
+    `spotline.chaos.verdict.first_difference`)."""
     got = {int(k): v for k, v in result.losses.items()}
     want = {int(k): v for k, v in reference.losses.items()}
-    diff = first_difference(got, want, upto, tolerance)
+    diff = first_difference(got, want, upto, tolerance, result.attempts, reference.attempts)
     assert diff.compared, f"{result.name}: no step in common with {reference.name}"
     if diff.first is not None:
         group = next(
@@ -235,7 +237,7 @@ def assert_exact_resume(
         )
         raise AssertionError(
             f"{result.name} is not an exact resume: step {diff.first} has loss {diff.got!r}, "
-            f"the uninterrupted run {diff.want!r} (group {group.get('attempt')!r}, resumed "
+            f"{diff.against} {diff.want!r} (group {group.get('attempt')!r}, resumed "
             f"from step {group.get('restored_from')} via {group.get('restored_via') or '-'})"
         )
 

@@ -335,7 +335,9 @@ class Rehearsal:
         attempts = res.get("attempts") or []
         losses = {int(k): v for k, v in (res.get("losses") or {}).items()}
         ref_losses = {int(k): v for k, v in (ref.result.get("losses") or {}).items()}
-        diff = first_difference(losses, ref_losses, committed, self.tolerance)
+        diff = first_difference(
+            losses, ref_losses, committed, self.tolerance, attempts, ref.result.get("attempts")
+        )
         first_restart = first_resume(attempts)
         data_pure = None
         if diff.first is not None:
@@ -370,6 +372,9 @@ class Rehearsal:
             "committed_steps": committed,
             "compared_steps": diff.compared,
             "identical_steps": diff.identical,
+            "replayed_steps": diff.replayed,
+            "drift_from_step": diff.drift_from,
+            "unchecked_resumes": diff.unchecked,
             "max_relative_difference": diff.max_rel,
             "tolerance": self.tolerance,
             "data_pure": None if data_pure is None else data_pure[0],
