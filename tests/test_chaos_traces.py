@@ -204,7 +204,7 @@ def test_the_first_differing_step_and_the_tolerance():
     assert first_difference({1: 3.0, 2: 2.5, 3: 2.1}, ref, upto=2).first is None
 
 
-def _drifting_run(replay_error=0.0, restore_error=0.0):
+def _drifting_run(replay_error=0.0, restore_error=0.0, last_error=0.0):
     """A reference at 2 replicas, and a job whose groups ran at 2, 1, 1 and 2 replicas
     (resumed from steps 60, 150 and 250); at 1 replica its losses drift from the
     reference's, quadratically in the steps since, 1e-4 relative at step 160."""
@@ -223,7 +223,7 @@ def _drifting_run(replay_error=0.0, restore_error=0.0):
         group(0, 2, None, range(1, 81), ref),
         group(1, 1, 60, range(61, 201), lambda s: drifted(s) * (1 + restore_error * (s < 70))),
         group(2, 1, 150, range(151, 251), lambda s: drifted(s) * (1 + replay_error)),
-        group(3, 2, 250, range(251, 301), drifted),
+        group(3, 2, 250, range(251, 301), lambda s: drifted(s) * (1 + last_error * (s > 252))),
     ]
     losses = {s: v for a in attempts for s, v in a["losses"]}
     reference = {s: ref(s) for s in range(1, 301)}
@@ -236,10 +236,17 @@ def test_a_job_at_another_replica_count_is_compared_with_the_reference_then_with
     d = first_difference(losses, reference, None, 1e-4, attempts, ref_attempts)
     assert d.first is None and d.drift_from == 61
     assert d.replayed == 50  # steps 151-200, trained by group 1 and again by group 2
-    assert d.compared == 110 + 50 and d.unchecked == [250]
+    # Steps 251-255, which no group trained before, within 10 times the drift at 246-250.
+    assert d.bounded == 5 and d.unchecked == []
+    assert d.compared == 110 + 50 + 5
     (line,) = _judge(diff=d).reasons
     assert "up to 50 steps after step 61" in line and "50 of later resumed groups'" in line
-    assert "not checked: the groups resumed from step(s) 250" in line
+    assert "5 with the uninterrupted run within 10 times the drift" in line
+    # Without the reference's steps before the resume at 250, it cannot be checked.
+    gap = {s: v for s, v in reference.items() if not 245 < s <= 250}
+    d = first_difference(losses, gap, None, 1e-4, attempts, ref_attempts)
+    assert d.first is None and d.unchecked == [250]
+    assert "not checked: the groups resumed from step(s) 250" in _judge(diff=d).reasons[0]
     # The same run with no group at another replica count is compared step for step.
     same = [{**a, "replicas": 2} for a in attempts]
     assert first_difference(losses, reference, None, 1e-4, same, ref_attempts).first == 160
@@ -254,6 +261,10 @@ def test_a_resume_that_differs_from_its_replay_or_the_reference_is_found():
     losses, reference, attempts, ref_attempts = _drifting_run(restore_error=1e-2)
     d = first_difference(losses, reference, None, 1e-4, attempts, ref_attempts)
     assert d.first == 61 and d.against == "the uninterrupted run"
+    # A resume that no group trained past, off by 1% where the drift was 4e-4.
+    losses, reference, attempts, ref_attempts = _drifting_run(last_error=1e-2)
+    d = first_difference(losses, reference, None, 1e-4, attempts, ref_attempts)
+    assert d.first == 253 and d.against == "the uninterrupted run"
 
 
 def _applied(kind, attempt, committed, hit=True):

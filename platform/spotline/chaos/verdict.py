@@ -21,6 +21,11 @@ compared with that run, from the first such step. Summed in another order, the l
 differ in their last bits at first and further with every step (seen: beyond 1e-4
 relative after 300 steps at 1 replica against 2); past the window each resumed group's
 first steps are compared with those an earlier group trained, instead."""
+RESUME_STEPS = 5
+"""A resumed group's first steps that no earlier group trained, past the window: compared
+with the uninterrupted run, allowing DRIFT_ALLOWANCE times the largest difference of the
+RESUME_STEPS steps before the resume (the drift it resumed into)."""
+DRIFT_ALLOWANCE = 10.0
 ENDS = {"notice": "preemption notice", "loss": "node lost", "gone": "node lost"}
 
 
@@ -116,6 +121,9 @@ class Difference:
     (None: it never did, and every step was compared with that run)."""
     replayed: int = 0
     """Steps compared with the loss an earlier group trained for the same step."""
+    bounded: int = 0
+    """Resumed groups' first steps compared with the uninterrupted run within the drift
+    they resumed into (see RESUME_STEPS)."""
     unchecked: list[int] = field(default_factory=list)
     """Steps resumed from whose group's first steps nothing could be compared with."""
 
@@ -137,7 +145,8 @@ def first_difference(
     reference is compared with it for `window` steps from the first such step only (see
     DRIFT_WINDOW_STEPS); after that, each group that resumed is compared over its first
     `window` steps with the losses an earlier group trained for the same steps, from the
-    same committed state."""
+    same committed state, or, where none did, over its first RESUME_STEPS steps with the
+    reference, within the drift it resumed into."""
     drift = _drift_from(attempts or [], ref_attempts or [])
     horizon = None if drift is None else drift + window - 1
     last = horizon if upto is None else upto if horizon is None else min(upto, horizon)
@@ -159,7 +168,22 @@ def first_difference(
             earlier.update({int(s): v for s, v in b.get("losses") or []})
         theirs = {s: earlier[s] for s in steps if s > horizon and s in earlier}
         if not theirs and not any(s <= horizon for s in steps):
-            d.unchecked.append(start)
+            before = {s: v for s, v in losses.items() if start - RESUME_STEPS < s <= start}
+            drift_before = _compare(before, reference, None, math.inf)
+            if not drift_before.compared:
+                d.unchecked.append(start)
+                continue
+            allowed = max(tolerance, DRIFT_ALLOWANCE * drift_before.max_rel)
+            first = {s: v for s, v in steps.items() if s <= start + RESUME_STEPS}
+            r = _compare(first, reference, None, allowed)
+            d.compared, d.identical, d.bounded = (
+                d.compared + r.compared,
+                d.identical + r.identical,
+                d.bounded + r.compared,
+            )
+            if r.first is not None:
+                d.first, d.got, d.want = r.first, r.got, r.want
+                return d
             continue
         r = _compare(steps, theirs, None, tolerance)
         d.compared, d.identical, d.replayed = (
@@ -430,12 +454,18 @@ def judge(
         else:
             passes.append(
                 f"exact resume: {diff.compared} steps compared, {equal}: "
-                f"{diff.compared - diff.replayed} with the uninterrupted run up to "
+                f"{diff.compared - diff.replayed - diff.bounded} with the uninterrupted run up to "
                 f"{DRIFT_WINDOW_STEPS} steps after step {diff.drift_from}, where the job "
                 "first trained at another replica count than that run (summed in another "
                 "order, losses drift apart step by step), and "
                 f"{diff.replayed} of later resumed groups' first steps with an earlier "
                 "group's loss for the same step"
+                + (
+                    f", {diff.bounded} with the uninterrupted run within "
+                    f"{DRIFT_ALLOWANCE:g} times the drift before their resume"
+                    if diff.bounded
+                    else ""
+                )
                 + (
                     "; not checked: the groups resumed from step(s) "
                     + ", ".join(str(u) for u in diff.unchecked)
