@@ -176,28 +176,18 @@ def first_difference(
             allowed = max(tolerance, DRIFT_ALLOWANCE * drift_before.max_rel)
             first = {s: v for s, v in steps.items() if s <= start + RESUME_STEPS}
             r = _compare(first, reference, None, allowed)
-            d.compared, d.identical, d.bounded = (
-                d.compared + r.compared,
-                d.identical + r.identical,
-                d.bounded + r.compared,
-            )
-            if r.first is not None:
-                d.first, d.got, d.want = r.first, r.got, r.want
-                return d
-            continue
-        r = _compare(steps, theirs, None, tolerance)
-        d.compared, d.identical, d.replayed = (
-            d.compared + r.compared,
-            d.identical + r.identical,
-            d.replayed + r.compared,
-        )
-        d.max_rel = max(d.max_rel, r.max_rel)
-        if r.first is not None:
-            d.first, d.got, d.want = r.first, r.got, r.want
-            d.against = (
+            d.bounded += r.compared
+        else:
+            r = _compare(steps, theirs, None, tolerance)
+            d.replayed += r.compared
+            r.against = (
                 f"the group before it (the group resumed from step {start} trained it "
                 "again from the same committed step)"
             )
+        d.compared, d.identical = d.compared + r.compared, d.identical + r.identical
+        d.max_rel = max(d.max_rel, r.max_rel)
+        if r.first is not None:
+            d.first, d.got, d.want, d.against = r.first, r.got, r.want, r.against
             return d
     return d
 
