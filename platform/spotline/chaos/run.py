@@ -373,6 +373,7 @@ class Rehearsal:
             "compared_steps": diff.compared,
             "identical_steps": diff.identical,
             "replayed_steps": diff.replayed,
+            "bounded_steps": diff.bounded,
             "drift_from_step": diff.drift_from,
             "unchecked_resumes": diff.unchecked,
             "max_relative_difference": diff.max_rel,
