@@ -155,41 +155,64 @@ def first_difference(
     if drift is None or d.first is not None:
         return d
     assert horizon is not None
+    earlier: dict[int, float] = {}  # the losses of the groups before, the latest per step
     for i, a in enumerate(attempts or []):
-        mine = sorted(a.get("losses") or [])
-        if i == 0 or not mine:
-            continue
+        mine = {int(s): v for s, v in a.get("losses") or []}
         start = a.get("restored_from") or 0
-        steps = {s: v for s, v in mine if start < s <= start + window}
-        if upto is not None:
-            steps = {s: v for s, v in steps.items() if s <= upto}
-        earlier: dict[int, float] = {}
-        for b in (attempts or [])[:i]:
-            earlier.update({int(s): v for s, v in b.get("losses") or []})
-        theirs = {s: earlier[s] for s in steps if s > horizon and s in earlier}
-        if not theirs and not any(s <= horizon for s in steps):
-            before = {s: v for s, v in losses.items() if start - RESUME_STEPS < s <= start}
-            drift_before = _compare(before, reference, None, math.inf)
-            if not drift_before.compared:
-                d.unchecked.append(start)
-                continue
-            allowed = max(tolerance, DRIFT_ALLOWANCE * drift_before.max_rel)
-            first = {s: v for s, v in steps.items() if s <= start + RESUME_STEPS}
-            r = _compare(first, reference, None, allowed)
-            d.bounded += r.compared
-        else:
-            r = _compare(steps, theirs, None, tolerance)
-            d.replayed += r.compared
-            r.against = (
-                f"the group before it (the group resumed from step {start} trained it "
-                "again from the same committed step)"
+        if i and mine:
+            r = _resume_check(
+                mine, start, earlier, losses, reference, horizon, upto, tolerance, window
             )
-        d.compared, d.identical = d.compared + r.compared, d.identical + r.identical
-        d.max_rel = max(d.max_rel, r.max_rel)
-        if r.first is not None:
-            d.first, d.got, d.want, d.against = r.first, r.got, r.want, r.against
-            return d
+            if r is None:
+                d.unchecked.append(start)
+            else:
+                d.compared, d.identical = d.compared + r.compared, d.identical + r.identical
+                d.max_rel = max(d.max_rel, r.max_rel)
+                d.replayed += r.replayed
+                d.bounded += r.bounded
+                if r.first is not None:
+                    d.first, d.got, d.want, d.against = r.first, r.got, r.want, r.against
+                    return d
+        earlier.update(mine)
     return d
+
+
+def _resume_check(
+    mine: dict[int, float],
+    start: int,
+    earlier: dict[int, float],
+    losses: dict[int, float],
+    reference: dict[int, float],
+    horizon: int,
+    upto: int | None,
+    tolerance: float,
+    window: int,
+) -> Difference | None:
+    """A group resumed from `start`, past the drift window: its first `window` steps
+    against the same steps of the groups before it, or, where they trained none, its
+    first RESUME_STEPS steps against the reference within the drift before the resume
+    (None: nothing to compare them with)."""
+    steps = {
+        s: v for s, v in mine.items() if start < s <= start + window and (upto is None or s <= upto)
+    }
+    theirs = {s: earlier[s] for s in steps if s > horizon and s in earlier}
+    if theirs or any(s <= horizon for s in steps):
+        r = _compare(steps, theirs, None, tolerance)
+        r.replayed = r.compared
+        r.against = (
+            f"the group before it (the group resumed from step {start} trained it "
+            "again from the same committed step)"
+        )
+        return r
+    before = {s: v for s, v in losses.items() if start - RESUME_STEPS < s <= start}
+    drift_before = _compare(before, reference, None, math.inf)
+    if not drift_before.compared:
+        return None
+    allowed = max(tolerance, DRIFT_ALLOWANCE * drift_before.max_rel)
+    first = {s: v for s, v in steps.items() if s <= start + RESUME_STEPS}
+    r = _compare(first, reference, None, allowed)
+    r.bounded = r.compared
+    return r
 
 
 def _compare(
