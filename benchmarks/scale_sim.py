@@ -39,6 +39,7 @@ from spotline.checkpoint.layout import (
 from spotline.checkpoint.manifest import FileEntry, Receipt
 from spotline.checkpoint.peer import PeerCopy, rank_prefix
 from spotline.checkpoint.transfer import UploadResult, job_identity
+from spotline.checkpoint.uploads import NODE_FORMAT, NODE_PREFIX
 from spotline.config import load_spec
 from spotline.runtime.cluster import CordonList
 from spotline.runtime.demand import RayDemand, demand_bundles
@@ -258,13 +259,16 @@ def placeholder(rank: int, name: str, meta: dict) -> bytes:
 
 
 def write_step(spec, store, stages, replicas: int, step: int, attempt: str, *,
-               write: bool = True, receipts: bool = True) -> list[UploadResult]:  # fmt: skip
+               write: bool = True, receipts: bool = True,
+               bundle: bool = True) -> list[UploadResult]:  # fmt: skip
     """Every rank's files and signed receipt of `step` under `attempt` in `store` (its
-    state and meta files hold a placeholder: sizes in the index are the real ones); the
-    `UploadResult`s the ranks would report."""
+    state and meta files hold a placeholder: sizes in the index are the real ones), and
+    each node's receipts as one object, as its leader writes them; the `UploadResult`s
+    the ranks would report."""
     world = PP * replicas
     identity = job_identity(spec)
     key = store.signing_key()
+    bodies: dict[int, bytes] = {}
 
     def rank(r: int) -> UploadResult:
         prefix = rank_prefix(attempt, r)
@@ -280,12 +284,21 @@ def write_step(spec, store, stages, replicas: int, step: int, attempt: str, *,
         receipt = Receipt(**identity, step=step, attempt=attempt, rank=r, world_size=world,
                           files=files, index=index, meta=meta)  # fmt: skip
         if write and receipts:
-            path = f"{store.step_path(step)}/_receipts/{attempt}/rank_{r:05d}.json"
-            put(store, path, receipt.to_json(key).encode())
+            bodies[r] = receipt.to_json(key).encode()
+            put(store, f"{store.step_path(step)}/_receipts/{attempt}/rank_{r:05d}.json", bodies[r])
         return UploadResult(step, r, attempt, world, files, index, 1.0, meta=meta)
 
+    def node(first: int) -> None:
+        ours = [bodies[r] for r in range(first, min(first + RANKS_PER_NODE, world))]
+        doc = {"format": NODE_FORMAT, "receipts": [b.decode() for b in ours]}
+        path = f"{store.step_path(step)}/_receipts/{attempt}/{NODE_PREFIX}{first:05d}.json"
+        put(store, path, json.dumps(doc).encode())
+
     with ThreadPoolExecutor(WRITE_THREADS) as pool:
-        return list(pool.map(rank, range(world)))
+        results = list(pool.map(rank, range(world)))
+        if write and receipts and bundle:
+            list(pool.map(node, range(0, world, RANKS_PER_NODE)))
+    return results
 
 
 def put(store, path: str, data: bytes) -> None:

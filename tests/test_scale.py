@@ -67,19 +67,36 @@ def _store(spec, uri: str) -> CheckpointStore:
     return CheckpointStore(uri, signing_key_env=spec.checkpoint.signing_key_env)
 
 
-def test_a_commit_from_storage_reads_the_receipts_at_once_through_a_bounded_pool(tmp_path, job):
+@pytest.mark.parametrize(
+    ("bundled", "reads"),
+    [
+        ("every node", {"node": 8}),
+        ("no node", {"rank": 64}),
+        ("one node missing", {"node": 7, "rank": 8}),
+    ],
+)
+def test_a_commit_from_storage_reads_a_receipt_a_node_at_once_through_a_bounded_pool(
+    tmp_path, job, bundled, reads
+):
     spec, stages = job
     uri = f"file://{tmp_path}/ckpt"
     spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
     store = _store(spec, uri)
-    scale_sim.write_step(spec, store, stages, 8, 40, "g0")
+    scale_sim.write_step(spec, store, stages, 8, 40, "g0", bundle=bundled != "no node")
+    if bundled == "one node missing":  # its leader gave up waiting, or died
+        (tmp_path / "ckpt/step_00000040/_receipts/g0/node_00008.json").unlink()
     coordinator = CommitCoordinator(spec, _store(spec, uri), lambda *a, **k: None)
     slow = _slow(coordinator.store)
     done = coordinator.commit_from_storage()
     assert [d.step for d in done] == [40] and len(done[0].manifest.files) == 2 * 64
-    # Every receipt read once, many at a time, never more than the pool holds.
+    # Every receipt read once, many at a time, never more than the pool holds; a node's
+    # receipts in one read, a rank's own only where no node's holds it.
     receipts = [p for p in slow.paths if "/_receipts/" in p]
-    assert len(receipts) == len(set(receipts)) == 64
+    assert len(receipts) == len(set(receipts))
+    kinds = {k: sum(f"/{k}_" in p for p in receipts) for k in ("node", "rank")}
+    assert {k: n for k, n in kinds.items() if n} == reads
+    if bundled == "one node missing":
+        assert sorted(int(p[-10:-5]) for p in receipts if "/rank_" in p) == list(range(8, 16))
     assert 1 < slow.most <= READ_THREADS
 
 

@@ -170,16 +170,11 @@ class CommitCoordinator:
                 if step <= latest:
                     continue
                 scan = self.store.read_receipts(step)
-                refused: dict[str, list[str]] = {}  # one line per reason, not per rank
-                for rel, why in scan.refused:
-                    refused.setdefault(why, []).append(rel)
-                for why, rels in refused.items():
-                    more = f" and {len(rels) - 1} more" if len(rels) > 1 else ""
-                    self._refuse(
-                        step,
-                        f"receipt {rels[0]}{more} refused: {why}",
-                        f"if no run of this job wrote it, check who can write to {self.store.uri}",
-                    )
+                who = f"if no run of this job wrote it, check who can write to {self.store.uri}"
+                for why in scan.refusals():
+                    self._refuse(step, why, who)
+                if scan.bypassed:  # each of their ranks' own receipts stands in
+                    self._event(f"step {step}: {scan.bypassed_line()}; {who}", logging.WARNING)
                 for attempt, receipts in sorted(scan.receipts.items()):
                     theirs = next(
                         (

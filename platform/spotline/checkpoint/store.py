@@ -114,10 +114,14 @@ class CheckpointStore(StepStorage):
         files are in storage (CorruptCheckpointError otherwise)."""
         catalog.commit(self, manifest)
 
-    def write_receipt(self, receipt: Receipt) -> None:
+    def write_receipt(self, receipt: Receipt) -> bytes:
         """Record that a rank finished uploading its files of a step (signed when
-        checkpoint.signing_key_env is set)."""
-        uploads.write_receipt(self, receipt)
+        checkpoint.signing_key_env is set); the bytes written."""
+        return uploads.write_receipt(self, receipt)
+
+    def write_node_receipts(self, step: int, attempt: str, leader: int, bodies: list[bytes]):
+        """Write a node's receipts of a step, each as its rank wrote it, as one object."""
+        uploads.write_node_receipts(self, step, attempt, leader, bodies)
 
     def write_artifact(self, relpath: str, data: bytes) -> str:
         """Write a job artifact (trace, backfill output, ledger) beside the steps; its URI.

@@ -12,6 +12,7 @@ peer-memory offer's).
 
 from __future__ import annotations
 
+import logging
 import queue
 import shutil
 import threading
@@ -23,11 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from spotline.checkpoint.layout import CheckpointFormatError, RankFiles
 from spotline.checkpoint.manifest import FileEntry, Manifest, Receipt
+from spotline.checkpoint.node_receipts import NodeReceipts
 from spotline.checkpoint.reshard import combine_meta, shared_meta
 from spotline.checkpoint.store import CheckpointStore
 
 if TYPE_CHECKING:
     from spotline.config.schema import JobSpec
+
+log = logging.getLogger("spotline.worker")
 
 
 def attempt_dir(attempt: str) -> str:
@@ -85,8 +89,12 @@ class Uploader:
         world_size: int,
         attempt: str,
         max_bytes_per_s: float | None = None,
+        node: NodeReceipts | None = None,
     ):
         self.store = store
+        self.node = node
+        """Where this rank's receipts meet its node's (`checkpoint.node_receipts`)."""
+        self._node_said = False
         self.identity = job_identity(spec)
         self.rank = rank
         self.world_size = world_size
@@ -228,6 +236,7 @@ class Uploader:
                 continue
             t0 = time.perf_counter()
             prefix = f"{attempt_dir(self.attempt)}/rank_{self.rank:05d}"
+            dropped = False
             try:
                 shutil.rmtree(job.local, ignore_errors=True)
                 job.local.mkdir(parents=True, exist_ok=True)
@@ -245,7 +254,7 @@ class Uploader:
                 for entry in index:
                     entry["file"] = f"{prefix}/{entry['file']}"
                 meta = shared_meta(written.meta)
-                self.store.write_receipt(
+                receipt = self.store.write_receipt(
                     Receipt(
                         **self.identity,
                         step=job.step,
@@ -259,6 +268,9 @@ class Uploader:
                         meta=meta,
                     )
                 )
+                # Left for the node's leader before the controller can know the step is
+                # uploaded (and end the group): a copy on the local disk, never raises.
+                dropped = self.node is not None and self.node.drop(job.step, receipt)
                 result = UploadResult(
                     job.step,
                     self.rank,
@@ -291,6 +303,32 @@ class Uploader:
                 self._saves -= 1
                 if self._pending == 0:
                     self._idle.set()
+            if result.error is None and dropped:
+                self._gather(job.step, result.seconds)
+
+    def _gather(self, step: int, took_s: float) -> None:
+        """As the node's leader, write the node's receipts of `step` as one object
+        (`checkpoint.node_receipts`). After the result is reported, so nothing waits for
+        it; it gives way to the next save."""
+        node = self.node
+        assert node is not None
+        if not node.leads():
+            return
+        bodies = node.gather(step, 2 * took_s, stop=lambda: not self._todo.empty())
+        if len(bodies) < 2:
+            return
+        try:
+            self.store.write_node_receipts(step, self.attempt, self.rank, bodies)
+        except Exception as e:  # noqa: BLE001 - a shortcut: each rank's own receipt stands
+            if not self._node_said:
+                self._node_said = True
+                log.warning(
+                    "rank %d could not write its node's upload receipts of step %d as one "
+                    "object (%s); a commit from storage reads each rank's receipt instead",
+                    self.rank,
+                    step,
+                    e,
+                )
 
 
 def build_manifest(

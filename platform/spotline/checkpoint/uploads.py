@@ -10,6 +10,7 @@ raises past a file's upload with another file of it still being written.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import posixpath
 import time
@@ -23,6 +24,9 @@ from spotline.checkpoint.manifest import FileEntry, ManifestError, Receipt, chec
 from spotline.storage.backends import READ_THREADS, TRANSFER_THREADS
 from spotline.storage.checkpoint_root import RECEIPTS_DIR, StepStorage
 from spotline.storage.fs import hash_file
+
+NODE_PREFIX = "node_"
+NODE_FORMAT = "spotline-node-receipts/1"
 
 
 class RatePacer:
@@ -140,11 +144,32 @@ class ReceiptScan:
     """(path under the step, why) of each one that can never complete a commit."""
     attempts: set[str] = dataclasses.field(default_factory=set)
     """Every attempt with a receipt there, refused ones included."""
+    bypassed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(path under the step, why) of each node's object, or receipt in one, that was not
+    used: the ranks' own receipts were read in its place."""
+
+    def refusals(self) -> list[str]:
+        """One line per reason a receipt was refused, not one per rank."""
+        by_why: dict[str, list[str]] = {}
+        for rel, why in self.refused:
+            by_why.setdefault(why, []).append(rel)
+        return [f"receipt {_some(rels)} refused: {why}" for why, rels in by_why.items()]
+
+    def bypassed_line(self) -> str:
+        rel, why = self.bypassed[0]
+        return (
+            f"the node's upload receipts {_some([r for r, _ in self.bypassed])} not used "
+            f"({rel}: {why}); each of their ranks' own receipts was read instead"
+        )
 
 
-def write_receipt(storage: StepStorage, receipt: Receipt) -> None:
+def _some(rels: list[str]) -> str:
+    return rels[0] + (f" and {len(rels) - 1} more" if len(rels) > 1 else "")
+
+
+def write_receipt(storage: StepStorage, receipt: Receipt) -> bytes:
     """Record that a rank of group `receipt.attempt` finished uploading its files of
-    `receipt.step` (signed when checkpoint.signing_key_env is set).
+    `receipt.step` (signed when checkpoint.signing_key_env is set); the bytes written.
 
     Receipts let a restarted controller commit a step whose uploads all finished
     but whose completion reports were lost with the workers that sent them. They
@@ -152,17 +177,34 @@ def write_receipt(storage: StepStorage, receipt: Receipt) -> None:
     """
     step, rank = receipt.step, receipt.rank
     body = receipt.to_json(storage.signing_key()).encode()
-    path = f"{storage.step_path(step)}/{RECEIPTS_DIR}/{receipt.attempt}/rank_{rank:05d}.json"
+    path = f"{_receipts_of(storage, step, receipt.attempt)}/rank_{rank:05d}.json"
     with storage.io(f"writing the upload receipt of rank {rank}, step {step}"):
         storage.retrying(lambda: storage.write_atomic(path, body))
+    return body
+
+
+def write_node_receipts(
+    storage: StepStorage, step: int, attempt: str, leader: int, bodies: list[bytes]
+) -> None:
+    """Write the receipts of a node's ranks (`bodies`, each as its rank wrote it) as one
+    object beside theirs (`spotline.checkpoint.node_receipts`)."""
+    doc = {"format": NODE_FORMAT, "receipts": [b.decode() for b in bodies]}
+    path = f"{_receipts_of(storage, step, attempt)}/{NODE_PREFIX}{leader:05d}.json"
+    with storage.io(f"writing the upload receipts of rank {leader}'s node, step {step}"):
+        storage.retrying(lambda: storage.write_atomic(path, json.dumps(doc).encode()))
+
+
+def _receipts_of(storage: StepStorage, step: int, attempt: str) -> str:
+    return f"{storage.step_path(step)}/{RECEIPTS_DIR}/{attempt}"
 
 
 def read_receipts(storage: StepStorage, step: int) -> ReceiptScan:
     """Upload receipts of a step, by the attempt (group) that wrote them. A receipt
     that does not parse, is not signed with the key (when one is set) or names
-    another step is refused: it can never complete a commit. One listing, then every
-    receipt read at once through a bounded pool (READ_THREADS): a step of thousands of
-    ranks costs a few round trips' time, not one per rank."""
+    another step is refused: it can never complete a commit. One listing, then the
+    nodes' receipts and the receipts of ranks no node's holds, each set read at once
+    through a bounded pool (READ_THREADS): a step of thousands of ranks costs a few
+    round trips' time and one read a node, not one a rank."""
     step_path = storage.step_path(step)
     base = f"{step_path}/{RECEIPTS_DIR}"
     key = storage.signing_key()
@@ -172,28 +214,76 @@ def read_receipts(storage: StepStorage, step: int) -> ReceiptScan:
             found = sorted(storage.fs.find(base))
         except FileNotFoundError:
             return scan
-        named = []
+        nodes, ranks = [], []
         for name in found:
             rel = posixpath.relpath(str(name), step_path)
             parts = rel.split("/")
             if len(parts) < 3 or not rel.endswith(".json"):
                 continue
             scan.attempts.add(parts[1])
-            named.append((str(name), rel, parts[1]))
-        bodies = read_many(storage, [name for name, _, _ in named])
-    for (_, rel, attempt), raw in zip(named, bodies, strict=True):
-        if raw is None:  # gone since it was listed
-            continue
-        try:
-            receipt = Receipt.from_json(raw, key)
-        except ManifestError as e:
-            scan.refused.append((rel, str(e)))
-            continue
-        if receipt.step != step or receipt.attempt != attempt:
-            scan.refused.append((rel, f"it is for step {receipt.step}, group {receipt.attempt!r}"))
-            continue
-        scan.receipts.setdefault(receipt.attempt, []).append(receipt)
+            own = parts[-1].startswith(NODE_PREFIX)
+            (nodes if own else ranks).append((str(name), rel, parts[1]))
+        covered: set[tuple[str, int]] = set()
+        held = read_many(storage, [name for name, _, _ in nodes])
+        for (_, rel, attempt), raw in zip(nodes, held, strict=True):
+            for i, body in enumerate(_node_bodies(raw, rel, scan)):
+                receipt = _check(scan.bypassed, f"{rel}#{i}", attempt, step, body, key)
+                if receipt is not None and (attempt, receipt.rank) not in covered:
+                    covered.add((attempt, receipt.rank))
+                    scan.receipts.setdefault(attempt, []).append(receipt)
+        ranks = [r for r in ranks if (r[2], _rank_of(r[1])) not in covered]
+        bodies = read_many(storage, [name for name, _, _ in ranks])
+    for (_, rel, attempt), raw in zip(ranks, bodies, strict=True):
+        if raw is not None:  # else gone since it was listed
+            receipt = _check(scan.refused, rel, attempt, step, raw, key)
+            if receipt is not None:
+                scan.receipts.setdefault(attempt, []).append(receipt)
     return scan
+
+
+def _check(
+    refused: list[tuple[str, str]],
+    rel: str,
+    attempt: str,
+    step: int,
+    raw: bytes | str,
+    key: bytes | None,
+) -> Receipt | None:
+    """The receipt in `raw`, or None with (rel, why) added to `refused`."""
+    try:
+        receipt = Receipt.from_json(raw, key)
+    except ManifestError as e:
+        refused.append((rel, str(e)))
+        return None
+    if receipt.step != step or receipt.attempt != attempt:
+        refused.append((rel, f"it is for step {receipt.step}, group {receipt.attempt!r}"))
+        return None
+    return receipt
+
+
+def _node_bodies(raw: bytes | None, rel: str, scan: ReceiptScan) -> list[str]:
+    """The receipts a node's object holds; none (and why, in the scan) when it is not
+    one."""
+    if raw is None:
+        return []
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    held = doc.get("receipts") if isinstance(doc, dict) else None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != NODE_FORMAT
+        or not (isinstance(held, list) and all(isinstance(b, str) for b in held))
+    ):
+        scan.bypassed.append((rel, f"it is not a {NODE_FORMAT} document"))
+        return []
+    return held
+
+
+def _rank_of(rel: str) -> int | None:
+    name = posixpath.basename(rel).removesuffix(".json")
+    return int(name[5:]) if name.startswith("rank_") and name[5:].isdigit() else None
 
 
 def receipt_attempts(storage: StepStorage, step: int) -> set[str]:

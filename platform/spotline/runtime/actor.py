@@ -39,6 +39,7 @@ from spotline.bubbles.channel import WindowChannel
 from spotline.bubbles.recorder import METERED, bubble_report
 from spotline.checkpoint import CorruptCheckpointError, Manifest, StorageError
 from spotline.checkpoint.layout import CheckpointFormatError
+from spotline.checkpoint.node_receipts import NodeReceipts
 from spotline.checkpoint.staging import check_local_dir
 from spotline.checkpoint.transfer import Uploader
 from spotline.config.loader import SpecError
@@ -123,6 +124,8 @@ class TrainWorker:
         root = Path(self.spec.checkpoint.staging_dir) / self.spec.name
         self.staging = root / attempt / f"rank_{topo.rank:05d}"
         cap = self.spec.checkpoint.upload_max_mb_per_s
+        node = NodeReceipts(root / attempt / "node_receipts", topo.rank)
+        node.join()
         self.uploader = Uploader(
             self.store,
             self.spec,
@@ -130,6 +133,7 @@ class TrainWorker:
             topo.world_size,
             attempt,
             None if cap is None else cap * 1e6,
+            node,
         )
         self.faults: Faults | None = None
         self._req = _Requests()
