@@ -42,14 +42,19 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 class Reads:
-    """The store's filesystem, recording each object read."""
+    """The store's filesystem, recording each object read and each receipts' listing."""
 
     def __init__(self, fs):
-        self.fs, self.paths = fs, []
+        self.fs, self.paths, self.listed = fs, [], []
 
     def cat_file(self, path, *a, **k):
         self.paths.append(str(path))
         return self.fs.cat_file(path, *a, **k)
+
+    def find(self, path, *a, **k):
+        if "/_receipts/" in str(path):
+            self.listed.append(k.get("prefix", ""))
+        return self.fs.find(path, *a, **k)
 
     def __getattr__(self, name):
         return getattr(self.fs, name)
@@ -69,8 +74,8 @@ def _until(ok, timeout_s: float = 60.0) -> None:
 
 def _save(tmp_path: Path, job, step: int, nodes: list[list[int]]) -> Path:
     """Every rank of `nodes` (ranks by node, each node its own staging folder) saves
-    `step` in group g0; returns the step's receipts folder once every node of more than
-    one rank has written its object."""
+    `step` in group g0; returns the step's receipts folder once every node has written
+    its object."""
     spec, store = job
     world = sum(len(n) for n in nodes)
     ups = []
@@ -86,8 +91,7 @@ def _save(tmp_path: Path, job, step: int, nodes: list[list[int]]) -> Path:
         assert all(r.error is None for r in up.take_done())
     folder = tmp_path / "ckpt" / f"step_{step:08d}" / "_receipts" / "g0"
     for ranks in nodes:
-        if len(ranks) > 1:
-            _until((folder / f"node_{min(ranks):05d}.json").exists)
+        _until((folder / f"node_{min(ranks):05d}.json").exists)
     for up in ups:
         up.close()
     return folder
@@ -102,7 +106,10 @@ def test_a_nodes_lowest_rank_writes_its_receipts_as_one_object_read_alone_at_com
     assert [json.loads(b)["rank"] for b in held] == [0, 1, 2]
     # Each as its rank wrote it, signature and all.
     assert held == [(folder / f"rank_{r:05d}.json").read_text() for r in range(3)]
-    assert not (folder / "node_00003.json").exists()  # a node of one rank writes none
+    # A node of one rank writes its own: a commit then lists nothing but nodes' objects.
+    assert json.loads((folder / "node_00003.json").read_bytes())["receipts"] == [
+        (folder / "rank_00003.json").read_text()
+    ]
     assert not list((tmp_path / "node0").glob("step_*"))  # the leader cleaned up
     log: list[str] = []
     coord = CommitCoordinator(spec, store, lambda msg, *a, **k: log.append(msg))
@@ -110,7 +117,8 @@ def test_a_nodes_lowest_rank_writes_its_receipts_as_one_object_read_alone_at_com
     store._fs = reads
     (done,) = coord.commit_from_storage()
     assert done.step == 10 and len(done.manifest.files) == 4, log
-    assert sorted(Path(p).name for p in reads.paths) == ["node_00000.json", "rank_00003.json"]
+    assert sorted(Path(p).name for p in reads.paths) == ["node_00000.json", "node_00003.json"]
+    assert reads.listed == ["node_"]  # the group's nodes' objects alone, not every rank's
 
 
 def test_a_receipt_in_a_nodes_object_is_checked_as_its_own_and_a_bad_one_is_read_from_the_rank(
@@ -129,7 +137,18 @@ def test_a_receipt_in_a_nodes_object_is_checked_as_its_own_and_a_bad_one_is_read
     (other / "node_00000.json").write_text("[1, 2]")
     log: list[str] = []
     coord = CommitCoordinator(spec, store, lambda msg, *a, **k: log.append(msg))
+    reads = Reads(store.fs)
+    store._fs = reads
     done = coord.commit_from_storage()
+    # Each step's group listed in full, and just the rank its node's object lacked read.
+    assert reads.listed == ["node_", "", "node_", ""]
+    assert sorted(Path(p).name for p in reads.paths if "/_receipts/" in p) == [
+        "node_00000.json",
+        "node_00000.json",
+        "rank_00000.json",
+        "rank_00001.json",
+        "rank_00001.json",
+    ]
     # Both commit from the ranks' own receipts where the node's could not be used.
     assert [d.step for d in done] == [10, 20] == store.committed_steps(), log
     (said,) = [m for m in log if "step 10" in m and "not used" in m]

@@ -315,7 +315,7 @@ class Uploader:
         if not node.leads():
             return
         bodies = node.gather(step, 2 * took_s, stop=lambda: not self._todo.empty())
-        if len(bodies) < 2:
+        if not bodies:
             return
         try:
             self.store.write_node_receipts(step, self.attempt, self.rank, bodies)

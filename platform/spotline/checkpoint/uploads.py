@@ -201,44 +201,63 @@ def _receipts_of(storage: StepStorage, step: int, attempt: str) -> str:
 def read_receipts(storage: StepStorage, step: int) -> ReceiptScan:
     """Upload receipts of a step, by the attempt (group) that wrote them. A receipt
     that does not parse, is not signed with the key (when one is set) or names
-    another step is refused: it can never complete a commit. One listing, then the
-    nodes' receipts and the receipts of ranks no node's holds, each set read at once
-    through a bounded pool (READ_THREADS): a step of thousands of ranks costs a few
-    round trips' time and one read a node, not one a rank."""
-    step_path = storage.step_path(step)
-    base = f"{step_path}/{RECEIPTS_DIR}"
-    key = storage.signing_key()
+    another step is refused: it can never complete a commit.
+
+    A few requests a step of any size: the groups' folders; then, in each, its nodes'
+    objects, listed and read at once through a bounded pool (READ_THREADS). Only where
+    they lack a rank of the group is the group's folder listed in full and the
+    receipts of the ranks they lack read, the same way."""
     scan = ReceiptScan()
+    scan.attempts = receipt_attempts(storage, step)
+    key = storage.signing_key()
     with storage.io(f"reading upload receipts of step {step}"):
-        try:
-            found = sorted(storage.fs.find(base))
-        except FileNotFoundError:
-            return scan
-        nodes, ranks = [], []
-        for name in found:
-            rel = posixpath.relpath(str(name), step_path)
-            parts = rel.split("/")
-            if len(parts) < 3 or not rel.endswith(".json"):
-                continue
-            scan.attempts.add(parts[1])
-            own = parts[-1].startswith(NODE_PREFIX)
-            (nodes if own else ranks).append((str(name), rel, parts[1]))
-        covered: set[tuple[str, int]] = set()
-        held = read_many(storage, [name for name, _, _ in nodes])
-        for (_, rel, attempt), raw in zip(nodes, held, strict=True):
-            for i, body in enumerate(_node_bodies(raw, rel, scan)):
-                receipt = _check(scan.bypassed, f"{rel}#{i}", attempt, step, body, key)
-                if receipt is not None and (attempt, receipt.rank) not in covered:
-                    covered.add((attempt, receipt.rank))
-                    scan.receipts.setdefault(attempt, []).append(receipt)
-        ranks = [r for r in ranks if (r[2], _rank_of(r[1])) not in covered]
-        bodies = read_many(storage, [name for name, _, _ in ranks])
-    for (_, rel, attempt), raw in zip(ranks, bodies, strict=True):
-        if raw is not None:  # else gone since it was listed
-            receipt = _check(scan.refused, rel, attempt, step, raw, key)
-            if receipt is not None:
-                scan.receipts.setdefault(attempt, []).append(receipt)
+        for attempt in sorted(scan.attempts):
+            _read_group(storage, step, attempt, key, scan)
     return scan
+
+
+def _read_group(
+    storage: StepStorage, step: int, attempt: str, key: bytes | None, scan: ReceiptScan
+) -> None:
+    step_path = storage.step_path(step)
+    folder = _receipts_of(storage, step, attempt)
+    got: list[Receipt] = []
+    covered: set[int] = set()
+    nodes = _listed(storage, folder, NODE_PREFIX)
+    for name, raw in zip(nodes, read_many(storage, nodes), strict=True):
+        rel = posixpath.relpath(name, step_path)
+        for i, body in enumerate(_node_bodies(raw, rel, scan)):
+            receipt = _check(scan.bypassed, f"{rel}#{i}", attempt, step, body, key)
+            if receipt is not None and receipt.rank not in covered:
+                covered.add(receipt.rank)
+                got.append(receipt)
+    worlds = {r.world_size for r in got}
+    if len(worlds) != 1 or covered != set(range(worlds.pop())):
+        ranks = [
+            n
+            for n in _listed(storage, folder, "")
+            if n.endswith(".json")
+            and not posixpath.basename(n).startswith(NODE_PREFIX)
+            and _rank_of(n) not in covered
+        ]
+        for name, raw in zip(ranks, read_many(storage, ranks), strict=True):
+            if raw is not None:  # else gone since it was listed
+                rel = posixpath.relpath(name, step_path)
+                receipt = _check(scan.refused, rel, attempt, step, raw, key)
+                if receipt is not None:
+                    got.append(receipt)
+    if got:
+        scan.receipts[attempt] = got
+
+
+def _listed(storage: StepStorage, folder: str, prefix: str) -> list[str]:
+    """The objects under `folder` whose names start with `prefix` (listed by the store
+    itself where it can, as S3 does), sorted."""
+    try:
+        found = storage.fs.find(folder, prefix=prefix)
+    except FileNotFoundError:
+        return []
+    return sorted(str(n) for n in found if posixpath.basename(str(n)).startswith(prefix))
 
 
 def _check(
@@ -281,8 +300,8 @@ def _node_bodies(raw: bytes | None, rel: str, scan: ReceiptScan) -> list[str]:
     return held
 
 
-def _rank_of(rel: str) -> int | None:
-    name = posixpath.basename(rel).removesuffix(".json")
+def _rank_of(path: str) -> int | None:
+    name = posixpath.basename(path).removesuffix(".json")
     return int(name[5:]) if name.startswith("rank_") and name[5:].isdigit() else None
 
 
