@@ -66,9 +66,11 @@ def _write(d: Path) -> RankFiles:
 
 
 def _until(ok, timeout_s: float = 60.0) -> None:
+    """Wait for `ok()`; a guard against a hang, not a measure of time."""
     deadline = time.monotonic() + timeout_s
     while not ok():
-        assert time.monotonic() < deadline, "timed out"
+        if time.monotonic() > deadline:
+            pytest.fail(f"still waiting for {ok} after {timeout_s:.0f}s")
         time.sleep(0.05)
 
 
