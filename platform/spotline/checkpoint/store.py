@@ -119,7 +119,9 @@ class CheckpointStore(StepStorage):
         checkpoint.signing_key_env is set); the bytes written."""
         return uploads.write_receipt(self, receipt)
 
-    def write_node_receipts(self, step: int, attempt: str, leader: int, bodies: list[bytes]):
+    def write_node_receipts(
+        self, step: int, attempt: str, leader: int, bodies: list[bytes]
+    ) -> None:
         """Write a node's receipts of a step, each as its rank wrote it, as one object."""
         uploads.write_node_receipts(self, step, attempt, leader, bodies)
 
