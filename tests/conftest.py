@@ -8,10 +8,12 @@ instance-metadata service: every request goes to 127.0.0.1.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +30,25 @@ import pytest
 # at import, so it is set before anything imports Ray: any tier runs alone or together.
 os.environ["RAY_AUTH_MODE"] = "token"
 
+# The session's process ends with the session's status once every exit handler has run
+# (Ray's shutdown, pytest's temporary folders), skipping the interpreter's teardown: a
+# process that started and shut down several Ray clusters (the chaos modules each start
+# their own) keeps native threads of the earlier drivers, and now and then one of them
+# touches the interpreter while it is torn down, and the process dies of SIGSEGV after
+# every test passed and every result was written. Registered before anything imports
+# Ray, so that it runs after every handler registered later.
+_SESSION: list[pytest.Session] = []
+
+
+def _end_without_teardown() -> None:
+    if _SESSION:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(_SESSION[0].exitstatus))
+
+
+atexit.register(_end_without_teardown)
+
 from spotline.runtime.cluster import bind_to_loopback  # noqa: E402
 
 # Every Ray node a test starts (the shared local cluster, each node of a multi-node
@@ -40,6 +61,11 @@ def pytest_configure(config: pytest.Config) -> None:
     import tier_guard
 
     config.pluginmanager.register(tier_guard, "tier_guard")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _SESSION:  # not a session a test runs inside this one (pytester)
+        _SESSION.append(session)
 
 
 # Faults a test injects into its own job's ranks (spotline.runtime.faults): one JSON
