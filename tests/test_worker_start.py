@@ -35,6 +35,36 @@ def test_deepspeed_loads_without_mlflow_and_mlflow_still_imports() -> None:
     assert got == "False False True deepspeed"
 
 
+_PLAN_VIEW = (
+    "import sys\n"
+    "from spotline.config import load_spec\n"
+    "from spotline.controller.snapshot import PlanView\n"
+    "spec = load_spec('configs/quickstart.yaml', {overrides!r})\n"
+    "view = PlanView(spec)\n"
+    "assert view._ready.wait(240)\n"
+    "print('deepspeed' in sys.modules, 'mlflow' in sys.modules)\n"
+)
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize(
+    ("overrides", "mlflow_loaded"),
+    [
+        ([], False),
+        (["tracking=[{kind: mlflow, tracking_uri: 'file:///tmp/x', experiment: e}]"], True),
+    ],
+    ids=["no MLflow tracker", "an MLflow tracker"],
+)
+def test_the_controllers_plan_loads_deepspeed_without_mlflow_unless_a_tracker_needs_it(
+    overrides: list[str], mlflow_loaded: bool
+) -> None:
+    """The controller loads DeepSpeed for the plan's schedule on a thread, while its
+    loop may open an MLflow tracker: MLflow is hidden from DeepSpeed only where nothing
+    else in the process imports it."""
+    pytest.importorskip("mlflow")
+    assert _fresh(_PLAN_VIEW.format(overrides=overrides)) == f"True {mlflow_loaded}"
+
+
 @pytest.mark.procs
 def test_a_plain_import_of_deepspeed_does_load_mlflow() -> None:
     """The cost the helper avoids is real in this environment (else the test above

@@ -24,6 +24,7 @@ from spotline.planning.choice import planned_bounds
 from spotline.planning.host_step import host_source, host_step
 from spotline.planning.memory_model import memory_per_device
 from spotline.planning.step import predict_step
+from spotline.train.process import deepspeed_without_mlflow
 
 log = logging.getLogger("spotline.controller")
 
@@ -452,6 +453,9 @@ class PlanView:
 
     def _warm(self) -> None:
         try:
+            # The 1F1B schedule is DeepSpeed's; MLflow, which its import would load, is
+            # left to the tracker that uses it.
+            deepspeed_without_mlflow(hide=all(t.kind != "mlflow" for t in self.spec.tracking))
             predict_step(self.spec, self.spec.replica_counts()[0])
         except Exception:  # noqa: BLE001 - the predictions are a report, never a reason to fail
             log.warning("the plan's predictions are not available", exc_info=True)

@@ -54,18 +54,29 @@ def training_device() -> str:
 
 
 def import_deepspeed() -> ModuleType:
+    """DeepSpeed as a rank's process needs it: without the MLflow import of its
+    autotuner (`deepspeed_without_mlflow`), and with DeepSpeed's Muon optimizer
+    compiling lazily. Called where a rank's process starts, where nothing else imports
+    MLflow."""
+    deepspeed = deepspeed_without_mlflow()
+    _import_muon_compiling_lazily()
+    return deepspeed
+
+
+def deepspeed_without_mlflow(hide: bool = True) -> ModuleType:
     """DeepSpeed, imported without the MLflow import of its autotuner.
 
     `import deepspeed` loads deepspeed.autotuning, which imports MLflow whenever it is
     installed (`spotline[tracking]` installs it) to log autotuning experiments, which a
     Spotline job never runs. That import is most of DeepSpeed's import time (about 1.0 s of
-    1.3 s on a quiet core), and every worker a restart starts pays it before its first step.
-    Called where a rank's process starts, where nothing else imports MLflow; MLflow stays
-    importable afterwards.
+    1.3 s on a quiet core), paid by every worker a restart starts before its first step
+    and by the controller as a job starts. MLflow stays importable afterwards; while
+    DeepSpeed loads, an import of MLflow by another thread would fail, so a process that
+    may import it meanwhile (a controller with an MLflow tracker) passes `hide=False`.
     """
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
-    hide = "mlflow" not in sys.modules
+    hide = hide and "mlflow" not in sys.modules
     if hide:
         sys.modules["mlflow"] = None  # `import mlflow` raises ImportError; DeepSpeed expects that
     try:
@@ -73,7 +84,6 @@ def import_deepspeed() -> ModuleType:
     finally:
         if hide:
             sys.modules.pop("mlflow", None)
-    _import_muon_compiling_lazily()
     return deepspeed
 
 
