@@ -223,8 +223,15 @@ class LocalSpotCluster:
     # --- inside ----------------------------------------------------------------------------
 
     def _add(self, kind: str) -> int:
-        node = self.cluster.add_node(**self.shape.node_args())
         number = self._next
+        # Each node unpacks the job's runtime_env (its working_dir, py_modules) in a
+        # folder of its own, as a real node does on its own disk. In the one session
+        # folder the nodes here share, a node that has not unpacked a package yet
+        # removes the copy another node unpacked and unpacks it again, under the
+        # processes that run in it.
+        node = self.cluster.add_node(
+            **self.shape.node_args(), runtime_env_dir_name=f"runtime_resources_node{number}"
+        )
         self._next += 1
         self.by_number[number] = node
         self.ids[number] = node.node_id
