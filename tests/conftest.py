@@ -33,10 +33,10 @@ os.environ["RAY_AUTH_MODE"] = "token"
 # The session's process ends with the session's status once every exit handler has run
 # (Ray's shutdown, pytest's temporary folders), skipping the interpreter's teardown: a
 # process that started and shut down several Ray clusters (the chaos modules each start
-# their own) keeps native threads of the earlier drivers, and now and then one of them
-# touches the interpreter while it is torn down, and the process dies of SIGSEGV after
-# every test passed and every result was written. Registered before anything imports
-# Ray, so that it runs after every handler registered later.
+# their own) has died of SIGSEGV there, now and then, after every test passed and every
+# result was written, with only its main Python thread left (a native thread; which one
+# is not known). Registered before anything imports Ray, so that it runs after every
+# handler registered later.
 _SESSION: list[pytest.Session] = []
 
 
