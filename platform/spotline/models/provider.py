@@ -72,6 +72,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 
@@ -90,15 +91,37 @@ class LayerDef:
         left empty (`init=False`) for weights a checkpoint will fill. Any other class,
         or any with `meta=False`, is built as its constructor builds it (which
         initialises it). Under an active `torch.device("meta")` nothing is allocated."""
-        direct = not meta or not hasattr(self.cls, "init_weights")
-        if direct or torch.get_default_device().type == "meta":
+        if torch.get_default_device().type == "meta":
+            with _ConstructorInitSkipped():  # a meta tensor holds nothing to initialise
+                return self.cls(*self.args, **self.kwargs)
+        if not meta or not hasattr(self.cls, "init_weights"):
             return self.cls(*self.args, **self.kwargs)
-        with torch.device("meta"):
+        with torch.device("meta"), _ConstructorInitSkipped():
             layer = self.cls(*self.args, **self.kwargs)
         layer.to_empty(device="cpu")
         if init:
             layer.init_weights()
         return layer
+
+
+_INITS = frozenset(
+    getattr(nn.init, name)
+    for name in dir(nn.init)
+    if name.endswith("_") and not name.startswith("_") and callable(getattr(nn.init, name))
+)
+
+
+class _ConstructorInitSkipped(TorchFunctionMode):
+    """While a layer is built on the meta device, its constructor's `torch.nn.init`
+    calls return their tensor untouched: a meta tensor holds no values, and on one
+    these calls run torch's Python reference kernels, whose first call imports
+    torch._dynamo, about a second of CPU in a process that compiles nothing (the
+    controller's plan and the launch's memory check build every layer on meta)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func in _INITS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass(frozen=True)
