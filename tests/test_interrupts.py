@@ -12,7 +12,8 @@ import pytest
 
 from spotline import constants
 from spotline.interrupts import Interrupts
-from spotline.job import JobResult, resume_hint
+from spotline.job import JobResult
+from spotline.job_outcome import resume_hint
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ importable afterwards; building an engine does not load torch's inductor compile
 DeepSpeed's Muon optimizer (about another second). The controller's plan builds the
 layers on the meta device without loading torch._dynamo (a second more). A state
 keeper's process loads neither torch nor the planner: its memory and start-up CPU are
-its copies'."""
+its copies'; nor does a command that runs no job."""
 
 from __future__ import annotations
 
@@ -109,6 +109,22 @@ def test_a_state_keepers_process_loads_neither_torch_nor_the_planner() -> None:
         " 'spotline.job') if m in sys.modules))\n"
     )
     assert got == "[]"
+
+
+@pytest.mark.procs
+def test_a_command_that_runs_no_job_loads_neither_torch_nor_the_planner() -> None:
+    """`spotline status`, `report` and `--help` answer without torch's second of
+    imports; the errors a job's run raises are still the ones the command explains."""
+    got = _fresh(
+        "import sys\n"
+        "from spotline import cli\n"
+        "loaded = sorted(m for m in ('torch', 'deepspeed', 'spotline.planning', 'spotline.job')"
+        " if m in sys.modules)\n"
+        "import spotline, types\n"
+        "result = types.SimpleNamespace(summary=lambda: 'what the job did')\n"
+        "print(loaded, cli._explain(spotline.JobFailed('boom', result))[1])\n"
+    )
+    assert got == "[] job failed: boom"
 
 
 @pytest.mark.procs

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spotline.config import JobSpec, SpecError, load_spec
-    from spotline.job import Job, JobFailed, JobResult, JobRun, SubmittedJob
+    from spotline.job import Job, JobResult, JobRun, SubmittedJob
+    from spotline.job_outcome import JobFailed
 
 _HOMES = {
     "Job": "spotline.job",
-    "JobFailed": "spotline.job",
+    "JobFailed": "spotline.job_outcome",
     "JobResult": "spotline.job",
     "JobRun": "spotline.job",
     "SubmittedJob": "spotline.job",

@@ -32,7 +32,7 @@ from spotline.config.redact import (
 from spotline.config.redact import redact as _redact
 from spotline.data import CorpusError
 from spotline.interrupts import Interrupts
-from spotline.job import JobFailed, StopTimedOut
+from spotline.job_outcome import JobFailed, StopTimedOut
 from spotline.locate import read_trace, summary_source
 from spotline.registry import user_code_error
 from spotline.runtime.cluster import connect_ray

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotline import constants
-from spotline.job import JobResult, resume_hint
+from spotline.job_outcome import resume_hint
+
+if TYPE_CHECKING:
+    from spotline.job import JobResult
 
 SIGNALS = {signal.SIGTERM: ("SIGTERM", 143), signal.SIGINT: ("Ctrl-C", 130)}
 """What each signal is called in messages, and the exit code of a command it ends."""

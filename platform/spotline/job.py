@@ -21,34 +21,9 @@ from spotline import constants, job_index
 from spotline.config import JobSpec, apply_overrides, load_spec
 from spotline.config.loader import register_spec_secrets, validate_dict
 from spotline.config.redact import install_log_redaction, split_secrets, write_secrets_package
+from spotline.job_outcome import JobFailed, StopTimedOut, resume_hint
 from spotline.planning.plan import Plan, time_cpu_step_here
 from spotline.runtime.cluster import connect_ray
-
-
-def resume_hint(latest: int | None, seen: bool = False) -> str:
-    """Where running a job again starts, given the newest step this run committed
-    (`seen`: as far as the driver saw it, so a newer one may have landed since)."""
-    if latest is None:
-        return "this run committed no step: running the job again starts where this run did"
-    if seen:
-        return (
-            f"the latest commit seen is step {latest}: running the job again resumes there "
-            "(or from a newer commit)"
-        )
-    return f"the latest commit is step {latest}: running the job again resumes there"
-
-
-class StopTimedOut(RuntimeError):
-    """A stop asked with a grace (`JobRun.stop_soon`) did not end the job in time; the
-    driver ended it at once."""
-
-
-class JobFailed(RuntimeError):
-    """The job ended in FAILED. `.result` holds what it did before failing."""
-
-    def __init__(self, message: str, result: JobResult):
-        super().__init__(message)
-        self.result = result
 
 
 @dataclass

@@ -312,7 +312,7 @@ class Rehearsal:
     def _finish(self, run, arm: Arm) -> None:
         import ray
 
-        from spotline.job import JobFailed
+        from spotline.job_outcome import JobFailed
 
         with contextlib.suppress(Exception):
             arm.summary = ray.get(run.controller.summary.remote())
