@@ -118,7 +118,9 @@ class _ConstructorInitSkipped(TorchFunctionMode):
     torch._dynamo, about a second of CPU in a process that compiles nothing (the
     controller's plan and the launch's memory check build every layer on meta)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         if func in _INITS:
             return args[0] if args else kwargs["tensor"]
         return func(*args, **(kwargs or {}))
