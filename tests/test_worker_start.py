@@ -3,8 +3,8 @@ MLflow import of its autotuner (about a second of every restart), and MLflow sta
 importable afterwards; building an engine does not load torch's inductor compiler for
 DeepSpeed's Muon optimizer (about another second). The controller's plan builds the
 layers on the meta device without loading torch._dynamo (a second more). A state
-keeper's process loads neither torch nor the planner: its memory and start-up CPU are
-its copies'; nor does a command that runs no job."""
+keeper's process (its memory and start-up CPU are its copies') and a command that runs
+no job load neither torch nor the planner."""
 
 from __future__ import annotations
 

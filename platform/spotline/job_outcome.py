@@ -1,6 +1,6 @@
 """How a driver tells the end of a job: the errors it raises, and where running the job
 again resumes. Apart from `spotline.job`, so that a command that runs no job (`spotline
-status`, `report`, `--help`) does not load torch, the planner and DeepSpeed's config."""
+status`, `report`, `--help`) loads neither torch nor the planner."""
 
 from __future__ import annotations
 
