@@ -12,7 +12,7 @@ restore paths. Each size runs in a fresh process (its RSS is its own).
 Per size: the controller's CPU per poll and per loop step (the simulated ranks' own
 work subtracted), status() latency (the snapshot projected and pickled, as the
 controller's actor returns it), last receipt -> committed manifest and the whole
-commit with its sweep and retention, a commit from storage (a restarted controller
+commit with its files' check, sweep and retention, a commit from storage (a restarted controller
 reading every receipt), the manifest's bytes, a restore's and a reshard's plan (the
 controller's part: list, read and verify the manifest; and one rank's: parse it and
 plan its reads), the peer-memory offer from every keeper's holdings, and the RSS.
@@ -204,8 +204,8 @@ def measure_storage(world: int, uri: str, endpoint: str | None, tag: str) -> dic
     manifest_at: list[float] = []
     real_commit = st.commit
 
-    def commit(manifest):
-        real_commit(manifest)
+    def commit(manifest, check=True):
+        real_commit(manifest, check)
         manifest_at.append(time.perf_counter())
 
     st.commit = commit
@@ -216,6 +216,7 @@ def measure_storage(world: int, uri: str, endpoint: str | None, tag: str) -> dic
         manifest_at.clear()
         t0 = time.perf_counter()
         done = coord.receive(results)
+        coord.retain()  # as the controller's loop does next: the files' check, keep_last
         t1 = time.perf_counter()
         assert done and manifest_at, events[-3:]
         out[f"commit_{tag}_s"] = manifest_at[0] - t0

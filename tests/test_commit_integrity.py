@@ -247,6 +247,7 @@ def _commit(coord: CommitCoordinator, store, tmp_path: Path, step: int, attempt:
     coord.expect(step, attempt, 1)
     (done,) = coord.receive([UploadResult(step, 0, attempt, 1, [entry], [])])
     assert done.step == step
+    coord.retain()  # as the controller's loop does after each step
 
 
 def _flip(store: CheckpointStore, step: int, entry: FileEntry) -> Path:
@@ -295,6 +296,89 @@ def test_a_step_that_fails_verification_is_quarantined_and_not_counted(tmp_path:
     _commit(coord2, store, tmp_path, 20, "att2")
     assert store.committed_steps() == [20, 30] and store.quarantined_steps() == []
     assert bad.exists() and (bad.parents[2] / "quarantine.json").exists()
+
+
+def test_a_live_commit_lists_its_files_after_its_manifest_and_before_retention(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Every rank reported its upload done: the manifest is written without a listing, and
+    the step's files are listed once, by the retention that follows, before it deletes."""
+    spec = _spec(tmp_path)
+    store = CheckpointStore(spec.checkpoint.uri)
+    coord, _ = _coordinator(spec, store)
+    listed: list[str] = []
+    real = store.fs.find
+    monkeypatch.setattr(
+        store.fs, "find", lambda path, **kw: listed.append(path) or real(path, **kw)
+    )
+    entry = _upload(store, tmp_path, 10, "att0", 0)
+    coord.expect(10, "att0", 1)
+    (done,) = coord.receive([UploadResult(10, 0, "att0", 1, [entry], [])])
+    assert done.step == 10 and store.committed_steps() == [10]
+    assert listed == []
+    coord.retain()
+    assert listed == [f"{store.step_path(10)}/a-att0"]
+    coord.retain()  # listed once
+    assert listed == [f"{store.step_path(10)}/a-att0"]
+
+
+def test_a_step_whose_file_vanished_after_its_upload_is_quarantined_before_anything_goes(
+    tmp_path: Path,
+) -> None:
+    """A file gone from storage after its rank reported the upload done: the retention
+    after the commit finds it, quarantines the step and deletes nothing older for it."""
+    spec = _spec(tmp_path)  # keep_last: 2
+    store = CheckpointStore(spec.checkpoint.uri)
+    coord, log = _coordinator(spec, store)
+    _commit(coord, store, tmp_path, 10, "att0")
+    _commit(coord, store, tmp_path, 20, "att0")
+    entry = _upload(store, tmp_path, 30, "att0", 0)
+    coord.expect(30, "att0", 1)
+    (done,) = coord.receive([UploadResult(30, 0, "att0", 1, [entry], [])])
+    assert done.step == 30 and store.committed_steps() == [10, 20, 30]
+    (Path(store.uri.removeprefix("file://")) / store.step_name(30) / entry.path).unlink()
+
+    coord.retain()
+    assert store.committed_steps() == [10, 20] and store.quarantined_steps() == [30]
+    assert coord.committed == [10, 20] and coord.quarantined == [30]
+    (msg,) = [m for m in log if "quarantined" in m]
+    assert "step 30" in msg and entry.path in msg and "is not in storage" in msg, msg
+    assert "deleted nothing older" in msg and "delete that folder" in msg, msg
+    group = Group(store)
+    assert coord.restore(group, sleep=lambda s: None)[0] == 20
+    assert group.loaded == [20]
+
+
+def test_a_step_lacking_a_file_that_cannot_be_set_aside_holds_retention_back(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The quarantine record of a step that lacks a file cannot be written: nothing is
+    deleted until it is, which is tried again in a while."""
+    spec = _spec(tmp_path)  # keep_last: 2
+    store = CheckpointStore(spec.checkpoint.uri)
+    now = [1000.0]
+    log: list[str] = []
+    coord = CommitCoordinator(spec, store, lambda msg, *a: log.append(msg), wall=lambda: now[0])
+    _commit(coord, store, tmp_path, 10, "att0")
+    _commit(coord, store, tmp_path, 20, "att0")
+    entry = _upload(store, tmp_path, 30, "att0", 0)
+    coord.expect(30, "att0", 1)
+    coord.receive([UploadResult(30, 0, "att0", 1, [entry], [])])
+    (Path(store.uri.removeprefix("file://")) / store.step_name(30) / entry.path).unlink()
+    real = store.quarantine
+
+    def throttled(*args: Any) -> str:
+        raise StorageError("throttled")
+
+    monkeypatch.setattr(store, "quarantine", throttled)
+    coord.retain()
+    assert store.committed_steps() == [10, 20, 30] and any("could not quarantine" in m for m in log)
+    coord.retain()  # not again at once
+    assert sum("could not quarantine" in m for m in log) == 1
+    monkeypatch.setattr(store, "quarantine", real)
+    now[0] += 31
+    coord.retain()
+    assert store.committed_steps() == [10, 20] and store.quarantined_steps() == [30]
 
 
 def test_when_every_step_fails_nothing_is_quarantined(tmp_path: Path) -> None:

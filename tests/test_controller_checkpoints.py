@@ -150,10 +150,10 @@ def test_failed_commit_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
     ctl, store = make(tmp_path, **{"checkpoint.keep_last": 5})
     real_commit = store.commit
 
-    def flaky(manifest):
+    def flaky(manifest, *args):
         if manifest.step == 10:
             raise StorageError("bucket unreachable")
-        real_commit(manifest)
+        real_commit(manifest, *args)
 
     monkeypatch.setattr(store, "commit", flaky)
     res = ctl.run()

@@ -164,12 +164,34 @@ def quarantined_steps(storage: StepStorage) -> list[int]:
 # --- manifests ------------------------------------------------------------------------
 
 
-def commit(storage: StepStorage, manifest: Manifest) -> None:
-    """Make a step visible to readers by writing its manifest, after checking its files.
+def commit(storage: StepStorage, manifest: Manifest, check: bool = True) -> None:
+    """Make a step visible to readers by writing its manifest.
 
-    Refuses (CorruptCheckpointError) if a listed file is absent or has another
-    size in storage: committing it would publish a checkpoint that cannot load.
+    With `check`, first refuses (CorruptCheckpointError) if a listed file is absent or
+    has another size in storage: committing it would publish a checkpoint that cannot
+    load. Without it, the caller holds every writer's word that its upload succeeded and
+    checks the files itself before anything older is deleted (`bad_files`).
     """
+    step = manifest.step
+    if check and (bad := bad_files(storage, manifest)):
+        path, reason = bad[0]
+        raise CorruptCheckpointError(
+            step,
+            path,
+            reason,
+            uri=storage.uri,
+            message=f"refusing to commit checkpoint step {step} at {storage.uri}: "
+            f"{path} {reason}; upload it before committing",
+        )
+    with storage.io(f"writing the manifest of step {step}"):
+        storage.write_atomic(
+            storage.manifest_path(step), manifest.to_json(storage.signing_key()).encode()
+        )
+
+
+def bad_files(storage: StepStorage, manifest: Manifest) -> list[tuple[str, str]]:
+    """(path, what is wrong) for each file `manifest` names that storage lacks or holds
+    at another size, from one listing of the folders its files are in."""
     step = manifest.step
     step_path = storage.step_path(step)
     # Only the folders its files are in (a group's folder): the step's receipts, one a
@@ -179,31 +201,19 @@ def commit(storage: StepStorage, manifest: Manifest) -> None:
     for top in [""] if "" in tops else sorted(tops):
         folder = f"{step_path}/{top}" if top else step_path
         with (
-            storage.io(f"listing step {step} before commit"),
+            storage.io(f"listing the files of step {step}"),
             contextlib.suppress(FileNotFoundError),
         ):
             found.update(storage.fs.find(folder, detail=True))
     sizes = {_relpath(k, step_path): v.get("size") for k, v in found.items()}
+    bad = []
     for entry in manifest.files:
         have = sizes.get(entry.path)
         if have is None:
-            reason = "not in storage; upload it before committing"
+            bad.append((entry.path, "is not in storage"))
         elif have != entry.size:
-            reason = f"is {have} bytes in storage, manifest says {entry.size}"
-        else:
-            continue
-        raise CorruptCheckpointError(
-            step,
-            entry.path,
-            reason,
-            uri=storage.uri,
-            message=f"refusing to commit checkpoint step {step} at {storage.uri}: "
-            f"{entry.path} {reason}",
-        )
-    with storage.io(f"writing the manifest of step {step}"):
-        storage.write_atomic(
-            storage.manifest_path(step), manifest.to_json(storage.signing_key()).encode()
-        )
+            bad.append((entry.path, f"is {have} bytes in storage, manifest says {entry.size}"))
+    return bad
 
 
 def _relpath(path: str, root: str) -> str:

@@ -4,7 +4,12 @@
 - A step commits when every rank of ONE group (attempt) has written its receipt; the
   manifest lists exactly that group's files (they live under the attempt's own prefix,
   so a re-save by another group can never mix with them). It is written last, and
-  commits the moment the last upload finishes.
+  commits the moment the last upload finishes: each rank reported its uploads done, and
+  a finished upload is whole in storage (an S3 PUT is atomic and strongly consistent; a
+  file:// upload is fsynced). Its files are checked against a listing of storage
+  afterwards, before retention deletes anything (`retain`): a step that fails the
+  check is quarantined and nothing older goes. A step committed from receipts found in
+  storage (`commit_from_storage`) is checked before its manifest is written.
 - A step counts as committed only while its manifest verifies (`catalog.list_steps`),
   for retention, commit-from-storage, restore and a finished job alike. A damaged one
   (planted, truncated, unsigned) is quarantined once a good step proves the key right,
@@ -111,6 +116,7 @@ class CommitCoordinator:
         self._refused: set[tuple[int, str]] = set()  # uploads found in storage, refused
         self._holds_lock = threading.Lock()
         self._recovered: list[Committed] = []  # committed from storage by restore()
+        self._unchecked: dict[int, Manifest] = {}  # committed, files not listed yet (`retain`)
 
     def take_recovered(self) -> list[Committed]:
         """The steps the last restores committed from receipts found in storage, once."""
@@ -132,7 +138,8 @@ class CommitCoordinator:
             self._pending.pop(key)
 
     def receive(self, results: list[UploadResult]) -> list[Committed]:
-        """Fold in finished uploads; commit every step whose group is now complete."""
+        """Fold in finished uploads; commit every step whose group is now complete. The
+        caller runs `retain` next, once it has taken the commits."""
         out = []
         for r in results:
             p = self._pending.get((r.step, r.attempt))
@@ -149,10 +156,11 @@ class CommitCoordinator:
             p.results[r.rank] = r
             if len(p.results) == p.world:
                 self._pending.pop((r.step, r.attempt))
-                done = self._commit(r.step, p.attempt, p.world, list(p.results.values()))
+                done = self._commit(
+                    r.step, p.attempt, p.world, list(p.results.values()), check=False
+                )
                 if done is not None:
                     out.append(done)
-        self.retain()
         return out
 
     def commit_from_storage(self) -> list[Committed]:
@@ -213,7 +221,7 @@ class CommitCoordinator:
                     self._event(
                         f"step {step}: every rank of group {attempt} had uploaded; committing it"
                     )
-                    done = self._commit(step, attempt, world, results)
+                    done = self._commit(step, attempt, world, results, check=True)
                     if done is not None:
                         out.append(done)
                         break
@@ -233,17 +241,21 @@ class CommitCoordinator:
         )
 
     def _commit(
-        self, step: int, attempt: str, world: int, results: list[UploadResult]
+        self, step: int, attempt: str, world: int, results: list[UploadResult], check: bool
     ) -> Committed | None:
+        """Write the manifest of `attempt`'s `step`; `check`: list its files first (else
+        `retain` does, before it deletes anything)."""
         manifest = build_manifest(
             self.spec, step, attempt, world, results, self.partitions.get(attempt)
         )
         try:
-            self.store.commit(manifest)
+            self.store.commit(manifest, check)
         except (StorageError, CorruptCheckpointError) as e:
             # Training goes on; the next checkpoint commits in its place.
             self._event(f"checkpoint step {step} not committed: {e}", logging.WARNING)
             return None
+        if not check:
+            self._unchecked[step] = manifest
         self.committed = sorted(set(self.committed) | {step})
         self.quarantined = [s for s in self.quarantined if s != step]  # saved again since
         self._retention_due = True
@@ -278,8 +290,9 @@ class CommitCoordinator:
             self._event(f"could not sweep step {step}'s abandoned uploads: {e}", logging.WARNING)
 
     def retain(self) -> None:
-        """Apply checkpoint.keep_last, keeping pinned steps; a storage error is reported
-        and retried later, and so is a pinned step past keep_last once it is released."""
+        """Check the files of the steps committed since, then apply checkpoint.keep_last,
+        keeping pinned steps; a storage error is reported and retried later, and so is a
+        pinned step past keep_last once it is released."""
         now = self.wall()
         if not self._retention_due or now < self._retain_after:
             return
@@ -290,6 +303,11 @@ class CommitCoordinator:
             steps = self.store.list_steps()
             if steps.committed:  # a good step shows the key is right: the damaged go aside
                 self._quarantine([(s, MANIFEST_NAME, why) for s, why in steps.damaged.items()])
+            if self._check_committed(steps.committed):
+                steps = self.store.list_steps()
+            if self._unchecked:  # a step lacks a file and could not be set aside
+                self._retain_after = now + RETAIN_RETRY_S
+                return
             deleted = apply_retention(self.store, self.spec.checkpoint.keep_last, pinned, steps)
         except StorageError as e:
             self._event(f"retention deferred: {e}", logging.WARNING)
@@ -300,6 +318,32 @@ class CommitCoordinator:
         # Held steps are looked at again at the next commit, or in a while (not at every
         # poll: each pass lists the storage).
         self._retain_after = now + RETAIN_RETRY_S if held else 0.0
+
+    def _check_committed(self, committed: list[int]) -> bool:
+        """List the files of each step committed without a check; quarantine one that
+        lacks a file, so that retention counts it as nothing. Whether one was. A step
+        whose quarantine record could not be written stays unchecked: nothing is deleted
+        while it does."""
+        self._unchecked = {s: m for s, m in self._unchecked.items() if s in committed}
+        failed = False
+        for step, manifest in sorted(self._unchecked.items()):
+            bad = self.store.bad_files(manifest)
+            if not bad:
+                del self._unchecked[step]
+                continue
+            path, reason = bad[0]
+            more = f" (and {len(bad) - 1} more of its files)" if len(bad) > 1 else ""
+            self._quarantine(
+                [(step, path, reason)],
+                said=f"quarantined checkpoint step {step}, and deleted nothing older for it: "
+                f"its manifest names {path}, which {reason}{more}, though the rank that wrote "
+                f"it reported the upload done (look for whatever else deletes from "
+                f"{self.store.uri})",
+            )
+            if step in self.quarantined:
+                del self._unchecked[step]
+                failed = True
+        return failed
 
     def hold_latest(self, seconds: float) -> int | None:
         """Keep the newest committed step past keep_last for `seconds`, for a reader

@@ -109,10 +109,16 @@ class CheckpointStore(StepStorage):
         again."""
         return uploads.upload_dir(self, local_dir, step, prefix, max_bytes_per_s, known)
 
-    def commit(self, manifest: Manifest) -> None:
+    def commit(self, manifest: Manifest, check: bool = True) -> None:
         """Make a step visible to readers by writing its manifest, after checking its
-        files are in storage (CorruptCheckpointError otherwise)."""
-        catalog.commit(self, manifest)
+        files are in storage (CorruptCheckpointError otherwise); without `check`, the
+        caller checks them later (`bad_files`)."""
+        catalog.commit(self, manifest, check)
+
+    def bad_files(self, manifest: Manifest) -> list[tuple[str, str]]:
+        """(path, what is wrong) for each file of `manifest` storage lacks or holds at
+        another size (see `catalog.bad_files`)."""
+        return catalog.bad_files(self, manifest)
 
     def write_receipt(self, receipt: Receipt) -> bytes:
         """Record that a rank finished uploading its files of a step (signed when

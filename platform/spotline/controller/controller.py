@@ -152,6 +152,9 @@ class Controller:
                 if self.demand is not None:
                     self.demand.keep()
                 self.state = self._handle(self.state)
+            # After the step's commits are taken (notices answered, backfill told): it
+            # lists their files before keep_last deletes anything older.
+            self.coordinator.retain()
         except WorkerFailure as e:
             if e.progress is not None and self.group is not None:
                 # What the living ranks published in the failing poll (steps, finished
