@@ -278,11 +278,13 @@ def test_commit_lists_only_the_folders_its_files_are_in(
 def test_the_newest_verified_manifest_is_not_read_again_until_it_changes(
     store: CheckpointStore, tmp_path: Path, monkeypatch
 ) -> None:
-    """A restore lists the steps (reading and verifying each new manifest), then loads the
-    newest: that one is not read again while it is the same object in storage; a rewrite
-    is read and verified afresh."""
+    """A restore by another controller than the one that committed lists the steps
+    (reading and verifying each new manifest), then loads the newest: that one is not
+    read again while it is the same object in storage; a rewrite is read and verified
+    afresh."""
     save_step(store, 100, tmp_path)
     manifest = save_step(store, 200, tmp_path)
+    store = CheckpointStore(store.uri)  # the committer's own knows what it wrote
     reads: list[str] = []
     real = store.fs.cat_file
     monkeypatch.setattr(

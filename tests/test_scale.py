@@ -119,6 +119,32 @@ def test_a_commit_reads_no_receipt_and_records_the_ranks_meta(tmp_path, job):
     assert meta["global_steps"] == 10
 
 
+def test_a_written_manifest_is_not_read_back_and_is_the_one_storage_holds(tmp_path, job):
+    """The controller that commits a step keeps its manifest: the listing and the load
+    that follow read no manifest back, and what they return equals a reader's parse of
+    the stored bytes; a manifest rewritten since is read afresh."""
+    from spotline.checkpoint.manifest import Manifest
+
+    spec, stages = job
+    uri = f"file://{tmp_path}/ckpt"
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
+    coordinator = CommitCoordinator(spec, _store(spec, uri), lambda *a, **k: None)
+    coordinator.expect(10, "g0", 64)
+    (done,) = coordinator.receive(
+        scale_sim.write_step(spec, coordinator.store, stages, 8, 10, "g0")
+    )
+    store = coordinator.store
+    slow = _slow(store)
+    assert store.list_steps().committed == [10]
+    kept = store.load_manifest(10)
+    assert not [p for p in slow.paths if p.endswith("manifest.json")]
+    path = tmp_path / "ckpt" / "step_00000010" / "manifest.json"
+    raw = path.read_bytes()
+    assert kept == Manifest.from_json(raw, store.signing_key())
+    path.write_bytes(raw.replace(b'"step": 10,', b'"step": 11,'))  # no longer verifies
+    assert store.list_steps().damaged.keys() == {10}
+
+
 def test_a_restoring_rank_reads_its_own_meta_file_only(tmp_path, job):
     from spotline.checkpoint.reshard import checkpoint_meta
 

@@ -7,14 +7,16 @@ checkpoint.signing_key_env is set, its signature verifies: that is the one meani
 "committed" for retention, abandonment, commit-from-storage, restore and every reader. A
 manifest that does not (planted, truncated, signed with another key) makes its step
 damaged: neither committed nor an upload, so nothing counts it and nothing deletes it
-until the commit coordinator quarantines it. Each manifest is read once; later listings
-only look at its size and version (`StepStorage.verdicts`), and the newest verified one
-is kept parsed (`StepStorage.newest_manifest`).
+until the commit coordinator quarantines it. Each manifest is read once, and one this
+storage object wrote not at all; later listings only look at its size and version
+(`StepStorage.verdicts`), and the newest verified one is kept parsed
+(`StepStorage.newest_manifest`).
 
 A step directory without ``manifest.json`` is an upload in progress, an abandoned one or
-a quarantined one; it is never offered for restore. The manifest is written last (after
-its files are checked in storage) and deleted first, so no reader ever sees a manifest
-whose files are gone.
+a quarantined one; it is never offered for restore. The manifest is written last (once
+its files are in storage: checked first, or reported uploaded by every rank and checked
+by the coordinator before retention deletes anything) and deleted first, so no reader
+sees a manifest whose files retention removed.
 
 Which steps go, and when, is not decided here: that is the commit coordinator's
 retention (`retention.py`). This module never deletes a step unless asked to.
@@ -183,10 +185,16 @@ def commit(storage: StepStorage, manifest: Manifest, check: bool = True) -> None
             message=f"refusing to commit checkpoint step {step} at {storage.uri}: "
             f"{path} {reason}; upload it before committing",
         )
+    key = storage.signing_key()
     with storage.io(f"writing the manifest of step {step}"):
-        storage.write_atomic(
-            storage.manifest_path(step), manifest.to_json(storage.signing_key()).encode()
-        )
+        storage.write_atomic(storage.manifest_path(step), manifest.to_json(key).encode())
+    # Known as written: the next listing and load need not read megabytes back to parse.
+    stamp = _manifest_stamp(storage, step, _key_id(key))
+    if stamp is not None:
+        storage.verdicts[step] = (stamp, None)
+        newest = storage.newest_manifest
+        if newest is None or step >= newest[1].step:
+            storage.newest_manifest = (stamp, manifest)
 
 
 def bad_files(storage: StepStorage, manifest: Manifest) -> list[tuple[str, str]]:
