@@ -119,12 +119,9 @@ def test_a_commit_reads_no_receipt_and_records_the_ranks_meta(tmp_path, job):
     assert meta["global_steps"] == 10
 
 
-def test_a_written_manifest_is_not_read_back_and_is_the_one_storage_holds(tmp_path, job):
-    """The controller that commits a step keeps its manifest: the listing and the load
-    that follow read no manifest back, and what they return equals a reader's parse of
-    the stored bytes; a manifest rewritten since is read afresh."""
-    from spotline.checkpoint.manifest import Manifest
-
+def _committed(tmp_path, job):
+    """Step 10 of the 64-rank job, committed at tmp_path/ckpt by a coordinator:
+    (spec, stages, coordinator, the commit)."""
     spec, stages = job
     uri = f"file://{tmp_path}/ckpt"
     spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
@@ -133,6 +130,16 @@ def test_a_written_manifest_is_not_read_back_and_is_the_one_storage_holds(tmp_pa
     (done,) = coordinator.receive(
         scale_sim.write_step(spec, coordinator.store, stages, 8, 10, "g0")
     )
+    return spec, stages, coordinator, done
+
+
+def test_a_written_manifest_is_not_read_back_and_is_the_one_storage_holds(tmp_path, job):
+    """The controller that commits a step keeps its manifest: the listing and the load
+    that follow read no manifest back, and what they return equals a reader's parse of
+    the stored bytes; a manifest rewritten since is read afresh."""
+    from spotline.checkpoint.manifest import Manifest
+
+    _, _, coordinator, _ = _committed(tmp_path, job)
     store = coordinator.store
     slow = _slow(store)
     assert store.list_steps().committed == [10]
@@ -148,15 +155,8 @@ def test_a_written_manifest_is_not_read_back_and_is_the_one_storage_holds(tmp_pa
 def test_a_restoring_rank_reads_its_own_meta_file_only(tmp_path, job):
     from spotline.checkpoint.reshard import checkpoint_meta
 
-    spec, stages = job
-    uri = f"file://{tmp_path}/ckpt"
-    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
-    coordinator = CommitCoordinator(spec, _store(spec, uri), lambda *a, **k: None)
-    coordinator.expect(10, "g0", 64)
-    (done,) = coordinator.receive(
-        scale_sim.write_step(spec, coordinator.store, stages, 8, 10, "g0")
-    )
-    store = _store(spec, uri)
+    spec, _, _, done = _committed(tmp_path, job)
+    store = _store(spec, spec.checkpoint.uri)
     slow = _slow(store)
     meta, mine = checkpoint_meta(done.manifest, store, 5)
     assert len(slow.paths) == 1 and slow.paths[0].endswith("rank_00005/meta.json")
