@@ -4,6 +4,7 @@ cannot rot. Behaviour only: the figures are the benchmark's."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -200,6 +201,37 @@ def test_the_harness_storage_and_peer_paths_at_a_small_size(tmp_path):
                  "reshard_plan_file_s", "manifest_bytes_file"):  # fmt: skip
         assert figures[name] > 0
     assert scale.measure_peer(16)["peer_offer_s"] > 0
+
+
+def test_the_bursts_of_thousands_of_ranks_run_with_collection_held(tmp_path, monkeypatch):
+    """The poll, a manifest's JSON both ways and the peer offer build thousands of
+    containers at size; a collection in the middle of them scans the whole heap."""
+    import spotline.checkpoint.manifest as manifest_mod
+    import spotline.runtime.peers as peers_mod
+
+    held: dict[str, list[bool]] = {"poll": [], "write": [], "read": [], "offer": []}
+
+    def recording(name, real, mine=lambda *a: True):  # `mine`: a manifest's, not a receipt's
+        def call(*a, **k):
+            if mine(*a):
+                held[name].append(not gc.isenabled())
+            return real(*a, **k)
+
+        return call
+
+    monkeypatch.setattr(scale_sim.SimGroup, "poll", recording("poll", scale_sim.SimGroup.poll))
+    for name, fn in (("write", "_dump_signed"), ("read", "_load_signed")):
+        real = getattr(manifest_mod, fn)
+        mine = (lambda raw, *a: "data_position" in raw) if name == "write" else (
+            lambda s, key, what, *a: what == "manifest")  # fmt: skip
+        monkeypatch.setattr(manifest_mod, fn, recording(name, real, mine))
+    monkeypatch.setattr(peers_mod, "newest_complete", recording("offer", peers_mod.newest_complete))
+    gc.enable()
+    scale.measure_loop(16, tmp_path)
+    scale.measure_storage(16, f"file://{tmp_path}/paths", None, "file")
+    scale.measure_peer(16)
+    assert {name: set(calls) for name, calls in held.items()} == dict.fromkeys(held, {True})
+    assert gc.isenabled()  # and back on after each
 
 
 def test_the_growth_exponent_is_the_log_log_slope():

@@ -18,6 +18,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from spotline.heap import collection_held
 from spotline.storage import UnsafePathError
 from spotline.storage import check_relpath as check_entry_path
 
@@ -199,7 +200,11 @@ class Manifest:
         """The manifest as JSON; with a key, signed with HMAC-SHA256 (see `from_json`).
         On one line: a manifest of thousands of ranks is megabytes, which json writes
         several times faster (and a third smaller) without indentation; `jq .` shows it
-        indented."""
+        indented. Automatic collection waits meanwhile (`spotline.heap`)."""
+        with collection_held():
+            return self._to_json(signing_key)
+
+    def _to_json(self, signing_key: bytes | None) -> str:
         raw = {
             "step": self.step,
             "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
@@ -216,7 +221,14 @@ class Manifest:
     def from_json(cls, s: str | bytes, signing_key: bytes | None = None) -> Manifest:
         """Parse (and, with a key, verify) a manifest. The signature is checked before any
         field is trusted, so a manifest written by whoever can write the bucket but does
-        not hold the key is refused before a single file it names is read."""
+        not hold the key is refused before a single file it names is read. Automatic
+        collection waits meanwhile: a manifest of thousands of ranks is tens of thousands
+        of containers (`spotline.heap`)."""
+        with collection_held():
+            return cls._from_json(s, signing_key)
+
+    @classmethod
+    def _from_json(cls, s: str | bytes, signing_key: bytes | None) -> Manifest:
         raw = _load_signed(s, signing_key, "manifest", "committed")
         version = raw.get("format_version", FORMAT_VERSION)
         if not isinstance(version, int) or version > FORMAT_VERSION:

@@ -29,6 +29,7 @@ from spotline.controller.recovery import PeerRecovery
 from spotline.controller.repartition import PartitionBook
 from spotline.controller.snapshot import Record
 from spotline.controller.telemetry import Telemetry
+from spotline.heap import collection_held
 from spotline.runtime.progress import Backfill, Progress, Stacks, WorkerFailure, WorkerGroup
 from spotline.runtime.stacks import summarise
 
@@ -76,11 +77,12 @@ class Intake:
 
     def poll(self) -> Progress:
         """One collection of the ranks' progress: losses, saves, commits, figures; then
-        the hang watch."""
+        the hang watch. Automatic collection waits until it is taken in (`spotline.heap`)."""
         clock, health = self.clock, self.health
         t0 = clock()
-        progress = self.group.poll(constants.SPOTLINE_POLL_INTERVAL_S)
-        self.take(progress, clock() - t0)
+        with collection_held():
+            progress = self.group.poll(constants.SPOTLINE_POLL_INTERVAL_S)
+            self.take(progress, clock() - t0)
         fig = self.telemetry.fig
         hang = health.hang(clock(), list(fig.step_seconds), fig.blocked_s)
         if hang is not None:

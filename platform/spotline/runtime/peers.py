@@ -28,6 +28,7 @@ from spotline.checkpoint.layout import RankFiles
 from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.peer import PEER_KEY, PeerCopy, PeerOffer, newest_complete, peer_copy
 from spotline.config.schema import JobSpec
+from spotline.heap import collection_held
 from spotline.planning.peer_memory import LEVELS, PeerLevel, fit_level, rank_copy_bytes
 from spotline.runtime.keeper import KeeperFull, StateKeeper, keeper_name
 from spotline.units import human_bytes
@@ -263,8 +264,10 @@ class PeerMemory:
         leaving: set[str] = frozenset(),
     ) -> PeerOffer | None:
         """The newest step (or step `at`) group `attempt` left complete in the live
-        keepers of nodes that are not `leaving`."""
-        return newest_complete(self.spec, self.held(leaving), attempt, world, partition, at)
+        keepers of nodes that are not `leaving`. Automatic collection waits meanwhile:
+        thousands of ranks' holdings are a burst of containers (`spotline.heap`)."""
+        with collection_held():
+            return newest_complete(self.spec, self.held(leaving), attempt, world, partition, at)
 
     def settle(self, attempt: str, step: int) -> None:
         """Every rank of `attempt` has `step` in all its keepers: they drop older steps
