@@ -153,6 +153,18 @@ def test_a_written_manifest_is_not_read_back_and_is_the_one_storage_holds(tmp_pa
     assert store.list_steps().damaged.keys() == {10}
 
 
+def test_a_restore_lists_the_steps_once_unless_receipts_commit_a_step(tmp_path, job):
+    spec, stages, coordinator, _ = _committed(tmp_path, job)
+    listings = []
+    real = coordinator.store.list_steps
+    coordinator.store.list_steps = lambda: listings.append(1) or real()
+    group = scale._Restoring(stages, 8, coordinator.store)
+    assert coordinator.restore(group, lambda s: None)[0] == 10 and len(listings) == 1
+    # Step 20's every rank left its receipt, and no completion report reached anyone.
+    scale_sim.write_step(spec, coordinator.store, stages, 8, 20, "g1")
+    assert coordinator.restore(group, lambda s: None)[0] == 20 and len(listings) == 3
+
+
 def test_a_restoring_rank_reads_its_own_meta_file_only(tmp_path, job):
     from spotline.checkpoint.reshard import checkpoint_meta
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from spotline.checkpoint.catalog import Steps
 from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError
 from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.retention import apply_retention
@@ -163,16 +164,17 @@ class CommitCoordinator:
                     out.append(done)
         return out
 
-    def commit_from_storage(self) -> list[Committed]:
+    def commit_from_storage(self, steps: Steps | None = None) -> list[Committed]:
         """Commit steps newer than the latest commit whose every rank of one group left a
         receipt in storage (their completion reports died with the group). Only receipts
         this job wrote under this spec commit: an unsigned or badly signed one (when
         checkpoint.signing_key_env is set), another job's, or one of another spec (a
-        resubmission with other data, seed or batch) is refused, and the step with it."""
+        resubmission with other data, seed or batch) is refused, and the step with it.
+        `steps`: the listing of the steps just taken, when the caller has one."""
         out = []
         try:
             # Verified commits only: a damaged manifest at a high step hides nothing.
-            steps = self.store.list_steps()
+            steps = self.store.list_steps() if steps is None else steps
             latest = max(steps.committed, default=-1)
             for step in steps.uncommitted:
                 if step <= latest:
@@ -404,9 +406,12 @@ class CommitCoordinator:
         complete in live peers' memory. When it is at least as new as the newest commit
         it loads from there (nothing read from storage); when any rank cannot read or
         verify it, the restore falls back to the commits and says so."""
-        self._recovered += self.commit_from_storage()
-        self._load_holds()
         listing = self.store.list_steps()
+        recovered = self.commit_from_storage(listing)
+        if recovered:  # listed again: a step it committed is a step to restore
+            self._recovered += recovered
+            listing = self.store.list_steps()
+        self._load_holds()
         self.committed = list(listing.committed)
         self.quarantined = list(listing.quarantined)
         good = listing.committed
