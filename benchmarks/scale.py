@@ -30,6 +30,7 @@ request) and extrapolates each to 4,096 ranks from its fitted exponent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -289,12 +291,33 @@ def one_size(world: int, endpoint: str | None, s3_bucket: str | None) -> dict[st
         out.update(measure_loop(world, work))
         out.update(measure_storage(world, f"file://{work}/paths", None, "file"))
         if endpoint and s3_bucket:
-            out.update(measure_storage(world, f"s3://{s3_bucket}/n{world}-{os.getpid()}", endpoint, "s3"))  # fmt: skip
+            bucket = f"{s3_bucket}-{world}-{os.getpid()}"
+            with _own_bucket(endpoint, bucket):
+                out.update(measure_storage(world, f"s3://{bucket}/job", endpoint, "s3"))
         out.update(measure_peer(world))
     return out
 
 
 # --- the sizes, the fit, the table --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _own_bucket(endpoint: str, bucket: str) -> Iterator[None]:
+    """A bucket for one size's run, emptied and deleted after it. moto answers each
+    listing by walking every key of the bucket, where S3 reads the prefix's keys only:
+    in one bucket, each size's listings would also pay for every earlier size's keys."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    try:
+        yield
+    finally:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+        s3.delete_bucket(Bucket=bucket)
 
 
 def run_sizes(sizes: list[int], repeats: int, endpoint: str | None, bucket: str | None) -> dict[int, list[dict]]:  # fmt: skip
@@ -445,12 +468,7 @@ def main(argv: list[str] | None = None) -> int:
 
             isolate_aws_env(work)
             moto, endpoint = start_moto(work)
-            bucket = "spotline-scale"
-            import boto3
-
-            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
-                Bucket=bucket
-            )
+            bucket = "spotline-scale"  # each size's run makes its own, named from this
         runs = run_sizes(sizes, args.repeats, endpoint, bucket)
     finally:
         if moto is not None:

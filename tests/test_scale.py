@@ -215,6 +215,20 @@ def test_the_harness_storage_and_peer_paths_at_a_small_size(tmp_path):
     assert scale.measure_peer(16)["peer_offer_s"] > 0
 
 
+def test_each_size_on_s3_runs_in_a_bucket_of_its_own_that_it_deletes(s3_bucket):
+    """moto lists a bucket by walking all its keys: a size's run must not pay for the
+    keys an earlier size left."""
+    before = {b["Name"] for b in s3_bucket.client.list_buckets()["Buckets"]}
+    with scale._own_bucket(s3_bucket.endpoint_url, "spotline-scale-16-1"):
+        figures = scale.measure_storage(
+            16, "s3://spotline-scale-16-1/job", s3_bucket.endpoint_url, "s3"
+        )
+        listed = s3_bucket.client.list_objects_v2(Bucket="spotline-scale-16-1")
+        assert listed["KeyCount"] > 0
+    assert figures["restore_plan_s3_s"] > 0 and figures["manifest_bytes_s3"] > 0
+    assert {b["Name"] for b in s3_bucket.client.list_buckets()["Buckets"]} == before
+
+
 def test_the_bursts_of_thousands_of_ranks_run_with_collection_held(tmp_path, monkeypatch):
     """The poll, a manifest's JSON both ways and the peer offer build thousands of
     containers at size; a collection in the middle of them scans the whole heap."""
