@@ -5,7 +5,7 @@ A controller of thousands of ranks builds tens of thousands of containers in one
 of them forms a cycle, and almost all of them are gone when the burst ends. Collected in
 the middle of it, they survive the young collections, are counted as old, and trip a
 collection of the whole heap (with S3's client and torch loaded, it costs more than the
-poll of 8,192 ranks itself; `benchmarks/scale.py` shows it). Held back, they die by
+poll of 8,192 ranks itself; benchmarks/README.md has the figures). Held back, they die by
 reference count when the burst ends; collections resume after it, with the counts it
 left, and find only what outlived it.
 """
