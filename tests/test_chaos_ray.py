@@ -74,6 +74,9 @@ def test_quickstart_under_the_gentle_trace_passes_with_exact_resume(tmp_path, ca
 # --- on the plugin's shared cluster ---------------------------------------------------------
 
 _ELASTIC = {
+    # One stage: what these rehearsals check (the data's purity, the work a loss costs)
+    # does not depend on the pipeline, and a one-rank replica starts in half the time.
+    "parallel.pipeline_stages": 1,
     "elastic.min_replicas": 1,
     "elastic.max_replicas": 2,
     "train.steps": 5000,  # the trace's end stops it
