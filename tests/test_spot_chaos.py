@@ -578,11 +578,15 @@ def test_an_unexpected_controller_error_fails_the_job_and_leaves_no_actor_behind
 
             c._running = buggy
 
+    # The state API of this cluster: without an address it looks for one by itself, and
+    # fails when another Ray cluster runs on the machine.
+    here = ray.get_runtime_context().gcs_address
+
     def alive() -> list[str]:
         mine = f"spotline:{spec.name}:"
         return sorted(
             a.name
-            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            for a in list_actors(here, filters=[("state", "=", "ALIVE")], limit=1000)
             if (a.name or "").startswith(mine) and a.name != controller_name(spec.name)
         )
 
@@ -607,7 +611,7 @@ def test_an_unexpected_controller_error_fails_the_job_and_leaves_no_actor_behind
     while alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert alive() == []
-    groups = list_placement_groups(filters=[("state", "!=", "REMOVED")], limit=1000)
+    groups = list_placement_groups(here, filters=[("state", "!=", "REMOVED")], limit=1000)
     assert [g.name for g in groups if (g.name or "").startswith(f"spotline:{spec.name}:")] == []
 
 
