@@ -85,10 +85,13 @@ class AutoscalingTestCluster:
     address: str
     temp_dir: Path
     mark: str
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """In the environment of every node's processes (the fake provider's nodes inherit
+    the head's), so every worker has it."""
     extra_nodes: dict = field(default_factory=dict)  # node id -> ray._private.node.Node
 
     @classmethod
-    def start(cls) -> AutoscalingTestCluster:
+    def start(cls, worker_env: dict[str, str]) -> AutoscalingTestCluster:
         port = _free_port()
         address = f"127.0.0.1:{port}"
         temp_dir = Path(
@@ -104,6 +107,7 @@ class AutoscalingTestCluster:
         os.environ["RAY_AUTH_MODE"] = "token"
         env = {
             **os.environ,
+            **worker_env,
             _MARK: mark,
             "RAY_FAKE_CLUSTER": "1",
             "AUTOSCALER_UPDATE_INTERVAL_S": "1",
@@ -119,7 +123,7 @@ class AutoscalingTestCluster:
         }
         # Every fixed default port of a head may be taken by another cluster here.
         agent, agent_grpc, metrics, rt_env, client = (_free_port() for _ in range(5))
-        cluster = cls(address, temp_dir, mark)
+        cluster = cls(address, temp_dir, mark, dict(worker_env))
         try:
             subprocess.run(
                 [
@@ -170,7 +174,11 @@ class AutoscalingTestCluster:
             num_gpus=SPOT_NODE["GPU"],
             resources={"spot_gpu": SPOT_NODE["spot_gpu"]},
             object_store_memory=_OBJECT_STORE_BYTES,
-            env_vars={_MARK: self.mark, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id},
+            env_vars={
+                **self.worker_env,
+                _MARK: self.mark,
+                "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id,
+            },
         )
         self.extra_nodes[node_id] = ray._private.node.Node(
             params, head=False, shutdown_at_exit=False, spawn_reaper=False

@@ -177,30 +177,44 @@ def s3_bucket(
 # --- Ray -------------------------------------------------------------------------------
 
 
+# What every worker of a test cluster has in its environment. The nodes' raylets hold
+# it and their workers inherit it: as a runtime_env it would make Ray start each worker
+# through its setup process (a second interpreter importing Ray), a second more per job.
+CLUSTER_ENV = {
+    **WORKER_ENV,
+    # A tracker server a test points at that does not answer fails the call at once,
+    # not after MLflow's minutes of retries.
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "1",
+}
+
+
 def init_local_ray() -> None:
     import ray
 
-    ray.init(
-        # Always a cluster of this session's own: without an address Ray would attach to
-        # any cluster its address file names (another run's, or a dead one).
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="WARNING",
-        runtime_env={
-            "env_vars": {
-                **WORKER_ENV,
-                # A tracker server a test points at that does not answer fails the call
-                # at once, not after MLflow's minutes of retries.
-                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-                "MLFLOW_HTTP_REQUEST_TIMEOUT": "1",
-            }
-        },
-        # Metrics reach the Prometheus endpoint within a second (default 10 s), so a
-        # test can scrape them while a short job runs.
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    # A local `ray.init` starts the node's processes from this one, with its environment
+    # (Ray takes no variables for them): they get CLUSTER_ENV, this process keeps its own.
+    before = {k: os.environ.get(k) for k in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)
+    try:
+        ray.init(
+            # Always a cluster of this session's own: without an address Ray would attach
+            # to any cluster its address file names (another run's, or a dead one).
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="WARNING",
+            # Metrics reach the Prometheus endpoint within a second (default 10 s), so a
+            # test can scrape them while a short job runs.
+            _system_config={"metrics_report_interval_ms": 1000},
+        )
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pytest
 
 import spotline
 from cluster_fixture import AutoscalingTestCluster, drain_node, wait_for
-from conftest import WORKER_ENV, tiny_spec
+from conftest import CLUSTER_ENV, tiny_spec
 from spotline import testing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -31,13 +31,12 @@ def autoscaling_cluster():
 
     had = ray.is_initialized()
     ray.shutdown()
-    c = AutoscalingTestCluster.start()
+    c = AutoscalingTestCluster.start(CLUSTER_ENV)
     try:
         ray.init(
             address=c.address,
             log_to_driver=False,
             logging_level="WARNING",
-            runtime_env={"env_vars": WORKER_ENV},
         )
         yield c
     finally:

@@ -8,12 +8,14 @@ plugin's `spot_cluster` fixture, as a user's suite would.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from conftest import init_local_ray, tiny_spec
 from spotline.cli import main
+from spotline.testing import SpotClusterConfig
 
 pytest_plugins = ["spotline.testing"]
 pytestmark = pytest.mark.chaos
@@ -32,6 +34,15 @@ def _local_ray_back_after():
     yield
     if had:
         init_local_ray()
+
+
+# What a user's suite would set for its jobs' workers (here, a variable they ignore).
+_WORKER_ENV = {"HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def spot_cluster_config() -> SpotClusterConfig:
+    return SpotClusterConfig(worker_env=_WORKER_ENV)
 
 
 def test_quickstart_under_the_gentle_trace_passes_with_exact_resume(tmp_path, capsys):
@@ -192,3 +203,22 @@ def test_the_plugin_alone_rehearses_a_notice(spot_cluster, tmp_path):
     assert_exact_resume(result, reference)
     assert_no_lost_commit(result, spot_cluster.faults)
     assert any("ray-drain" in c for c in spot_cluster.changes)
+
+
+def test_the_worker_env_reaches_the_processes_of_every_node(spot_cluster):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def env() -> dict[str, str | None]:
+        return {k: os.environ.get(k) for k in _WORKER_ENV}
+
+    nodes = [spot_cluster.node_id(n) for n in spot_cluster.nodes]
+    nodes.append(ray.get_runtime_context().get_node_id())  # the head's
+    seen = ray.get(
+        [
+            env.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+            for n in nodes
+        ]
+    )
+    assert seen == [_WORKER_ENV] * len(nodes)

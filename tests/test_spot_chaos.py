@@ -22,13 +22,13 @@ import pytest
 
 import spotline
 from cluster_fixture import drain_node
-from conftest import WORKER_ENV, init_local_ray, inject_faults, tiny_spec
+from conftest import CLUSTER_ENV, init_local_ray, inject_faults, tiny_spec
 from spotline.checkpoint import CheckpointStore
 from spotline.testing import wait_for
 
 pytestmark = pytest.mark.chaos
 
-SPOT_NODE = {"num_cpus": 2, "resources": {"spot_gpu": 2}}
+SPOT_NODE = {"num_cpus": 2, "resources": {"spot_gpu": 2}, "env_vars": CLUSTER_ENV}
 
 
 def _free_port() -> int:
@@ -54,6 +54,7 @@ class SpotCluster:
                 "num_gpus": 0,
                 "include_dashboard": True,
                 "dashboard_port": _free_port(),
+                "env_vars": CLUSTER_ENV,
             },
         )
         self.spot: list[Any] = []
@@ -109,7 +110,6 @@ def spot_cluster():
             address=c.cluster.address,
             log_to_driver=False,
             logging_level="WARNING",
-            runtime_env={"env_vars": WORKER_ENV},
         )
         yield c
     finally:
