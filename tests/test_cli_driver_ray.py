@@ -115,6 +115,18 @@ class _Driver:
             time.sleep(0.1)
         raise AssertionError(f"no such step in {_TIMEOUT_S}s:\n{self.text()[-4000:]}")
 
+    def gcs_address(self) -> str:
+        """The address of the Ray cluster the driver started, as its raylet was given it
+        (Ray finds local clusters the same way)."""
+        self.note_children()
+        for p in self.children:
+            with contextlib.suppress(psutil.Error):
+                if p.name() == "raylet":
+                    m = re.search(r"--gcs-address=(\S+)", " ".join(p.cmdline()))
+                    if m:
+                        return m[1]
+        raise AssertionError(f"no raylet among the driver's processes: {self.children}")
+
     def note_children(self) -> None:
         """The processes of the driver's own Ray cluster (GCS, raylet, workers)."""
         with contextlib.suppress(psutil.Error):
@@ -165,13 +177,14 @@ def test_a_running_job_is_watched_by_name_and_sigterm_stops_it_with_a_commit(
         driver.wait_for(r"committed checkpoint step \d+")
 
         # Another process finds the job by name on the cluster `spotline run` started,
-        # and with no name, as the one running job.
+        # and with no name, as the one running job there (another cluster on this
+        # machine, a developer's own, may run jobs of its own).
         named = _cli("status", NAME, "--json", "-")
         assert named.returncode == 0, named.stderr[-3000:]
         st = json.loads(named.stdout)
         assert st["name"] == NAME and st["state"] in ("running", "checkpointing")
         assert st["step"] >= 5 and st["committed_steps"]
-        bare = _cli("status", "--json", "-")
+        bare = _cli("status", "--address", driver.gcs_address(), "--json", "-")
         assert bare.returncode == 0, bare.stderr[-3000:]
         assert json.loads(bare.stdout)["name"] == NAME
         assert _AUTH_NOTICE not in named.stderr + bare.stderr

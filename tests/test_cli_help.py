@@ -171,7 +171,10 @@ def test_an_unwritable_home_never_fails_a_job(tmp_path, monkeypatch):
     [
         ("run", None, None, False, "token"),  # a new local cluster: Ray's default, stated
         ("sweep", None, None, True, "token"),
-        ("run", "10.0.0.1:6379", None, True, None),  # an explicit address: Ray decides
+        ("run", "10.0.0.1:6379", None, True, None),  # another machine: Ray decides
+        ("run", "127.0.0.1:6379", None, True, "token"),  # this machine's, a token
+        ("status", "localhost:6379", "quickstart", True, "token"),
+        ("status", "127.0.0.1:6379", "quickstart", False, None),
         ("run", "auto", None, True, "token"),  # a cluster found on this machine, a token
         ("run", "auto", None, False, None),
         ("status", "auto", "quickstart", True, "token"),  # this machine's clusters, a token

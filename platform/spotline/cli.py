@@ -126,9 +126,13 @@ def state_ray_auth_mode(args: argparse.Namespace) -> None:
 def ray_auth_mode(args: argparse.Namespace, ray_address: str | None, token_exists) -> str | None:
     """The mode Ray would turn on for this command, where Ray would announce it: a new
     local cluster turns token mode on; attaching to a cluster found on this machine
-    turns it on when a token exists. None: an explicit address (Ray decides silently),
-    or a command that never touches Ray."""
+    turns it on when a token exists, an explicit loopback address included (a cluster
+    `spotline run` started, named by its address: Ray itself would send no token, and
+    fail). None: an explicit address of another machine (Ray decides silently, and this
+    machine's token is not offered to it), or a command that never touches Ray."""
     address = ray_address or getattr(args, "address", None)
+    if address not in (None, "auto") and _is_loopback(address):
+        address = "auto"
     if args.cmd == "chaos":
         return "token"  # it always starts a local cluster of its own
     starts = args.cmd in ("run", "sweep")
@@ -139,6 +143,12 @@ def ray_auth_mode(args: argparse.Namespace, ray_address: str | None, token_exist
     ):
         return "token" if token_exists() else None
     return None
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a Ray address (HOST:PORT, optionally ray://) names this machine's loopback."""
+    host = address.removeprefix("ray://").partition("/")[0].rpartition(":")[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _reads_storage(args: argparse.Namespace) -> bool:
