@@ -190,13 +190,13 @@ CLUSTER_ENV = {
 
 
 def init_local_ray() -> None:
+    from unittest import mock
+
     import ray
 
     # A local `ray.init` starts the node's processes from this one, with its environment
     # (Ray takes no variables for them): they get CLUSTER_ENV, this process keeps its own.
-    before = {k: os.environ.get(k) for k in CLUSTER_ENV}
-    os.environ.update(CLUSTER_ENV)
-    try:
+    with mock.patch.dict(os.environ, CLUSTER_ENV):
         ray.init(
             # Always a cluster of this session's own: without an address Ray would attach
             # to any cluster its address file names (another run's, or a dead one).
@@ -209,12 +209,6 @@ def init_local_ray() -> None:
             # test can scrape them while a short job runs.
             _system_config={"metrics_report_interval_ms": 1000},
         )
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
