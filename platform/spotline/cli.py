@@ -147,8 +147,13 @@ def ray_auth_mode(args: argparse.Namespace, ray_address: str | None, token_exist
 
 def _is_loopback(address: str) -> bool:
     """Whether a Ray address (HOST:PORT, optionally ray://) names this machine's loopback."""
+    import ipaddress
+
     host = address.removeprefix("ray://").partition("/")[0].rpartition(":")[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def _reads_storage(args: argparse.Namespace) -> bool:
