@@ -113,9 +113,11 @@ class AutoscalingTestCluster:
             # A node that stops answering is terminated (and so replaced) after 5 s, as
             # a cloud reports a preempted instance gone.
             "AUTOSCALER_HEARTBEAT_TIMEOUT_S": "5",
-            # Ray's GCS declares a killed node dead after 5 failed health checks: one a
-            # second (not every 3 s), so a removed node is gone in seconds, not 15+.
+            # Ray's GCS declares a killed node dead after failed health checks: three,
+            # a second apart (not five, 3 s apart), so a removed node is gone in about
+            # 6 s, not 16.
             "RAY_health_check_period_ms": "1000",
+            "RAY_health_check_failure_threshold": "3",
             # Every node of this cluster, the fake ones too, binds to 127.0.0.1.
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "RAY_USAGE_STATS_ENABLED": "0",

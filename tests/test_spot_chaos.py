@@ -55,6 +55,12 @@ class SpotCluster:
                 "include_dashboard": True,
                 "dashboard_port": _free_port(),
                 "env_vars": CLUSTER_ENV,
+                # A removed node is declared dead in about 6 s, not 16 (`reset` waits
+                # for that before the next test), as in `spotline.chaos`'s cluster.
+                "_system_config": {
+                    "health_check_period_ms": 1000,
+                    "health_check_failure_threshold": 3,
+                },
             },
         )
         self.spot: list[Any] = []

@@ -102,6 +102,10 @@ class LocalSpotCluster:
             # another cluster on this machine may hold the default one.
             "dashboard_port": _free_port(),
             "env_vars": dict(self.worker_env),
+            # Ray's GCS declares a killed node dead after failed health checks: three,
+            # a second apart (Ray's default, five 3 s apart, takes about 16 s here). A
+            # trace's next `join` waits for that: the cluster counts its nodes first.
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
         }
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
         self.by_number: dict[int, Any] = {}
