@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spotline.chaos.cluster import NODE_DEATH_CONFIG
+
 MAX_SPOT_NODES = 3
 SPOT_NODE = {"CPU": 2, "GPU": 1, "spot_gpu": 1}
 _OBJECT_STORE_BYTES = 200 * 1024**2
@@ -113,11 +115,8 @@ class AutoscalingTestCluster:
             # A node that stops answering is terminated (and so replaced) after 5 s, as
             # a cloud reports a preempted instance gone.
             "AUTOSCALER_HEARTBEAT_TIMEOUT_S": "5",
-            # Ray's GCS declares a killed node dead after failed health checks: three,
-            # a second apart (not five, 3 s apart), so a removed node is gone in about
-            # 6 s, not 16.
-            "RAY_health_check_period_ms": "1000",
-            "RAY_health_check_failure_threshold": "3",
+            # A removed node is declared dead in about 6 s, not 16.
+            **{f"RAY_{k}": str(v) for k, v in NODE_DEATH_CONFIG.items()},
             # Every node of this cluster, the fake ones too, binds to 127.0.0.1.
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "RAY_USAGE_STATS_ENABLED": "0",

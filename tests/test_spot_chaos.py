@@ -23,6 +23,7 @@ import pytest
 import spotline
 from cluster_fixture import drain_node
 from conftest import CLUSTER_ENV, init_local_ray, inject_faults, tiny_spec
+from spotline.chaos.cluster import NODE_DEATH_CONFIG
 from spotline.checkpoint import CheckpointStore
 from spotline.testing import wait_for
 
@@ -55,12 +56,9 @@ class SpotCluster:
                 "include_dashboard": True,
                 "dashboard_port": _free_port(),
                 "env_vars": CLUSTER_ENV,
-                # A removed node is declared dead in about 6 s, not 16 (`reset` waits
-                # for that before the next test), as in `spotline.chaos`'s cluster.
-                "_system_config": {
-                    "health_check_period_ms": 1000,
-                    "health_check_failure_threshold": 3,
-                },
+                # A removed node is declared dead in about 6 s, not 16: `reset` waits
+                # for that before the next test.
+                "_system_config": dict(NODE_DEATH_CONFIG),
             },
         )
         self.spot: list[Any] = []

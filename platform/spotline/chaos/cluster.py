@@ -27,6 +27,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+NODE_DEATH_CONFIG = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+"""Ray's system config for a cluster of simulated nodes: its GCS declares a killed node
+dead after three failed health checks a second apart, about 6 s here (Ray's default, five
+3 s apart, about 16 s). A trace's next `join` waits for it: the cluster counts its nodes
+first."""
+
 
 @dataclass(frozen=True)
 class SpotNodeShape:
@@ -102,10 +108,7 @@ class LocalSpotCluster:
             # another cluster on this machine may hold the default one.
             "dashboard_port": _free_port(),
             "env_vars": dict(self.worker_env),
-            # Ray's GCS declares a killed node dead after failed health checks: three,
-            # a second apart (Ray's default, five 3 s apart, takes about 16 s here). A
-            # trace's next `join` waits for that: the cluster counts its nodes first.
-            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+            "_system_config": dict(NODE_DEATH_CONFIG),
         }
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
         self.by_number: dict[int, Any] = {}
