@@ -168,6 +168,7 @@ def test_a_build_lock_a_killed_build_left_is_removed_and_a_live_builds_is_kept(
 @pytest.mark.unit
 def test_ray_seam_without_a_cluster(monkeypatch) -> None:
     from ray._private import ray_constants
+    from ray._private.parameter import RayParams
     from ray.tune.schedulers import PopulationBasedTraining
 
     from spotline.compat import ray as seam
@@ -184,6 +185,10 @@ def test_ray_seam_without_a_cluster(monkeypatch) -> None:
     assert seam.upload_working_dir_if_needed({"env_vars": {}}) == {"env_vars": {}}
     pbt = PopulationBasedTraining(hyperparam_mutations={"train.lr": [0.1, 0.2]})
     assert seam.pbt_hyperparam_mutations(pbt) == {"train.lr": [0.1, 0.2]}
+    head = seam.head_with_system_config({"num_cpus": 1}, {"health_check_period_ms": 1000})
+    params = RayParams(**head)
+    assert params._system_config == {"health_check_period_ms": 1000}
+    assert params.num_cpus == 1
 
 
 @pytest.mark.unit

@@ -25,6 +25,7 @@ from cluster_fixture import drain_node
 from conftest import CLUSTER_ENV, init_local_ray, inject_faults, tiny_spec
 from spotline.chaos.cluster import NODE_DEATH_CONFIG
 from spotline.checkpoint import CheckpointStore
+from spotline.compat.ray import head_with_system_config
 from spotline.testing import wait_for
 
 pytestmark = pytest.mark.chaos
@@ -50,16 +51,18 @@ class SpotCluster:
             # The dashboard serves Ray's state API (what is alive after a failure);
             # it listens on 127.0.0.1, on a port of its own: another Ray cluster on this
             # machine may hold the default one.
-            head_node_args={
-                "num_cpus": 2,
-                "num_gpus": 0,
-                "include_dashboard": True,
-                "dashboard_port": _free_port(),
-                "env_vars": CLUSTER_ENV,
-                # A removed node is declared dead in about 6 s, not 16: `reset` waits
-                # for that before the next test.
-                "_system_config": dict(NODE_DEATH_CONFIG),
-            },
+            # A removed node is declared dead in about 6 s, not 16: `reset` waits for
+            # that before the next test.
+            head_node_args=head_with_system_config(
+                {
+                    "num_cpus": 2,
+                    "num_gpus": 0,
+                    "include_dashboard": True,
+                    "dashboard_port": _free_port(),
+                    "env_vars": CLUSTER_ENV,
+                },
+                NODE_DEATH_CONFIG,
+            ),
         )
         self.spot: list[Any] = []
 

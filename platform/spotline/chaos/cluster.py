@@ -89,6 +89,7 @@ class LocalSpotCluster:
         import ray
         from ray.cluster_utils import Cluster
 
+        from spotline.compat.ray import head_with_system_config
         from spotline.runtime.cluster import bind_to_loopback
 
         if ray.is_initialized():
@@ -108,9 +109,10 @@ class LocalSpotCluster:
             # another cluster on this machine may hold the default one.
             "dashboard_port": _free_port(),
             "env_vars": dict(self.worker_env),
-            "_system_config": dict(NODE_DEATH_CONFIG),
         }
-        self.cluster = Cluster(initialize_head=True, head_node_args=head)
+        self.cluster = Cluster(
+            initialize_head=True, head_node_args=head_with_system_config(head, NODE_DEATH_CONFIG)
+        )
         self.by_number: dict[int, Any] = {}
         """Node number -> its Ray node while it is up."""
         self.ids: dict[int, str] = {}

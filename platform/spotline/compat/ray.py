@@ -52,6 +52,7 @@ _ray.defined(
 )
 _ray.defined(_PRIORITY, "ResourceRequestPriority.HIGH")
 _ray.defined("ray.tune.schedulers.pbt", "PopulationBasedTraining._hyperparam_mutations")
+_ray.defined("ray._private.parameter", "RayParams._system_config")
 
 
 # --- finding and reaching a cluster --------------------------------------------------------
@@ -119,6 +120,12 @@ def node_pids(node: Any) -> list[int]:
     """The pids of the processes a `ray.cluster_utils.Cluster` node started (its raylet
     and the rest), without their children (the workers the raylet starts)."""
     return [p.pid for _, p in node.live_processes()]
+
+
+def head_with_system_config(head: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The head-node arguments of a `ray.cluster_utils.Cluster` with Ray's system config
+    `config` (its private `_system_config`, which the head gives every node)."""
+    return {**head, "_system_config": dict(config)}
 
 
 def free_resources_per_node() -> dict[str, dict[str, float]]:
