@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spotline.config import JobSpec, SpecError, load_spec
-    from spotline.job import Job, JobResult, JobRun, SubmittedJob
-    from spotline.job_outcome import JobFailed
+    from spotline.job import Job, JobRun, SubmittedJob
+    from spotline.job_outcome import JobFailed, JobResult
 
 _HOMES = {
     "Job": "spotline.job",
     "JobFailed": "spotline.job_outcome",
-    "JobResult": "spotline.job",
+    "JobResult": "spotline.job_outcome",
     "JobRun": "spotline.job",
     "SubmittedJob": "spotline.job",
     "JobSpec": "spotline.config",

@@ -23,7 +23,7 @@ from spotline import constants
 from spotline.job_outcome import resume_hint
 
 if TYPE_CHECKING:
-    from spotline.job import JobResult
+    from spotline.job_outcome import JobResult
 
 SIGNALS = {signal.SIGTERM: ("SIGTERM", 143), signal.SIGINT: ("Ctrl-C", 130)}
 """What each signal is called in messages, and the exit code of a command it ends."""
