@@ -19,14 +19,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
+from spotline.checkpoint import (
+    TOKENIZER_ARTIFACTS,
+    CheckpointStore,
+    CorruptCheckpointError,
+    Manifest,
+)
 from spotline.checkpoint.layout import CheckpointFormatError
 from spotline.config.loader import SpecError
 from spotline.config.schema import JobSpec
 from spotline.storage import files_under, some_names
 
-TOKENIZER_ARTIFACTS = "tokenizer"
-"""Where a job keeps copies of its tokenizer files, under the checkpoint's artifacts/."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # What an export writes: config.json, safetensors (one file, or shards and their index)
 # and the tokenizer's files.
@@ -193,4 +196,4 @@ def _copy_out(local: Path, out: str, stale: list[str]) -> None:
         fs.put_file(str(f), f"{root}/{f.name}")
 
 
-__all__ = ["TOKENIZER_ARTIFACTS", "export_hf", "job_spec_of"]
+__all__ = ["export_hf", "job_spec_of"]

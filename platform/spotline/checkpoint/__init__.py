@@ -31,6 +31,7 @@ from spotline.checkpoint.manifest import FileEntry, Manifest, ManifestError
 from spotline.checkpoint.store import (
     LEDGER_ARTIFACT,
     SUMMARY_ARTIFACT,
+    TOKENIZER_ARTIFACTS,
     TRACE_ARTIFACT,
     CheckpointStore,
 )
@@ -40,6 +41,7 @@ from spotline.storage.fs import hash_file
 __all__ = [
     "LEDGER_ARTIFACT",
     "SUMMARY_ARTIFACT",
+    "TOKENIZER_ARTIFACTS",
     "TRACE_ARTIFACT",
     "CheckpointMismatchError",
     "CheckpointStore",

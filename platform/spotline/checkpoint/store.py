@@ -58,6 +58,7 @@ __all__ = [
 TRACE_ARTIFACT = "trace.json"  # Chrome trace of the latest pipeline steps
 SUMMARY_ARTIFACT = "summary.json"  # what `spotline status` / `report` show
 LEDGER_ARTIFACT = "ledger.json"  # the goodput ledger, continued by a restarted controller
+TOKENIZER_ARTIFACTS = "tokenizer"  # copies of the tokenizer's files, for `spotline export`
 
 
 class CheckpointStore(StepStorage):

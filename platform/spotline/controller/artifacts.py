@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any
 
-from spotline.checkpoint import TRACE_ARTIFACT
+from spotline.checkpoint import TOKENIZER_ARTIFACTS, TRACE_ARTIFACT
 
 STACKS_ARTIFACTS = "stacks"
 """Where the evidence of each hang goes: `stacks/NAME/stacks.json` (every rank's threads
@@ -38,7 +38,6 @@ class Artifacts:
 
     def _store_tokenizer(self) -> None:
         from spotline.data.tokenizer import tokenizer_files
-        from spotline.hf_export import TOKENIZER_ARTIFACTS
 
         try:
             files = tokenizer_files(self.spec)
