@@ -17,7 +17,7 @@
 - A restore goes through one fallback path: an unparsable or unsigned manifest, a
   missing file or a sha256 mismatch falls back to the previous committed step and says
   so; a load error that is not corruption is retried a bounded number of times, then
-  falls back too. Once an older step loaded, each step that failed verification is
+  falls back too (`loading.py`, which also refuses a step this spec must not resume). Once an older step loaded, each step that failed verification is
   quarantined: kept for inspection, never read again, never counted by keep_last.
 - Receipts read back from storage commit only when they verify (signed, when a key is
   set) and were written by this job under this spec.
@@ -38,10 +38,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from spotline.checkpoint.catalog import Steps
-from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError
+from spotline.checkpoint.errors import CorruptCheckpointError
+from spotline.checkpoint.loading import Restorable, StepLoader
 from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.retention import apply_retention
 from spotline.checkpoint.store import (
@@ -54,22 +55,12 @@ from spotline.checkpoint.transfer import UploadResult, attempt_dir, build_manife
 from spotline.config.identity import mismatch_reason, written_by_this
 from spotline.config.schema import JobSpec
 from spotline.storage.errors import StorageError
-from spotline.storage.retry import retrying
 
 Event = Callable[..., None]
 
 RETAIN_RETRY_S = 30.0
 HOLDS_ARTIFACT = "holds.json"
 """Committed steps held from retention for readers outside the job: step -> until (epoch s)."""
-
-
-class Restorable(Protocol):
-    """What a restore needs of a worker group."""
-
-    replicas: int
-    attempt: str
-
-    def restore(self, manifest: Manifest, source: str | None = None) -> int: ...
 
 
 @dataclass
@@ -101,7 +92,8 @@ class CommitCoordinator:
         load_retries: int = 2,
         wall: Callable[[], float] = time.time,
     ):
-        self.spec, self.store, self._event, self.load_retries = spec, store, event, load_retries
+        self.spec, self.store, self._event = spec, store, event
+        self.loader = StepLoader(spec, store, event, load_retries)
         self.wall = wall  # the controller's wall clock: holds and commit stamps
         self.committed: list[int] = []
         self._pending: dict[tuple[int, str], _Pending] = {}
@@ -417,7 +409,7 @@ class CommitCoordinator:
         good = listing.committed
         if peer is not None and peer.step >= (good[-1] if good else 0):
             try:
-                return self._load(group, peer.manifest, sleep, "peer"), peer.manifest
+                return self.loader.load(group, peer.manifest, sleep, "peer"), peer.manifest
             except CorruptCheckpointError as e:
                 newest = f"the newest commit (step {good[-1]})" if good else "the start"
                 self._event(
@@ -441,8 +433,8 @@ class CommitCoordinator:
                         step, MANIFEST_NAME, damaged[step], uri=self.store.uri
                     )
                 manifest = self.store.load_manifest(step)
-                self._check_compatible(manifest)
-                restored = self._load(group, manifest, sleep)
+                self.loader.check_compatible(manifest)
+                restored = self.loader.load(group, manifest, sleep)
             except CorruptCheckpointError as e:
                 self._event(
                     f"checkpoint step {step} at {self.store.uri} failed verification "
@@ -512,8 +504,8 @@ class CommitCoordinator:
             if not step:
                 raise FileNotFoundError(source.uri)
             manifest = source.load_manifest(step)
-            self._check_compatible(manifest, source)
-            restored = self._load(group, manifest, sleep, source.uri)
+            self.loader.check_compatible(manifest, source)
+            restored = self.loader.load(group, manifest, sleep, source.uri)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 step,
@@ -529,62 +521,6 @@ class CommitCoordinator:
             f"(checkpoint.resume_from, job {manifest.extra.get('job')!r})"
         )
         return restored, manifest
-
-    def _load(
-        self,
-        group: Restorable,
-        manifest: Manifest,
-        sleep: Callable[[float], None],
-        source: str | None = None,
-    ) -> int:
-        """group.restore, retried (`load_retries` more tries, 1 s apart, each one said)
-        when it fails for a reason other than corruption, an outage or a dead worker
-        (those go up: fall back, or restart the group). `source`: the root URI the step
-        lies under, when it is not this job's own (checkpoint.resume_from)."""
-
-        def say(attempt: int, e: BaseException) -> None:
-            self._event(
-                f"loading checkpoint step {manifest.step} failed ({e}); retrying "
-                f"({attempt}/{self.load_retries})",
-                logging.WARNING,
-            )
-
-        return retrying(
-            lambda: group.restore(manifest, source) if source else group.restore(manifest),
-            self.load_retries + 1,
-            _load_error,
-            wait_s=1.0,
-            sleep=sleep,
-            on_retry=say,
-        )
-
-    def _check_compatible(self, m: Manifest, source: CheckpointStore | None = None) -> None:
-        """Refuse a step this spec must not resume: another job's (unless it is the
-        checkpoint.resume_from `source`), or another model, data or batch. A step that
-        differs only in RETUNABLE_FIELDS loads, with those taken from this spec."""
-        store = source or self.store
-        retuned = self.spec.retuned_fields(m.spec_hash, m.extra.get("spec"))
-        if retuned is None or (source is None and m.extra.get("job") != self.spec.name):
-            raise CheckpointMismatchError(
-                store.describe_mismatch(
-                    self.spec,
-                    None if source else m.extra.get("job"),
-                    m.spec_hash,
-                    m.extra.get("spec"),
-                    m.step,
-                )
-            )
-        if retuned:
-            self._event(
-                f"checkpoint step {m.step} was trained with other hyperparameters; going on "
-                f"with this spec's: {'; '.join(retuned)}"
-            )
-        if "index" not in m.extra:
-            raise CheckpointMismatchError(
-                f"checkpoint step {m.step} at {self.store.uri} was written by an older "
-                "Spotline (no sharded state index); resume it with that version, or point "
-                "checkpoint.uri at a new location"
-            )
 
     # --- artifacts --------------------------------------------------------------------
 
@@ -603,9 +539,9 @@ class CommitCoordinator:
     def finished_summary(self) -> dict[str, Any] | None:
         """The summary this job stored when it finished, if nothing is left to train: its
         last step is still the newest commit, its manifest verifies, and it reaches
-        train.steps. None otherwise (never finished, trained on since, train.steps raised
-        to train further, or the final step damaged: then it is said and quarantined, and
-        the job trains again from the newest good commit)."""
+        train.steps; said either way. None otherwise (never finished, trained on since,
+        train.steps raised to train further, or the final step damaged: then it is said
+        and quarantined, and the job trains again from the newest good commit)."""
         raw = self.read_artifact(SUMMARY_ARTIFACT)
         try:
             saved = json.loads(raw) if raw is not None else None
@@ -629,16 +565,13 @@ class CommitCoordinator:
             return None
         if not good or good[-1] < self.spec.train.steps or final != good[-1]:
             return None
+        self._event(
+            f"job {self.spec.name} already finished at step {final}; reporting it from its "
+            "stored summary. Raise train.steps to train further, or set checkpoint.uri for a "
+            "fresh run"
+        )
         return saved
 
     def store_summary(self, summary: dict[str, Any], ledger: dict[str, Any]) -> None:
         self.write_artifact(LEDGER_ARTIFACT, json.dumps(ledger).encode())
         self.write_artifact(SUMMARY_ARTIFACT, json.dumps(summary, default=str).encode())
-
-
-def _load_error(e: BaseException) -> bool:
-    """A load error worth retrying: not corruption or an outage (fall back or report),
-    not a dead worker (restart the group); never the user's (the retry policy's rule)."""
-    return not isinstance(e, (CorruptCheckpointError, StorageError)) and not getattr(
-        e, "process_died", False
-    )

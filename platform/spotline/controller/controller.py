@@ -217,11 +217,6 @@ class Controller:
         if done is not None:
             # Nothing to train: report the finished job as it ended, from what it stored,
             # starting no worker (and writing nothing over that summary).
-            self.say(
-                f"job {self.spec.name} already finished at step {done['committed_steps'][-1]}; "
-                "reporting it from its stored summary. Raise train.steps to train further, or "
-                "set checkpoint.uri for a fresh run"
-            )
             return Finished(reported=done)
         self.artifacts.own()
         self.telemetry.resume(self.coordinator)
