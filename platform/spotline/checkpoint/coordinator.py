@@ -17,8 +17,9 @@
 - A restore goes through one fallback path: an unparsable or unsigned manifest, a
   missing file or a sha256 mismatch falls back to the previous committed step and says
   so; a load error that is not corruption is retried a bounded number of times, then
-  falls back too (`loading.py`, which also refuses a step this spec must not resume). Once an older step loaded, each step that failed verification is
-  quarantined: kept for inspection, never read again, never counted by keep_last.
+  falls back too (`loading.py`, which also refuses a step this spec must not resume).
+  Once an older step loaded, each step that failed verification is quarantined: kept
+  for inspection, never read again, never counted by keep_last.
 - Receipts read back from storage commit only when they verify (signed, when a key is
   set) and were written by this job under this spec.
 - Retention (checkpoint.keep_last, `retention.py`) runs after commits, keeping the steps
@@ -42,7 +43,7 @@ from typing import Any
 
 from spotline.checkpoint.catalog import Steps
 from spotline.checkpoint.errors import CorruptCheckpointError
-from spotline.checkpoint.loading import Restorable, StepLoader
+from spotline.checkpoint.loading import Event, Restorable, StepLoader
 from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.retention import apply_retention
 from spotline.checkpoint.store import (
@@ -55,8 +56,6 @@ from spotline.checkpoint.transfer import UploadResult, attempt_dir, build_manife
 from spotline.config.identity import mismatch_reason, written_by_this
 from spotline.config.schema import JobSpec
 from spotline.storage.errors import StorageError
-
-Event = Callable[..., None]
 
 RETAIN_RETRY_S = 30.0
 HOLDS_ARTIFACT = "holds.json"

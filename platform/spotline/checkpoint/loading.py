@@ -29,6 +29,8 @@ class Restorable(Protocol):
 
 
 class StepLoader:
+    """The coordinator's loads of one step, each said on the job's events."""
+
     def __init__(self, spec: JobSpec, store: CheckpointStore, event: Event, retries: int):
         self.spec, self.store, self._event, self.retries = spec, store, event, retries
 
