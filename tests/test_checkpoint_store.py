@@ -231,7 +231,7 @@ def test_committed_steps_ignores_dirs_without_manifest(
 def test_commit_is_an_atomic_rename(store: CheckpointStore, tmp_path: Path) -> None:
     save_step(store, 1, tmp_path)
     names = sorted(p.name for p in (_root(store) / "step_00000001").iterdir())
-    assert names == ["manifest.json", "rank_0", "rank_1"]  # no temp file left behind
+    assert names == ["checked.json", "manifest.json", "rank_0", "rank_1"]  # no temp file left
 
 
 def test_commit_refuses_a_manifest_whose_files_are_not_uploaded(
@@ -288,7 +288,9 @@ def test_the_newest_verified_manifest_is_not_read_again_until_it_changes(
     reads: list[str] = []
     real = store.fs.cat_file
     monkeypatch.setattr(
-        store.fs, "cat_file", lambda p, *a, **k: reads.append(p) or real(p, *a, **k)
+        store.fs,
+        "cat_file",
+        lambda p, *a, **k: (p.endswith("manifest.json") and reads.append(p)) or real(p, *a, **k),
     )
     assert store.list_steps().committed == [100, 200]
     assert len(reads) == 2

@@ -3,11 +3,16 @@
 reads, quarantine records and deletions.
 
 A step is committed only when its ``manifest.json`` parses, names its own step and, when
-checkpoint.signing_key_env is set, its signature verifies: that is the one meaning of
-"committed" for retention, abandonment, commit-from-storage, restore and every reader. A
-manifest that does not (planted, truncated, signed with another key) makes its step
+checkpoint.signing_key_env is set, its signature verifies; when the store knows its job
+(`CheckpointStore.of_job`), the manifest is that job's, written under a spec it may
+resume; and the files it names are known present: listed in storage, recorded as listed
+by a ``checked.json`` beside it, or (for a manifest this storage object wrote) vouched for
+by the ranks that uploaded them, until the commit coordinator lists them. That is the
+one meaning of "committed" for retention, abandonment, commit-from-storage, restore and
+every reader. A manifest that does not (planted, truncated, signed with another key,
+another job's, a copy renumbered into another folder without its files) makes its step
 damaged: neither committed nor an upload, so nothing counts it and nothing deletes it
-until the commit coordinator quarantines it. Each manifest is read once, and one this
+until the commit coordinator quarantines it. Each manifest is judged once, and one this
 storage object wrote not at all; later listings only look at its size and version
 (`StepStorage.verdicts`), and the newest verified one is kept parsed
 (`StepStorage.newest_manifest`).
@@ -34,9 +39,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotline.checkpoint.errors import CorruptCheckpointError
-from spotline.checkpoint.manifest import Manifest, ManifestError, check_relpath
+from spotline.checkpoint.manifest import (
+    Manifest,
+    ManifestError,
+    check_relpath,
+    dump_signed,
+    load_signed,
+)
+from spotline.config.identity import mismatch_reason, resumable_by
 from spotline.config.redact import redact
-from spotline.storage.checkpoint_root import MANIFEST_NAME, StepStorage
+from spotline.storage.checkpoint_root import CHECKED_NAME, MANIFEST_NAME, StepStorage
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -64,9 +76,13 @@ class Steps:
     """Every step directory under a root, by state, from one listing; each ascending."""
 
     committed: list[int] = field(default_factory=list)
-    """Steps whose manifest parses, names the step and verifies (with a signing key)."""
+    """Steps whose manifest parses, names the step, verifies (with a signing key), is
+    this job's (when the store knows its job) and whose files are known present."""
     damaged: dict[int, str] = field(default_factory=dict)
     """Steps whose manifest does not: step -> what is wrong with it."""
+    foreign: dict[int, str] = field(default_factory=dict)
+    """The damaged steps whose manifest is whole but another job's or spec's: step ->
+    whose it is. A subset of `damaged`."""
     quarantined: list[int] = field(default_factory=list)
     """Steps set aside after they failed verification (see `quarantine`)."""
     uncommitted: list[int] = field(default_factory=list)
@@ -75,12 +91,14 @@ class Steps:
 
 
 def list_steps(storage: StepStorage) -> Steps:
-    """Every step under the root by state. A manifest is read and verified when it is
-    new or changed (by size and version) since this storage object last read it; other
-    steps cost one metadata request, and a step without a manifest a second one (its
-    quarantine record)."""
+    """Every step under the root by state. A manifest is judged when it is new or
+    changed (by size and version) since this storage object last judged it: read and
+    verified, its job and spec compared with the store's (`storage.owner`), and its
+    files found present, from its `checked.json` or else from a listing of its files.
+    Other steps cost one metadata request, and a step without a manifest a second one
+    (its quarantine record)."""
     key = storage.signing_key()  # a key missing here is the job's error, not a damaged step
-    key_id = _key_id(key)
+    key_id = _key_id(key, storage.owner)
     out = Steps()
     verdicts: dict[int, tuple[Any, str | None]] = {}
     for step in step_dirs(storage):
@@ -89,7 +107,7 @@ def list_steps(storage: StepStorage) -> Steps:
             verdict = storage.verdicts.get(step)
             if verdict is None or verdict[0] != stamp:
                 try:
-                    why, manifest = _damage(storage, step, key)
+                    why, manifest = _judge(storage, step, key)
                     verdict = (stamp, why)
                 except FileNotFoundError:  # deleted since it was listed
                     stamp = None
@@ -103,6 +121,8 @@ def list_steps(storage: StepStorage) -> Steps:
                     out.committed.append(step)
                 else:
                     out.damaged[step] = verdict[1]
+                    if verdict[1].startswith(FOREIGN):
+                        out.foreign[step] = verdict[1]
                 continue
         if holds_quarantine_record(storage, step):
             out.quarantined.append(step)
@@ -112,9 +132,13 @@ def list_steps(storage: StepStorage) -> Steps:
     return out
 
 
+FOREIGN = "it is not this job's: it "
+"""How the reason of a well-formed manifest of another job or spec starts."""
+
+
 def _manifest_stamp(storage: StepStorage, step: int, key_id: str | None) -> tuple | None:
     """What identifies the step's manifest as it is now (size, ETag or mtime, inode, and
-    the key it is judged with); None when the step has no manifest."""
+    the key and job it is judged with); None when the step has no manifest."""
     with storage.io(f"checking the manifest of step {step}"):
         try:
             info = storage.fs.info(storage.manifest_path(step))
@@ -124,20 +148,77 @@ def _manifest_stamp(storage: StepStorage, step: int, key_id: str | None) -> tupl
     return (info.get("size"), str(version), info.get("ino"), key_id)
 
 
-def _key_id(key: bytes | None) -> str | None:
-    """What names the signing key in a manifest's stamp, without the key."""
-    return hashlib.sha256(b"spotline manifest key " + key).hexdigest() if key else None
+def _key_id(key: bytes | None, owner: Any = None) -> str | None:
+    """What names the signing key and the judging job in a manifest's stamp, without
+    the key."""
+    who = f"{owner.name}/{owner.spec_hash()}" if owner is not None else ""
+    if key is None:
+        return who or None
+    return hashlib.sha256(b"spotline manifest key " + key).hexdigest() + who
 
 
-def _damage(
+def _judge(
     storage: StepStorage, step: int, key: bytes | None
 ) -> tuple[str | None, Manifest | None]:
-    """(what is wrong with the step's manifest, None) or (None, the manifest) when it
-    verifies. FileNotFoundError when it is gone."""
+    """(what is wrong with the step, None), or (None, the manifest) when it counts as
+    committed: it parses, verifies and names its step; it is the store's job's; and its
+    files are known present. FileNotFoundError when the manifest is gone."""
+    raw = _read_manifest(storage, step)
     try:
-        return None, _parse(storage, step, _read_manifest(storage, step), key)
+        manifest = _parse(storage, step, raw, key)
     except CorruptCheckpointError as e:
         return e.reason, None
+    storage.manifest_sha[step] = hashlib.sha256(raw).hexdigest()
+    owner = storage.owner
+    if owner is not None:
+        job = manifest.extra.get("job")
+        if not resumable_by(owner, job, manifest.spec_hash, manifest.extra.get("spec")):
+            why = mismatch_reason(owner, job, manifest.spec_hash, manifest.extra.get("spec"))
+            return FOREIGN + why, None
+    if _checked(storage, step, key):
+        return None, manifest
+    bad = bad_files(storage, manifest)
+    if bad:
+        path, reason = bad[0]
+        more = (
+            f" (and {len(bad) - 1} more of its {len(manifest.files)} files)" if len(bad) > 1 else ""
+        )
+        return (
+            f"it names {path}, which {reason}{more}: a manifest copied or left without its files",
+            None,
+        )
+    if storage.records_checks:
+        mark_checked(storage, step)
+    return None, manifest
+
+
+def _checked(storage: StepStorage, step: int, key: bytes | None) -> bool:
+    """Whether the step's `checked.json` vouches for the manifest read now: it names
+    this step and this manifest's sha256 (and verifies, with a signing key)."""
+    with storage.io(f"reading the file check of step {step}"):
+        try:
+            raw = storage.fs.cat_file(storage.checked_path(step))
+        except FileNotFoundError:
+            return False
+    try:
+        record = load_signed(raw, key, f"{CHECKED_NAME} of step {step}", "written")
+    except ManifestError:
+        return False  # unreadable or unsigned: the files are listed instead
+    return record.get("step") == step and record.get("manifest_sha256") == storage.manifest_sha.get(
+        step
+    )
+
+
+def mark_checked(storage: StepStorage, step: int) -> None:
+    """Record that the files of the step's manifest (as this object last wrote or read
+    it) were listed present, so that later readers need not list them again."""
+    sha = storage.manifest_sha.get(step)
+    if sha is None:
+        return
+    record = {"step": step, "manifest_sha256": sha, "checked_at": time.time()}
+    data = dump_signed(record, storage.signing_key()).encode()
+    with storage.io(f"writing the file check of step {step}"):
+        storage.write_atomic(storage.checked_path(step), data)
 
 
 def holds_quarantine_record(storage: StepStorage, step: int) -> bool:
@@ -171,8 +252,9 @@ def commit(storage: StepStorage, manifest: Manifest, check: bool = True) -> None
 
     With `check`, first refuses (CorruptCheckpointError) if a listed file is absent or
     has another size in storage: committing it would publish a checkpoint that cannot
-    load. Without it, the caller holds every writer's word that its upload succeeded and
-    checks the files itself before anything older is deleted (`bad_files`).
+    load; then records the check (`checked.json`). Without it, the caller holds every
+    writer's word that its upload succeeded and checks the files itself before anything
+    older is deleted (`bad_files`, then `mark_checked`).
     """
     step = manifest.step
     if check and (bad := bad_files(storage, manifest)):
@@ -186,10 +268,16 @@ def commit(storage: StepStorage, manifest: Manifest, check: bool = True) -> None
             f"{path} {reason}; upload it before committing",
         )
     key = storage.signing_key()
+    data = manifest.to_json(key).encode()
     with storage.io(f"writing the manifest of step {step}"):
-        storage.write_atomic(storage.manifest_path(step), manifest.to_json(key).encode())
+        storage.write_atomic(storage.manifest_path(step), data)
+    storage.manifest_sha[step] = hashlib.sha256(data).hexdigest()
+    if check:
+        mark_checked(storage, step)
     # Known as written: the next listing and load need not read megabytes back to parse.
-    stamp = _manifest_stamp(storage, step, _key_id(key))
+    # Without `check` its files are vouched for by their writers until the caller lists
+    # them; any other reader (a restarted controller) lists them itself.
+    stamp = _manifest_stamp(storage, step, _key_id(key, storage.owner))
     if stamp is not None:
         storage.verdicts[step] = (stamp, None)
         newest = storage.newest_manifest
@@ -244,7 +332,7 @@ def load_manifest(storage: StepStorage, step: int) -> Manifest:
     if (
         kept is not None
         and kept[1].step == step
-        and _manifest_stamp(storage, step, _key_id(key)) == kept[0]
+        and _manifest_stamp(storage, step, _key_id(key, storage.owner)) == kept[0]
     ):
         return kept[1]
     return _parse(storage, step, _read_manifest(storage, step), key)

@@ -91,7 +91,7 @@ class CommitCoordinator:
         load_retries: int = 2,
         wall: Callable[[], float] = time.time,
     ):
-        self.spec, self.store, self._event = spec, store, event
+        self.spec, self.store, self._event = spec, store.of_job(spec, records_checks=True), event
         self.loader = StepLoader(spec, store, event, load_retries)
         self.wall = wall  # the controller's wall clock: holds and commit stamps
         self.committed: list[int] = []
@@ -322,6 +322,7 @@ class CommitCoordinator:
         for step, manifest in sorted(self._unchecked.items()):
             bad = self.store.bad_files(manifest)
             if not bad:
+                self.store.mark_checked(step)  # a restarted controller need not list them
                 del self._unchecked[step]
                 continue
             path, reason = bad[0]
@@ -339,13 +340,17 @@ class CommitCoordinator:
         return failed
 
     def hold_latest(self, seconds: float) -> int | None:
-        """Keep the newest committed step past keep_last for `seconds`, for a reader
-        outside this job (a sweep trial that will continue from it); the step, or None
-        when nothing is committed. Safe to call from any thread."""
+        """Keep the newest committed step whose files were listed present past keep_last
+        for `seconds`, for a reader outside this job (a sweep trial that will continue
+        from it); the step, or None when there is none. Safe to call from any thread."""
+        unchecked = self._unchecked.copy()  # one call: the loop's thread may change it
         with self._holds_lock:
-            if not self.committed:
+            # Only a step whose files were listed: one committed on its ranks' word alone
+            # may yet be quarantined by the check that follows it.
+            checked = [s for s in self.committed if s not in unchecked]
+            if not checked:
                 return None
-            step = self.committed[-1]
+            step = checked[-1]
             self._holds[step] = max(self._holds.get(step, 0.0), self.wall() + seconds)
             self._retention_due = True  # retained away once the hold ends
             holds = dict(self._holds)
@@ -537,8 +542,8 @@ class CommitCoordinator:
 
     def finished_summary(self) -> dict[str, Any] | None:
         """The summary this job stored when it finished, if nothing is left to train: its
-        last step is still the newest commit, its manifest verifies, and it reaches
-        train.steps; said either way. None otherwise (never finished, trained on since,
+        last step is still the newest commit, its manifest verifies, its files are all in
+        storage (listed now), and it reaches train.steps; said either way. None otherwise (never finished, trained on since,
         train.steps raised to train further, or the final step damaged: then it is said
         and quarantined, and the job trains again from the newest good commit)."""
         raw = self.read_artifact(SUMMARY_ARTIFACT)
@@ -563,6 +568,19 @@ class CommitCoordinator:
             )
             return None
         if not good or good[-1] < self.spec.train.steps or final != good[-1]:
+            return None
+        # Its files too, listed now, not only its manifest: a report of a finished job
+        # over files that are gone would hand an export nothing to load.
+        bad = self.store.bad_files(self.store.load_manifest(final))
+        if bad:
+            path, reason = bad[0]
+            since = f"step {good[-2]}" if len(good) > 1 else "the start"
+            self._quarantine(
+                [(final, path, reason)],
+                said=f"job {self.spec.name} already finished at step {final}, but that "
+                f"checkpoint's {path} {reason}; training again from {since}. Step {final} "
+                "is quarantined",
+            )
             return None
         self._event(
             f"job {self.spec.name} already finished at step {final}; reporting it from its "

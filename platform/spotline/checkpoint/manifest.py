@@ -34,6 +34,8 @@ class ManifestError(ValueError):
 
 
 SIGNATURE_FIELD = "signature"
+RESERVED_NAMES = frozenset({"manifest.json", "checked.json", "quarantine.json"})
+"""The commit records at the top of a step's folder: no checkpoint file takes their name."""
 
 
 def _canonical(raw: dict) -> bytes:
@@ -84,6 +86,17 @@ def _load_signed(s: str | bytes, key: bytes | None, what: str, written: str) -> 
     return raw
 
 
+def dump_signed(raw: dict, key: bytes | None) -> str:
+    """A small record (a file check) as JSON, signed when `key` is set."""
+    return _dump_signed(raw, key)
+
+
+def load_signed(s: str | bytes, key: bytes | None, what: str, written: str) -> dict:
+    """A small signed record read back (see `verify`); ManifestError when it is not a
+    JSON object or does not verify."""
+    return _load_signed(s, key, what, written)
+
+
 def check_relpath(path: str) -> str:
     """Return ``path`` if it is a safe relative posix path inside a step directory.
 
@@ -97,8 +110,8 @@ def check_relpath(path: str) -> str:
             f"checkpoint file path {path!r} {e.why} (it must be a relative path inside the "
             "step directory)"
         ) from None
-    if path == "manifest.json":
-        raise ManifestError("'manifest.json' is reserved for the commit record of a step")
+    if path in RESERVED_NAMES:
+        raise ManifestError(f"{path!r} is reserved for the commit records of a step")
     return path
 
 

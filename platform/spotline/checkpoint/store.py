@@ -25,7 +25,7 @@ from spotline.checkpoint.errors import CheckpointMismatchError, CorruptCheckpoin
 from spotline.checkpoint.layout import FileDigest
 from spotline.checkpoint.manifest import FileEntry, Manifest, Receipt, check_relpath
 from spotline.checkpoint.uploads import ReceiptScan
-from spotline.config.identity import foreign_job, mismatch_reason, resumable_by
+from spotline.config.identity import foreign_job, mismatch_reason
 from spotline.storage.checkpoint_root import (
     ARTIFACTS_DIR,
     MANIFEST_NAME,
@@ -121,6 +121,11 @@ class CheckpointStore(StepStorage):
         another size (see `catalog.bad_files`)."""
         return catalog.bad_files(self, manifest)
 
+    def mark_checked(self, step: int) -> None:
+        """Record that the files of the step's manifest were listed present (see
+        `catalog.mark_checked`): later readers need not list them again."""
+        catalog.mark_checked(self, step)
+
     def write_receipt(self, receipt: Receipt) -> bytes:
         """Record that a rank finished uploading its files of a step (signed when
         checkpoint.signing_key_env is set); the bytes written."""
@@ -214,24 +219,48 @@ class CheckpointStore(StepStorage):
 
     # --- ownership --------------------------------------------------------------------
 
-    def check_owner(self, spec: Any) -> None:
-        """Raise CheckpointMismatchError when this URI holds another job's checkpoints, or
-        this job's with a different model/data/train spec (beyond RETUNABLE_FIELDS). Reads
-        only; writes nothing.
+    def of_job(self, spec: Any, records_checks: bool = False) -> CheckpointStore:
+        """From now on, only `spec`'s steps count as committed here: a manifest of another
+        job, or of a spec this one may not resume, is damaged (`catalog.list_steps`).
+        `records_checks`: a listing that finds a manifest's files present records it
+        (the commit coordinator's store). This store, for chaining."""
+        self.owner = spec
+        self.records_checks = records_checks
+        return self
 
-        The newest manifest that parses decides; with none committed, the stored job
-        summary does (a job that failed before its first commit still owns its URI).
+    def check_owner(self, spec: Any) -> None:
+        """Raise CheckpointMismatchError when this URI holds only another job's
+        checkpoints, or only this job's written with a spec this one may not resume
+        (beyond RETUNABLE_FIELDS). Reads only; writes nothing.
+
+        One committed step of this job's is enough: another job's manifests beside it
+        are set aside by the commit coordinator, and never keep the job from its own
+        commits. With none committed, the stored job summary decides (a job that failed
+        before its first commit still owns its URI).
         """
-        for step in reversed(self.committed_steps()):
-            try:
-                m = self.load_manifest(step)
-            except (CorruptCheckpointError, FileNotFoundError):
-                continue
-            job = m.extra.get("job")
-            if resumable_by(spec, job, m.spec_hash, m.extra.get("spec")):
-                return
+        owner, self.owner = self.owner, spec
+        try:
+            steps = catalog.list_steps(self)
+        finally:
+            self.owner = owner
+        if steps.committed:
+            return
+        if steps.foreign:
+            newest = max(steps.foreign)
+            why = steps.foreign[newest].removeprefix(catalog.FOREIGN)
+            others = sorted(steps.foreign)
+            more = (
+                f" ({len(others)} such steps: {', '.join(map(str, others[:8]))}"
+                f"{', ...' if len(others) > 8 else ''})"
+                if len(others) > 1
+                else ""
+            )
             raise CheckpointMismatchError(
-                self.describe_mismatch(spec, job, m.spec_hash, m.extra.get("spec"), step)
+                f"{self.fields.uri} {self.uri}: checkpoint step {newest} there {why}{more}, "
+                "and none there is this job's. Nothing was written there, and nothing is "
+                f"deleted. Point {self.fields.uri} at a new location (e.g. --set "
+                "checkpoint.uri=...) to run this job, or use the original job name and spec "
+                "to resume those steps"
             )
         raw = self.read_artifact(SUMMARY_ARTIFACT)
         try:

@@ -6,6 +6,7 @@ Layout under the root URI (``file://`` or ``s3://``)::
     <root>/step_00000100/<files of the step...>
     <root>/step_00000100/_receipts/<attempt>/rank_0000N.json   <- signed upload receipts
     <root>/step_00000100/manifest.json      <- written last: the commit
+    <root>/step_00000100/checked.json       <- the manifest's files were listed present
     <root>/step_00000100/quarantine.json    <- the step failed verification (kept aside)
     <root>/artifacts/<name>                 <- the job's artifacts, outside every step
 
@@ -39,6 +40,7 @@ MANIFEST_NAME = "manifest.json"
 ARTIFACTS_DIR = "artifacts"
 RECEIPTS_DIR = "_receipts"  # per-rank upload receipts; not part of the checkpoint
 QUARANTINE_NAME = "quarantine.json"  # a step that failed verification: why, and its manifest
+CHECKED_NAME = "checked.json"  # the files a manifest names were listed present in storage
 MIN_SIGNING_KEY_BYTES = 16
 
 BACKENDS: dict[str, type[Backend]] = {"file": LocalBackend, "s3": S3Backend}
@@ -120,6 +122,15 @@ class StepStorage:
         """The newest manifest the catalog verified, parsed, with what identified it
         then: one manifest, not one per step (thousands of ranks make each tens of MB in
         memory). Never pickled."""
+        self.manifest_sha: dict[int, str] = {}
+        """sha256 of each step's manifest as this object last wrote or read it: what a
+        `checked.json` names. Never pickled."""
+        self.owner: Any = None
+        """Whose steps count as committed here (`CheckpointStore.of_job`): a manifest of
+        another job or spec is damaged, not committed. None: any job's. Never pickled."""
+        self.records_checks = False
+        """Whether a listing that finds a manifest's files present writes its
+        `checked.json` (only the commit coordinator's store does). Never pickled."""
 
     # Pickling sends the arguments and rebuilds the client lazily on the other side;
     # the normalized URI goes, so a relative file:// path keeps meaning the same place.
@@ -207,6 +218,9 @@ class StepStorage:
 
     def quarantine_path(self, step: int) -> str:
         return f"{self.step_path(step)}/{QUARANTINE_NAME}"
+
+    def checked_path(self, step: int) -> str:
+        return f"{self.step_path(step)}/{CHECKED_NAME}"
 
     def full_uri(self, path: str) -> str:
         """The URI of a path inside the filesystem, for messages and callers."""
