@@ -150,8 +150,9 @@ def test_a_keeper_holds_the_settled_step_and_the_one_arriving(tmp_path: Path):
     _keep(keeper, tmp_path, "g1", 0, 8)  # 6 never settled: the settled 4 stays beside it
     assert _steps(keeper) == [("g1", 0, 4), ("g1", 0, 8)]
     one = keeper.nbytes() // 2
-    # Never three at once: the unsettled 6 went before step 8 took its room.
-    assert keeper.peak_nbytes() == 2 * one
+    # Never three rooms at once: the unsettled 6 went before step 8 took its room; the
+    # third copy counted is step 8's bytes in the object store while they arrived.
+    assert keeper.peak_nbytes() == 3 * one
     # A new group's copies beside the old one's, until the new one settles a step.
     _keep(keeper, tmp_path, "g2", 1, 2)
     assert _steps(keeper)[-1] == ("g2", 1, 2)
@@ -160,8 +161,9 @@ def test_a_keeper_holds_the_settled_step_and_the_one_arriving(tmp_path: Path):
     with pytest.raises(KeyError):
         keeper.read("g1", 8, "a-g1/rank_00000/meta.json", 0, 1)
     assert keeper.retain(["g3"]) == 0 and keeper.holdings() == []
-    # A high-water mark (dropping keeps it): g1's two copies beside g2's first one.
-    assert keeper.peak_nbytes() == 3 * one
+    # A high-water mark (dropping keeps it): g1's two copies beside g2's first one and
+    # its transit.
+    assert keeper.peak_nbytes() == 4 * one
     local, written = _rank_files(tmp_path, 1, 8)
     copy, blobs = peer_copy("g2", 1, 2, 8, local, written)
     blobs.pop(next(iter(blobs)))
@@ -174,12 +176,13 @@ def test_a_keeper_at_one_step_holds_one_copy_and_refuses_one_over_its_budget(tmp
     _keep(keeper, tmp_path, "g1", 0, 2)
     _keep(keeper, tmp_path, "g1", 0, 4)
     one = keeper.nbytes() // 2
-    # The budget is short: one kept step. What no longer fits goes at once.
-    assert keeper.configure(1, one) == one and _steps(keeper) == [("g1", 0, 4)]
+    # The budget is short: one kept step (and its successor's transit). What no longer
+    # fits goes at once.
+    assert keeper.configure(1, 2 * one) == one and _steps(keeper) == [("g1", 0, 4)]
     _keep(keeper, tmp_path, "g1", 0, 6)  # replaces it: never two at one step
     assert _steps(keeper) == [("g1", 0, 6)] and keeper.nbytes() == one
     # Another rank's copy would take it over the budget: refused, nothing dropped.
-    with pytest.raises(KeeperFull, match=r"over its budget .*recovery\.peer_memory"):
+    with pytest.raises(KeeperFull, match=r"budget is .*\(recovery\.peer_memory\)"):
         _keep(keeper, tmp_path, "g1", 1, 6)
     assert _steps(keeper) == [("g1", 0, 6)]
     read = keeper.read("g1", 6, "a-g1/rank_00000/meta.json", 0, 5)
@@ -381,12 +384,18 @@ def test_levels_degrade_in_the_stated_order():
     from spotline.planning.peer_memory import LEVELS, fit_level
 
     own, buddy = 100, 80
-    assert [lv.need(own, buddy) for lv in LEVELS] == [360, 180, 100, 0]
+    # Kept steps, and one copy more: the one arriving, in the object store.
+    assert [lv.need(own, buddy) for lv in LEVELS] == [540, 360, 200, 0]
+    assert [lv.held(own, buddy) for lv in LEVELS] == [360, 180, 100, 0]
     assert fit_level(own, buddy, None) == LEVELS[0]  # unknown budget: the fullest
-    assert fit_level(own, buddy, 360) == LEVELS[0]
-    assert fit_level(own, buddy, 359).describe() == "one kept step, on own and buddy nodes"
-    assert fit_level(own, buddy, 179).describe() == "one kept step, on own node only"
-    assert fit_level(own, buddy, 99).describe() == "no peer snapshots"
+    assert fit_level(own, buddy, 540) == LEVELS[0]
+    assert fit_level(own, buddy, 539).describe() == "one kept step, on own and buddy nodes"
+    assert fit_level(own, buddy, 359).describe() == "one kept step, on own node only"
+    assert fit_level(own, buddy, 199).describe() == "no peer snapshots"
+    # Around a restore: the source's step, its reads; with two steps the new group's
+    # first copy (room and transit) beside it.
+    assert LEVELS[0].restore(150, own, buddy) == 150 + 2 * 180
+    assert LEVELS[1].restore(150, own, buddy) == 150 + 2 * 150
 
 
 def test_a_nodes_keeper_holds_its_own_ranks_and_the_previous_nodes():
@@ -424,18 +433,20 @@ def test_the_placement_takes_the_level_the_tightest_node_allows():
     peers = PeerMemory(load_spec({"name": "peer", "recovery": {"peer_memory": 0.5}}))
     nodes = ["a", "a", "b", "b", "c"]
     sizes = [100, 100, 100, 100, 300]
-    # c holds its own 300 and b's 200 (its buddy): two steps need 1000 bytes.
-    ram = {"a": 10_000, "b": 10_000, "c": 2_000}
+    # c holds its own 300 and b's 200 (its buddy): two steps and one arriving, 1500.
+    ram = {"a": 10_000, "b": 10_000, "c": 3_000}
     assert peers.fit(nodes, sizes, ram).describe() == "two kept steps, on own and buddy nodes"
-    ram["c"] = 1_500  # a budget of 750: one kept step
+    # What each keeper reserves from Ray: its two steps (the transit is the store's).
+    assert {f["node"]: f["reserve"] for f in peers.fits} == {"a": 1000, "b": 800, "c": 1000}
+    ram["c"] = 2_000  # a budget of 1000: one kept step
     level = peers.fit(nodes, sizes, ram)
     assert level.describe() == "one kept step, on own and buddy nodes"
     peers._set_level(level)
     (said,) = peers.take_changes()
-    assert said.startswith("peer memory: node c's keeper holds up to 1.0 kB (two steps of 300 B")
-    assert "over its budget of 750 B of 1.5 kB RAM (recovery.peer_memory)" in said
+    assert said.startswith("peer memory: node c's keeper holds up to 1.5 kB (two steps of 300 B")
+    assert "over its budget of 1.0 kB of 2.0 kB RAM (recovery.peer_memory)" in said
     peers._set_level(level)
     assert peers.take_changes() == []  # said once
-    ram["c"] = 700  # 350: only its own ranks' copies, one step
+    ram["c"] = 1_200  # 600: only its own ranks' copies, one step
     assert peers.fit(nodes, sizes, ram).describe() == "one kept step, on own node only"
-    assert {f["node"]: f["need"] for f in peers.fits} == {"a": 200, "b": 200, "c": 300}
+    assert {f["node"]: f["need"] for f in peers.fits} == {"a": 400, "b": 400, "c": 600}

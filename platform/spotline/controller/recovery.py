@@ -67,6 +67,7 @@ class _Copy:
     fully_kept: bool = True  # every rank's copy taken by all its keepers
     with_save: bool = False  # a checkpoint's own files: its cost is the checkpoint's
     blocked: float = 0.0  # the longest host copy
+    why: str = ""  # why a keeper did not take a rank's copy (the first said)
     nbytes: dict[int, int] = field(default_factory=dict)
 
 
@@ -90,6 +91,9 @@ class PeerBook:
         self.rank_bytes: dict[int, int] = {}  # the newest complete copy's size, per rank
         self.errors: list[str] = []
         self.restores: list[dict[str, Any]] = []
+        self.kept: int | None = None  # the group's newest step every keeper took
+        self.unkept: tuple[int, str] | None = None  # the group's newest step one did not
+        self.refused: list[dict[str, str]] = []  # keepers' refusals, not yet said
 
     @property
     def enabled(self) -> bool:
@@ -109,6 +113,8 @@ class PeerBook:
         self._warming = constants.SPOTLINE_PEER_WARM_STEPS
         self.settled = None
         self.rank_bytes = {}
+        self.kept = None
+        self.unkept = None
 
     def take(
         self, reports: list[dict[str, Any]], world: int, steps: list[tuple] | None = None
@@ -138,6 +144,10 @@ class PeerBook:
             c.with_save = c.with_save or bool(r.get("with_save"))
             c.fully_kept = c.fully_kept and r.get("kept_by", 0) >= r.get("keepers", 1)
             c.nbytes[r["rank"]] = r.get("nbytes", 0)
+            if r.get("not_kept"):
+                c.why = c.why or f"rank {r.get('rank')}: " + "; ".join(r["not_kept"])
+            if r.get("refused"):
+                self.refused.append(r["refused"])
         for step in sorted(self._copies):
             c = self._copies[step]
             if c.sent < world:
@@ -148,6 +158,10 @@ class PeerBook:
             self.rank_bytes = dict(c.nbytes)
             if c.fully_kept and (self.settled is None or step > self.settled):
                 self.settled = step
+            if c.fully_kept:
+                self.kept = step if self.kept is None else max(self.kept, step)
+            elif self.unkept is None or step > self.unkept[0]:
+                self.unkept = (step, c.why or "a keeper did not take it")
             if not c.with_save and c.started < c.ended:
                 self._unpriced.append(c)
         self._price()
@@ -239,6 +253,7 @@ class PeerRecovery:
         self.book = PeerBook(spec)
         self._event = event
         self._refitted = False  # the copies' measured sizes held against the budget
+        self._refused_said: set[str] = set()  # nodes whose keeper's refusal was said
 
     def run_every(self) -> int:
         """`peer_every` for a new group's run (0: no copies, or none fit the budget)."""
@@ -274,6 +289,17 @@ class PeerRecovery:
     def _say_changes(self) -> None:
         for text in self.peers.take_changes():
             self._event(text, logging.INFO if "within" in text else logging.WARNING)
+        for r in self.book.refused:  # once per node: the next copies say the same
+            if r["node"] in self._refused_said:
+                continue
+            self._refused_said.add(r["node"])
+            self._event(
+                f"peer memory: {r['why']}. Until its copies fit, a loss of this group restores "
+                "from an older step or from storage; raise recovery.peer_memory (`spotline "
+                "plan` shows what a node needs)",
+                logging.WARNING,
+            )
+        self.book.refused = []
 
     def forget(self, nodes: set[str]) -> None:
         """Lost `nodes`: their keepers and their copies went with them."""
@@ -308,19 +334,41 @@ class PeerRecovery:
                 return None
             if found is not None and (offer is None or found.step > offer.step):
                 offer = found
-        sent = self.book.newest
-        if sent is not None and sent > latest_commit and (offer is None or offer.step < sent):
+        self._say_missing(offer, latest_commit)
+        if offer is not None:  # pinned: no placement or retention drops it before it is read
+            try:
+                self.peers.hold(offer.attempt, offer.step)
+            except Exception as e:  # noqa: BLE001 - the restore falls back to the commits
+                self._event(f"could not pin peer copy of step {offer.step} ({e})", logging.WARNING)
+        return offer
+
+    def _say_missing(self, offer: PeerOffer | None, latest_commit: int) -> None:
+        """Say why a newer step than the one restored is not in peer memory: a step every
+        keeper took is gone (a rank and its buddy lost together), or the keepers never
+        kept the newer copies (and what they said)."""
+        have = max(latest_commit, offer.step if offer is not None else latest_commit)
+        then = f"step {offer.step} from peer memory" if offer else "the newest commit"
+        book = self.book
+        if book.kept is not None and book.kept > have:
             self._event(
-                f"peer copy of step {sent} is no longer complete in live nodes' memory (a "
-                "rank and its buddy were lost together); restoring "
-                + (f"step {offer.step} from peer memory" if offer else "the newest commit"),
+                f"peer copy of step {book.kept} is no longer complete in live nodes' memory (a "
+                f"rank and its buddy were lost together); restoring {then}",
                 logging.WARNING,
             )
-        return offer
+        elif book.unkept is not None and book.unkept[0] > have:
+            step, why = book.unkept
+            self._event(
+                f"no peer copy newer than {then.removesuffix(' from peer memory')} was kept: "
+                f"the keepers did not take step {step} and later ones ({why}); restoring "
+                f"{then}. Raise recovery.peer_memory if a keeper refused them",
+                logging.WARNING,
+            )
 
     def restored(self, attempt: str, offer: PeerOffer | None, nbytes: int) -> None:
         """A group (`attempt`) started, from `offer` when it restored from peer memory:
-        the keepers keep only its copies and that source's."""
+        the keepers keep only its copies and that source's pinned step, which goes once
+        this group settles a step of its own (or its room is needed for this group's
+        copies); restored from storage, the source goes now."""
         if self.peers is None:
             return
         self.book.new_group()

@@ -5,7 +5,11 @@ A rank's peer copy is exactly what its checkpoint holds (`planning.checkpoint_ti
 busiest one): its ZeRO share of its stage's fp32 master weights and Adam moments, and
 on replica 0 the stage's 16-bit weights. A node's keeper holds the copies of the node's
 own ranks and of the ranks on the node before it in the ring (its buddies), each for
-`steps` steps: the newest complete one and the one arriving (2), or just one.
+`steps` steps: the newest complete one and the one arriving (2), or just one. The node
+holds the copy arriving twice (its room in the keeper, its bytes in Ray's object store
+until the keeper has them), and around a restore the step restored from stays pinned
+until the new group's first copy has settled. The figure is the most over every
+replica count the job may shrink to, since a node's share grows as nodes go.
 
 The levels, in the order a job degrades through them when the budget is short:
 two kept steps with buddies, one kept step with buddies, one kept step on the rank's
@@ -19,13 +23,19 @@ Pure arithmetic: nothing allocated, nothing started.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spotline.config.schema import JobSpec
 from spotline.models import layer_tensor_sizes, model_def
 from spotline.planning.memory_model import ADAM_BYTES, MASTER_BYTES, precision
 from spotline.planning.partition import stage_bounds
 from spotline.units import human_bytes
+
+KEEPER_THREADS = 4
+"""Calls a state keeper answers at once: copies arriving, questions, restores' reads."""
+READ_PIECE = 4 * 1024**2
+"""The most a restoring rank reads from a keeper in one call: a keeper's reads on their
+way out (copied out, then in Ray's object store) are at most KEEPER_THREADS of these."""
 
 
 @dataclass(frozen=True)
@@ -36,10 +46,31 @@ class PeerLevel:
     buddy: bool
     """Also on another node, so that a lost node's copies live on."""
 
+    def copy(self, own: int, buddy: int) -> int:
+        """Bytes of one step's copies a keeper holds at this level: its own ranks'
+        (`own` bytes) and, with buddies, the ranks' of the node before it (`buddy`)."""
+        return (own + (buddy if self.buddy else 0)) if self.steps else 0
+
+    def held(self, own: int, buddy: int) -> int:
+        """Bytes in the keeper's own memory at this level: `steps` copies (what its
+        process reserves from Ray)."""
+        return self.steps * self.copy(own, buddy)
+
     def need(self, own: int, buddy: int) -> int:
-        """Bytes a keeper holds at this level: its own ranks' copies (`own` bytes) and
-        its buddies' (`buddy`)."""
-        return self.steps * (own + (buddy if self.buddy else 0))
+        """Bytes the node holds for its keeper at this level: `steps` copies, and the
+        copy arriving once more in Ray's object store until the keeper has it."""
+        return self.held(own, buddy) + self.copy(own, buddy)
+
+    def restore(self, source: int, own: int, buddy: int) -> int:
+        """The most a keeper holds around a restore: the step restored from (`source`
+        bytes, pinned), with the reads on their way out; then, keeping two steps, the
+        new group's (`own`, `buddy`) first copy arriving while the source stands in for
+        its settled step. With one step the source goes as that copy arrives."""
+        if not self.steps:
+            return 0
+        reading = source + 2 * min(source, KEEPER_THREADS * READ_PIECE)
+        window = source + 2 * self.copy(own, buddy) if self.steps >= 2 else 0
+        return max(reading, window)
 
     def describe(self) -> str:
         if not self.steps:
@@ -101,25 +132,56 @@ def node_ranks(stages: int, replicas: int, ranks_per_node: int) -> list[list[int
     return [order[i : i + ranks_per_node] for i in range(0, len(order), ranks_per_node)]
 
 
+def _busiest(per_rank: list[int], stages: int, replicas: int, per_node: int) -> tuple[int, int]:
+    """(own, buddy) bytes of one copy on the busiest node's keeper at `replicas`."""
+    nodes = node_ranks(stages, replicas, max(1, per_node))
+    sums = [sum(per_rank[r] for r in ranks) for ranks in nodes]
+    if len(sums) == 1:
+        return sums[0], 0
+    # Node i keeps its own ranks' copies and those of node i-1 (the ring).
+    return max(((sums[i], sums[i - 1]) for i in range(len(sums))), key=sum)
+
+
 @dataclass(frozen=True)
 class NodePeerMemory:
-    """One node's keeper at the job's shape: the busiest node of the ring."""
+    """The busiest node's keeper over the shapes the job runs at: at its start, and at
+    each replica count it may shrink to after losing nodes (a node's share of the state
+    grows as the ring gets shorter), with the restores between them."""
 
     own: int
-    """Bytes of one copy of its own ranks' state."""
+    """Bytes of one copy of its own ranks' state, at the planned replicas."""
     buddy: int
     """Bytes of one copy of its buddy ranks' state (0 on a one-node group)."""
     budget: int | None
     node_ram: int | None
     level: PeerLevel
+    shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Replica count -> (own, buddy) of the busiest node, for every count the job may
+    run at from the planned one down."""
+
+    def _worst(self, level: PeerLevel) -> tuple[int, int, int]:
+        """(steady, restore, replicas where steady peaks) at `level`."""
+        shapes = self.shapes or {0: (self.own, self.buddy)}
+        at = max(shapes, key=lambda r: level.need(*shapes[r]))
+        restore = max(
+            level.restore(level.copy(*shapes[a]), *shapes[b]) for a in shapes for b in shapes
+        )
+        return level.need(*shapes[at]), restore, at
 
     @property
     def need(self) -> int:
-        return self.level.need(self.own, self.buddy)
+        """The most the node holds at the level it gets, a restore's peak included."""
+        return max(self._worst(self.level)[:2])
 
     @property
     def full(self) -> int:
-        return LEVELS[0].need(self.own, self.buddy)
+        """What keeping two steps with buddies needs at most."""
+        return max(self._worst(LEVELS[0])[:2])
+
+    @property
+    def restore_peak(self) -> int:
+        """The most the node holds around a restore at the level it gets."""
+        return self._worst(self.level)[1]
 
     def render(self) -> str:
         ram = f" of {human_bytes(self.node_ram)} RAM" if self.node_ram else ""
@@ -128,9 +190,14 @@ class NodePeerMemory:
             if self.budget is not None
             else "budget unknown (give recovery.peer_memory as a size, or resources.node_memory_gb)"
         )
+        steady, restore, at = self._worst(LEVELS[0])
+        own, buddy = (self.shapes or {at: (self.own, self.buddy)})[at]
         head = (
-            f"{human_bytes(self.full)} per node (2 steps x {human_bytes(self.own)} own + "
-            f"{human_bytes(self.buddy)} buddy); {budget}"
+            f"{human_bytes(max(steady, restore))} per node at most: "
+            f"{human_bytes(steady)} training at {at} replica(s) (2 steps x "
+            f"{human_bytes(own)} own + {human_bytes(buddy)} buddy, and a copy arriving "
+            f"through Ray's object store), {human_bytes(restore)} around a restore (the step "
+            f"restored from, its reads, the new group's first copy); {budget}"
         )
         if self.level == LEVELS[0]:
             return f"{head}: fits"
@@ -146,13 +213,21 @@ def node_peer_memory(
     node_ram: int | None,
     bounds: list[int] | None = None,
 ) -> NodePeerMemory:
-    """The busiest node's keeper at `replicas`, `ranks_per_node` ranks on a node."""
-    per_rank = rank_copy_bytes(spec, replicas, bounds)
-    nodes = node_ranks(spec.parallel.pipeline_stages, replicas, max(1, ranks_per_node))
-    sums = [sum(per_rank[r] for r in ranks) for ranks in nodes]
-    if len(sums) == 1:
-        own, buddy = sums[0], 0
-    else:  # node i keeps its own ranks' copies and those of node i-1 (the ring)
-        own, buddy = max(((sums[i], sums[i - 1]) for i in range(len(sums))), key=sum)
+    """The busiest node's keeper from `replicas` down to the fewest the job runs at,
+    `ranks_per_node` ranks on a node; the level is the fullest that fits every shape
+    and every restore between them."""
+    stages = spec.parallel.pipeline_stages
+    counts = [r for r in spec.replica_counts() if r <= replicas] or [replicas]
+    shapes = {
+        r: _busiest(rank_copy_bytes(spec, r, bounds), stages, r, ranks_per_node)
+        for r in sorted(set(counts) | {replicas}, reverse=True)
+    }
+    own, buddy = shapes[replicas]
     budget = spec.recovery.peer_budget_bytes(node_ram)
-    return NodePeerMemory(own, buddy, budget, node_ram, fit_level(own, buddy, budget))
+    level = LEVELS[-1]
+    for lv in LEVELS:
+        probe = NodePeerMemory(own, buddy, budget, node_ram, lv, shapes)
+        if budget is None or probe.need <= budget:
+            level = lv
+            break
+    return NodePeerMemory(own, buddy, budget, node_ram, level, shapes)

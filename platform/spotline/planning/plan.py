@@ -81,6 +81,7 @@ class Plan:
             out["peer_memory"].update(
                 need=self.peer_memory.need,
                 full=self.peer_memory.full,
+                restore_peak=self.peer_memory.restore_peak,
                 level=self.peer_memory.level.describe(),
             )
         for st, mem in zip(out["stages"], self.stages, strict=True):

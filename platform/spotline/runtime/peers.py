@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,14 @@ from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.peer import PEER_KEY, PeerCopy, PeerOffer, newest_complete, peer_copy
 from spotline.config.schema import JobSpec
 from spotline.heap import collection_held
-from spotline.planning.peer_memory import LEVELS, PeerLevel, fit_level, rank_copy_bytes
+from spotline.planning.peer_memory import (
+    KEEPER_THREADS,
+    LEVELS,
+    READ_PIECE,
+    PeerLevel,
+    fit_level,
+    rank_copy_bytes,
+)
 from spotline.runtime.keeper import KeeperFull, StateKeeper, keeper_name
 from spotline.units import human_bytes
 
@@ -37,8 +45,6 @@ log = logging.getLogger("spotline.keeper")
 
 ASK_TIMEOUT_S = 10.0
 """How long a question to the keepers, or a copy sent to one, may take."""
-KEEPER_THREADS = 4
-"""Calls a keeper answers at once: copies arriving, questions, restores' reads."""
 
 
 def _dead(e: BaseException) -> bool:
@@ -61,13 +67,28 @@ def _node_ram() -> dict[str, int]:
     }
 
 
+@dataclass
+class _Keeper:
+    """One keeper actor: its name, handle, and what it reserved from Ray."""
+
+    name: str
+    handle: Any
+    reserved: int
+
+
 class PeerMemory:
     """The controller's side of the keepers (see the module)."""
 
     def __init__(self, spec: JobSpec, keeper_cls: type = StateKeeper):
         self.spec = spec
         self._cls = keeper_cls
-        self._keepers: dict[str, Any] = {}  # node id -> keeper handle
+        self._keepers: dict[str, _Keeper] = {}  # node id -> its keeper now
+        self._retiring: dict[str, _Keeper] = {}  # node id -> the one it replaced
+        """Keepers started again with a larger reservation leave their predecessor up
+        while it holds a restore's source: it goes once the new group settles a step."""
+        self._generation = 0
+        self.pinned: tuple[str, int] | None = None
+        """(attempt, step) offered for the restore under way, pinned in the keepers."""
         self.level: PeerLevel = LEVELS[0]
         self.fits: list[dict[str, Any]] = []
         """Per node of the latest placement: own and buddy bytes, budget, RAM, need."""
@@ -106,15 +127,17 @@ class PeerMemory:
             )
         for f in self.fits:
             f["need"] = level.need(f["own"], f["buddy"])
+            f["reserve"] = level.held(f["own"], f["buddy"])
         return level
 
     def place(
         self, nodes_of_ranks: list[str], replicas: int, bounds: list[int] | None = None
     ) -> list[tuple[str, str | None]] | None:
         """Make sure a keeper lives on each node of the group, at the level the budget
-        allows for this shape; per rank (by position in `nodes_of_ranks`), the names of
-        its own node's keeper and its buddy's (None on a one-node group, or when copies
-        stay on their own node). None: no peer snapshots fit at all."""
+        allows for this shape, with a reservation from Ray that covers the group's share
+        of the node; per rank (by position in `nodes_of_ranks`), the names of its own
+        node's keeper and its buddy's (None on a one-node group, or when copies stay on
+        their own node). None: no peer snapshots fit at all."""
 
         copy_bytes = rank_copy_bytes(self.spec, replicas, bounds)
         self._set_level(self.fit(nodes_of_ranks, copy_bytes, _node_ram()))
@@ -127,36 +150,71 @@ class PeerMemory:
         for node, answer in self._ask("configure", asks).items():
             if isinstance(answer, Exception) and _dead(answer):
                 del self._keepers[node]
-        new = [n for n in ring if n not in self._keepers]
-        for node in new:  # a keeper alive, or only slow, keeps its copies
-            self._keepers[node] = self._start(node, fits[node]["budget"], fits[node]["need"])
+        for node in ring:
+            k, reserve = self._keepers.get(node), fits[node]["reserve"]
+            if k is not None and not _reserves(k.reserved, reserve):
+                # Ray cannot change what an actor reserved: a keeper of this size starts
+                # anew; the old one stays while it holds the step a restore reads.
+                self._retire(node)
+                k = None
+            if k is None:  # a keeper alive, or only slow, keeps its copies
+                self._keepers[node] = self._start(node, fits[node]["budget"], reserve)
+            fits[node]["keeper"] = self._keepers[node].name
+            fits[node]["reserved"] = self._keepers[node].reserved
         out = []
         at = {n: i for i, n in enumerate(ring)}
         for node in nodes_of_ranks:
             buddy = ring[(at[node] + 1) % len(ring)]
-            name = keeper_name(self.spec.name, node)
-            far = keeper_name(self.spec.name, buddy) if buddy != node and self.level.buddy else None
+            name = self._keepers[node].name
+            far = self._keepers[buddy].name if buddy != node and self.level.buddy else None
             out.append((name, far))
         return out
 
-    def _start(self, node: str, budget: int | None, reserve: int) -> Any:
-        """A keeper pinned to `node`, reserving `reserve` bytes from Ray (0: none)."""
+    def _start(self, node: str, budget: int | None, reserve: int) -> _Keeper:
+        """A keeper pinned to `node`, reserving `reserve` bytes from Ray (0: none). Its
+        name is new: never an older keeper's, whose budget and reservation it would keep."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        return (
-            ray.remote(self._cls)
-            .options(
-                name=keeper_name(self.spec.name, node),
-                num_cpus=0,
-                memory=reserve or None,
-                max_restarts=0,
-                max_concurrency=KEEPER_THREADS,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                get_if_exists=True,
-            )
-            .remote(budget, self.level.steps)
-        )
+        while True:
+            name = keeper_name(self.spec.name, node, self._generation)
+            try:
+                handle = (
+                    ray.remote(self._cls)
+                    .options(
+                        name=name,
+                        num_cpus=0,
+                        memory=reserve or None,
+                        max_restarts=0,
+                        max_concurrency=KEEPER_THREADS,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                    )
+                    .remote(budget, self.level.steps, node, reserve)
+                )
+            except ValueError:  # the name is taken (a keeper of an earlier life): the next
+                self._generation += 1
+                continue
+            return _Keeper(name, handle, reserve)
+
+    def _retire(self, node: str) -> None:
+        """The keeper of `node` is replaced: kept aside while a restore's source is
+        pinned (it may hold it), else ended now."""
+        k = self._keepers.pop(node)
+        self._generation += 1
+        old = self._retiring.pop(node, None)
+        if old is not None:
+            _kill(old)
+        if self.pinned is not None:
+            self._retiring[node] = k
+        else:
+            _kill(k)
+
+    def _release(self) -> None:
+        """The restore's source is no longer needed: the keepers it kept aside go."""
+        self.pinned = None
+        for k in self._retiring.values():
+            _kill(k)
+        self._retiring = {}
 
     def refit(self, nodes_of_ranks: list[str], copy_bytes: list[int]) -> None:
         """The copies' measured sizes (by rank): when they no longer fit the level, keep
@@ -167,7 +225,7 @@ class PeerMemory:
         self._set_level(level)
         for f in self.fits:
             if f["node"] in self._keepers:
-                self._keepers[f["node"]].configure.remote(level.steps, f["budget"])
+                self._keepers[f["node"]].handle.configure.remote(level.steps, f["budget"])
 
     def _set_level(self, level: PeerLevel) -> None:
         """Take `level`; say so when it changes (and at the first placement)."""
@@ -187,7 +245,7 @@ class PeerMemory:
         head = (
             f"peer memory: node {f['node'][:12]}'s keeper holds up to {human_bytes(full)} "
             f"(two steps of {human_bytes(f['own'])} own and {human_bytes(f['buddy'])} buddy "
-            "copies)"
+            "copies, and one arriving through Ray's object store)"
         )
         if level == LEVELS[0]:
             self.changes.append(f"{head}, within {budget} (recovery.peer_memory)")
@@ -203,16 +261,20 @@ class PeerMemory:
         out, self.changes = self.changes, []
         return out
 
+    def _all(self) -> dict[str, _Keeper]:
+        """Every keeper to ask, by a key of its own: the current ones by node, and the
+        ones kept aside for a restore's source."""
+        return {**self._keepers, **{f"{n}:retiring": k for n, k in self._retiring.items()}}
+
     def _ask(self, method: str, args: dict[str, tuple]) -> dict[str, Any]:
-        """Call `method` on the keepers of the nodes in `args` (with each node's args)
-        at once; per node its answer, or the exception it raised, or None when it gave
-        none within ASK_TIMEOUT_S (busy, or not placed)."""
+        """Call `method` on the keepers named in `args` (by node, or `_all`'s keys) with
+        each one's args, at once; per keeper its answer, or the exception it raised, or
+        None when it gave none within ASK_TIMEOUT_S (busy, or not placed)."""
         import ray
 
+        every = self._all()
         asks = {
-            getattr(self._keepers[n], method).remote(*a): n
-            for n, a in args.items()
-            if n in self._keepers
+            getattr(every[n].handle, method).remote(*a): n for n, a in args.items() if n in every
         }
         ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=ASK_TIMEOUT_S)
         out: dict[str, Any] = dict.fromkeys(asks.values())
@@ -224,7 +286,14 @@ class PeerMemory:
         return out
 
     def _ask_all(self, method: str, *args: Any) -> dict[str, Any]:
-        return self._ask(method, dict.fromkeys(self._keepers, args))
+        return self._ask(method, dict.fromkeys(self._all(), args))
+
+    def _gone(self, key: str) -> None:
+        """The keeper asked as `key` died: forgotten (its copies went with it)."""
+        if key.endswith(":retiring"):
+            self._retiring.pop(key.removesuffix(":retiring"), None)
+        else:
+            self._keepers.pop(key, None)
 
     def held(self, leaving: set[str] = frozenset()) -> list[tuple[str, PeerCopy]]:
         """(keeper, copy) for every copy the live keepers hold, all asked at once. A
@@ -234,8 +303,10 @@ class PeerMemory:
         not read from a node that may vanish under it."""
 
         out: list[tuple[str, PeerCopy]] = []
-        asked = {n: () for n in self._keepers if n not in leaving}
-        for node, got in self._ask("holdings", asked).items():
+        every = self._all()
+        asked = {key: () for key in every if key.split(":")[0] not in leaving}
+        for key, got in self._ask("holdings", asked).items():
+            node = key.split(":")[0]
             if got is None:
                 if node not in self._quiet:
                     self._quiet.add(node)
@@ -249,10 +320,10 @@ class PeerMemory:
             if isinstance(got, Exception):  # dead: so are its copies; else kept
                 if _dead(got):
                     log.info("state keeper on node %s is gone (%s)", node[:12], type(got).__name__)
-                    self._keepers.pop(node, None)
+                    self._gone(key)
                 continue
             self._quiet.discard(node)
-            out += [(keeper_name(self.spec.name, node), PeerCopy.from_dict(c)) for c in got]
+            out += [(every[key].name, PeerCopy.from_dict(c)) for c in got]
         return out
 
     def offer(
@@ -269,22 +340,36 @@ class PeerMemory:
         with collection_held():
             return newest_complete(self.spec, self.held(leaving), attempt, world, partition, at)
 
+    def hold(self, attempt: str, step: int) -> None:
+        """Step `step` of group `attempt` is offered for the next restore: every keeper
+        pins it (no placement, level or retention drops it before the restore read it)
+        and drops that group's other steps, which no restore reads."""
+        self.pinned = (attempt, step)
+        self._ask_all("hold", attempt, step)
+
     def settle(self, attempt: str, step: int) -> None:
         """Every rank of `attempt` has `step` in all its keepers: they drop older steps
-        and other groups' copies (without waiting for them)."""
-        for h in self._keepers.values():
+        and other groups' copies (without waiting for them). A restore's source is no
+        longer needed once the group that restored from it settles a step: the keepers
+        kept aside for it go."""
+        for k in self._all().values():
             with contextlib.suppress(Exception):  # a lost keeper holds nothing to drop
-                h.settle.remote(attempt, step)
+                k.handle.settle.remote(attempt, step)
+        if self.pinned is not None and self.pinned[0] != attempt:
+            self._release()
 
     def forget(self, nodes: set[str]) -> None:
         """The keepers of `nodes` are gone with them (a node loss the controller saw):
         never asked again, so no restore waits on a dead actor to answer."""
         for node in nodes:
             self._keepers.pop(node, None)
+            self._retiring.pop(node, None)
 
     def retain(self, attempts: list[str]) -> None:
         """Keep only the copies of `attempts` (the group that runs, and the one it
         restored from until it has its own): no later restore may read another's."""
+        if self.pinned is not None and self.pinned[0] not in attempts:
+            self._release()
         self._ask_all("retain", list(attempts))
 
     def nbytes(self) -> dict[str, int]:
@@ -292,13 +377,29 @@ class PeerMemory:
         got = self._ask_all("nbytes")
         return {n: b for n, b in got.items() if isinstance(b, int)}
 
-    def close(self) -> None:
-        import ray
+    def memory(self) -> dict[str, dict[str, Any]]:
+        """Each keeper's own account (`StateKeeper.memory`: bytes held, its peak, budget,
+        reservation, resident memory), by node (a kept-aside one as `node:retiring`)."""
+        got = self._ask_all("memory")
+        return {n: m for n, m in got.items() if isinstance(m, dict)}
 
-        for h in self._keepers.values():
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(h, no_restart=True)
-        self._keepers = {}
+    def close(self) -> None:
+        for k in self._all().values():
+            _kill(k)
+        self._keepers, self._retiring = {}, {}
+
+
+def _reserves(reserved: int, need: int) -> bool:
+    """A keeper that reserved `reserved` bytes from Ray fits a share of `need`: enough,
+    and not twice as much as it holds (the reservation follows the group's size)."""
+    return need <= reserved and (reserved <= 2 * need or reserved - need < 1024**2)
+
+
+def _kill(k: _Keeper) -> None:
+    import ray
+
+    with contextlib.suppress(Exception):  # already gone
+        ray.kill(k.handle, no_restart=True)
 
 
 def _keeper(handles: dict[str, Any], name: str) -> Any:
@@ -349,16 +450,17 @@ class PeerSender:
         for ref in late:  # never left queued behind a slow keeper, holding its bytes
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
-        took, why = 0, []
+        took, why, refused = 0, [], []
         for ref in ready:
             try:
                 ray.get(ref)
                 took += 1
             except Exception as e:  # noqa: BLE001 - the other copy may still land
-                why.append(f"{refs[ref].rsplit(':', 1)[-1][:12]}: {_short(e)}")
-        why += [
-            f"{refs[r].rsplit(':', 1)[-1][:12]}: no answer in {ASK_TIMEOUT_S:.0f}s" for r in late
-        ]
+                cause = getattr(e, "cause", None) or e
+                if isinstance(cause, KeeperFull):
+                    refused.append({"node": _node_of(refs[ref]), "why": str(cause)})
+                why.append(f"{_node_of(refs[ref])}: {_short(e)}")
+        why += [f"{_node_of(refs[r])}: no answer in {ASK_TIMEOUT_S:.0f}s" for r in late]
         if why:
             log.warning(
                 "rank %d: peer copy of step %d not kept by %s", self.rank, step, "; ".join(why)
@@ -370,7 +472,16 @@ class PeerSender:
             "send_s": time.perf_counter() - t0,
             "kept_by": took,
             "keepers": len(self.keepers),
+            # Why a keeper did not take it: the controller says it (once), and at a
+            # later loss tells no copies kept from a rank and its buddy lost together.
+            **({"not_kept": why[:2]} if why else {}),
+            **({"refused": refused[0]} if refused else {}),
         }
+
+
+def _node_of(name: str) -> str:
+    """The node of keeper `name`, as the messages print it."""
+    return name.split(":keeper:")[-1][:12]
 
 
 def _short(e: BaseException) -> str:
@@ -403,14 +514,18 @@ class PeerReader:
         why = "no keeper holds it"
         for name in self._holders.get(prefix, []):
             try:
-                data = ray.get(
-                    _keeper(self._handles, name).read.remote(
-                        self.attempt, step, path, start, length
-                    ),
-                    timeout=ASK_TIMEOUT_S,
-                )
+                # In pieces of READ_PIECE: what a keeper has on its way out at once
+                # stays within what its budget counts for a restore.
+                keeper = _keeper(self._handles, name)
+                pieces = [
+                    keeper.read.remote(self.attempt, step, path, at, min(READ_PIECE, end - at))
+                    for at, end in [
+                        (a, start + length) for a in range(start, start + length, READ_PIECE)
+                    ]
+                ]
+                data = b"".join(ray.get(pieces, timeout=ASK_TIMEOUT_S)) if pieces else b""
             except Exception as e:  # noqa: BLE001 - the next holder, else the commit
-                why = f"{name.rsplit(':', 1)[-1][:12]}: {type(e).__name__}"
+                why = f"{_node_of(name)}: {type(e).__name__}"
                 continue
             return data
         raise CorruptCheckpointError(
