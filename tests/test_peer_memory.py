@@ -450,3 +450,156 @@ def test_the_placement_takes_the_level_the_tightest_node_allows():
     ram["c"] = 1_200  # 600: only its own ranks' copies, one step
     assert peers.fit(nodes, sizes, ram).describe() == "one kept step, on own node only"
     assert {f["node"]: f["need"] for f in peers.fits} == {"a": 400, "b": 400, "c": 600}
+
+
+# --- after a restore: the offered step, the source, and the budget ---------------------
+
+
+def _put(keeper: StateKeeper, attempt: str, rank: int, step: int, size: int, world: int):
+    path = f"a-{attempt}/rank_{rank:05d}/state.safetensors"
+    copy = {"attempt": attempt, "step": step, "rank": rank, "world_size": world,
+            "files": [[path, size, "0" * 64]], "index": []}  # fmt: skip
+    return keeper.put(copy, {path: bytes([rank + 1]) * size})
+
+
+def _complete(keepers: dict, attempt: str, world: int) -> int | None:
+    """The newest step of `attempt` whose every rank's copy some live keeper holds."""
+    have: dict[int, set[int]] = {}
+    for k in keepers.values():
+        for c in k.holdings():
+            if c["attempt"] == attempt:
+                have.setdefault(c["step"], set()).add(c["rank"])
+    return max((s for s, ranks in have.items() if len(ranks) == world), default=None)
+
+
+def test_two_losses_in_a_row_restore_from_peers_at_the_tightest_budget_the_plan_fits():
+    """Three one-rank nodes, then two, then one (the ZeRO share of each rank grows as
+    the group shrinks), at the budget `spotline plan` says fits: every copy is taken,
+    a complete step of the line stands at every moment, and both losses find one."""
+    from spotline.planning.peer_memory import LEVELS, NodePeerMemory
+
+    size = {3: 3000, 2: 4500, 1: 9000}  # one rank's copy at each replica count
+    shapes = {3: (3000, 3000), 2: (4500, 4500), 1: (9000, 0)}
+    plan = NodePeerMemory(3000, 3000, None, None, LEVELS[0], shapes)
+    budget = plan.full
+    assert budget == 27_000 and plan.restore_peak <= budget  # 3 x (4500 + 4500)
+    keepers = {n: StateKeeper(budget, 2, node=n) for n in "xyz"}
+    source: tuple[str, int] | None = None  # the step the group restored from
+
+    def train(attempt: str, nodes: list[str], steps: range, partial: int | None = None):
+        """Copies of `steps` (each rank to its node's keeper and the next one's), each
+        step settled once all are in; `partial`: a last step only rank 0 sent."""
+        world = len(nodes)
+        for step in steps:
+            for rank, node in enumerate(nodes):
+                for n in {node, nodes[(rank + 1) % world]}:
+                    _put(keepers[n], attempt, rank, step, size[world], world)
+                    # A loss now would find a step of this line complete in memory.
+                    assert _complete(keepers, attempt, world) or source or step == steps[0]
+            for k in keepers.values():
+                k.settle(attempt, step)
+        if partial is not None:
+            _put(keepers[nodes[0]], attempt, 0, partial, size[world], world)
+
+    def lose_and_restore(lost: str, old: str, world: int, new: str) -> int:
+        nonlocal source
+        del keepers[lost]
+        step = _complete(keepers, old, world) or (source[1] if source else None)
+        assert step is not None, "no step of the line is complete in live memory"
+        at = old if _complete(keepers, old, world) else source[0]
+        for k in keepers.values():  # pinned at the offer, before the placement
+            k.hold(at, step)
+            k.configure(2, budget)
+        # The restore reads every rank's copy; then the new group's keepers keep only
+        # its own copies and the source.
+        for rank in range(world):
+            path = f"a-{at}/rank_{rank:05d}/state.safetensors"
+            holder = next(k for k in keepers.values() if any(
+                c["rank"] == rank and c["attempt"] == at for c in k.holdings()))  # fmt: skip
+            assert holder.read(at, step, path, 0, 4) == bytes([rank + 1]) * 4
+        for k in keepers.values():
+            k.retain([new, at])
+        source = (at, step)
+        return step
+
+    train("g1", ["x", "y", "z"], range(10, 60, 10), partial=60)
+    assert lose_and_restore("z", "g1", 3, "g2") == 50
+    train("g2", ["x", "y"], range(60, 90, 10))
+    # The source went once g2 settled a step of its own: only g2's copies are held.
+    assert {c["attempt"] for k in keepers.values() for c in k.holdings()} == {"g2"}
+    assert lose_and_restore("y", "g2", 2, "g3") == 80
+    train("g3", ["x"], range(90, 120, 10))
+    assert max(k.peak_nbytes() for k in keepers.values()) <= budget
+
+
+def test_the_offered_step_is_never_pruned_before_the_restore_reads_it():
+    keeper = StateKeeper(None, 2, node="x")
+    for step in (10, 20):
+        for rank in (0, 1):
+            _put(keeper, "g1", rank, step, 100, 2)
+    keeper.settle("g1", 20)
+    _put(keeper, "g1", 0, 30, 100, 2)  # rank 1's copy of 30 never came: 20 is offered
+    keeper.hold("g1", 20)  # the steps no restore reads go at once
+    assert _steps(keeper) == [("g1", 0, 20), ("g1", 1, 20)]
+    # The placement of the new group keeps one step: the pinned one stays.
+    keeper.configure(1, 10_000)
+    keeper.retain(["g2", "g1"])
+    assert _steps(keeper) == [("g1", 0, 20), ("g1", 1, 20)]
+    # The new group's first copy arrives while the source stands in; a second one
+    # replaces it (the source is still the line's complete step) ...
+    keeper.configure(2, 10_000)
+    _put(keeper, "g2", 0, 21, 200, 1)
+    _put(keeper, "g2", 0, 22, 200, 1)
+    assert _steps(keeper) == [("g1", 0, 20), ("g1", 1, 20), ("g2", 0, 22)]
+    # ... and a settle of the copy it replaced leaves the source standing.
+    keeper.settle("g2", 21)
+    assert ("g1", 0, 20) in _steps(keeper)
+    keeper.settle("g2", 22)
+    assert _steps(keeper) == [("g2", 0, 22)]
+
+
+def test_a_short_budget_lets_the_source_go_before_it_refuses_the_new_groups_copy():
+    keeper = StateKeeper(600, 2, node="x" * 20)
+    for rank in (0, 1):
+        _put(keeper, "g1", rank, 10, 100, 2)
+    keeper.hold("g1", 10)
+    keeper.retain(["g2", "g1"])
+    # 200 held and 2 x 300 arriving is over 600: the source the group read goes.
+    assert _put(keeper, "g2", 0, 11, 300, 1) == 300 and _steps(keeper) == [("g2", 0, 11)]
+    with pytest.raises(KeeperFull) as e:  # nothing left to let go: refused, named
+        _put(keeper, "g2", 1, 11, 300, 2)
+    assert str(e.value).startswith("node xxxxxxxxxxxx's state keeper cannot take rank 1's")
+    assert "budget is 600 B (recovery.peer_memory)" in str(e.value)
+
+
+def test_a_read_copies_its_bytes_out_without_the_keepers_lock():
+    keeper = StateKeeper()
+    _put(keeper, "g1", 0, 10, 1000, 1)
+    held = keeper._copies[("g1", 0, 10)]
+    inside, go = threading.Event(), threading.Event()
+
+    class Slow:  # the region, copying out until told to go on
+        def __init__(self, region):
+            self.region = region
+
+        def __getitem__(self, key):
+            inside.set()
+            assert go.wait(30)
+            return self.region[key]
+
+        def close(self):
+            self.region.close()
+
+    held.region = Slow(held.region)
+    out: list[bytes] = []
+    reader = threading.Thread(
+        target=lambda: out.append(keeper.read("g1", 10, "a-g1/rank_00000/state.safetensors", 0, 8))
+    )
+    reader.start()
+    assert inside.wait(30)
+    # While it copies: questions answer, and the copy is dropped without closing its map.
+    assert len(keeper.holdings()) == 1 and keeper.retain([]) == 0
+    assert held.region is not None
+    go.set()
+    reader.join(30)
+    assert out == [b"\x01" * 8] and held.region is None  # closed once the read was out
