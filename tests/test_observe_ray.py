@@ -16,6 +16,7 @@ import pytest
 
 import spotline
 from conftest import tiny_spec
+from spotline.config.loader import SpecError
 from spotline.metrics.prometheus import exported_name
 
 pytestmark = pytest.mark.ray
@@ -81,12 +82,27 @@ def observed(ray_session, tmp_path_factory):
             live_status = _summary_source("observed", "auto")()
             break
         time.sleep(1.0)
+    # Another job given the same checkpoint.uri while this one runs is refused before
+    # it starts anything, naming this one.
+    intruder = tiny_spec(tmp, "intruder", **{"checkpoint.uri": spec.resolved_checkpoint_uri()})
+    try:
+        spotline.Job(intruder).start()
+        refused = None
+    except SpecError as e:
+        refused = str(e)
     result = run.wait(verbose=False)
-    return spec, result, seen, live_status
+    return spec, result, seen, live_status, refused
+
+
+def test_a_second_job_on_the_running_jobs_checkpoint_uri_is_refused(observed):
+    spec, result, *_, refused = observed
+    assert refused is not None, "a second job started on the running job's checkpoint.uri"
+    assert "in use by job 'observed'" in refused and "Nothing was written there" in refused
+    assert result.state == "finished"
 
 
 def test_metrics_endpoint_carries_the_jobs_series(observed):
-    spec, result, series, _ = observed
+    spec, result, series, *_ = observed
     assert series, "no spotline series appeared on Ray's metrics endpoint while the job ran"
     assert _value(series, "spotline_step") > 0
     assert _value(series, "spotline_tokens_per_second") > 0
@@ -112,7 +128,7 @@ def test_status_table_of_the_running_and_the_finished_job(observed, capsys):
     from spotline.cli import main
     from spotline.report import status_rows
 
-    spec, result, _, live = observed
+    spec, result, _, live, _ = observed
     assert live is not None and live["state"] in ("running", "checkpointing")
     assert live["step"] > 0 and live["replicas"] == 2
     assert main(["status", result.checkpoint_uri]) == 0
@@ -142,7 +158,7 @@ def test_status_table_of_the_running_and_the_finished_job(observed, capsys):
 def test_report_writes_non_empty_pngs(observed, tmp_path):
     from spotline.cli import main
 
-    _, result, _, _ = observed
+    _, result, *_ = observed
     out = tmp_path / "report"
     assert main(["report", result.checkpoint_uri, "--out", str(out)]) == 0
     import matplotlib.image as mpimg
@@ -157,7 +173,7 @@ def test_report_writes_non_empty_pngs(observed, tmp_path):
 
 
 def test_result_carries_the_ledger_and_cost(observed):
-    _, result, _, _ = observed
+    _, result, *_ = observed
     parts = result.ledger["device_s"]
     assert sum(parts.values()) == pytest.approx(result.ledger["total_s"], rel=1e-6)
     assert parts["useful"] > 0 and parts["bubble_unfilled"] > 0

@@ -154,3 +154,9 @@ SPOTLINE_CHAOS_START_TIMEOUT_S = _env_float("SPOTLINE_CHAOS_START_TIMEOUT_S", 90
 # every rank the cluster holds for it (a start that fell back to fewer replicas grows
 # back first); past it the trace starts anyway, and says so.
 SPOTLINE_CHAOS_FULL_SIZE_WAIT_S = _env_float("SPOTLINE_CHAOS_FULL_SIZE_WAIT_S", 60.0)
+# A running job's lease on its checkpoint root (`spotline.checkpoint.lease`): renewed
+# this often, on a thread beside the controller's loop, and taken for a dead job's this
+# long after its last renewal, so that a second job started on the same checkpoint.uri
+# is refused while the first runs, and a rerun after a crash is not kept waiting long.
+SPOTLINE_LEASE_RENEW_S = _env_float("SPOTLINE_LEASE_RENEW_S", 10.0)
+SPOTLINE_LEASE_TTL_S = _env_float("SPOTLINE_LEASE_TTL_S", 45.0)

@@ -21,6 +21,7 @@ from spotline.checkpoint import (
     CorruptCheckpointError,
     StorageError,
 )
+from spotline.checkpoint.lease import check_free
 from spotline.checkpoint.staging import GB, check_local_dir
 from spotline.config.backfill import SpeculativeTaskSpec
 from spotline.config.identity import RETUNABLE_FIELDS
@@ -395,6 +396,7 @@ def preflight(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
     store.check_credentials()
     try:
         store.check_owner(spec)
+        check_free(store, spec.name)
     except CheckpointMismatchError as e:
         raise SpecError(str(e)) from None
     store.check_writable()

@@ -43,6 +43,7 @@ from typing import Any
 
 from spotline.checkpoint.catalog import Steps
 from spotline.checkpoint.errors import CorruptCheckpointError
+from spotline.checkpoint.lease import LeaseKeeper
 from spotline.checkpoint.loading import Event, Restorable, StepLoader
 from spotline.checkpoint.manifest import Manifest
 from spotline.checkpoint.retention import apply_retention
@@ -93,6 +94,7 @@ class CommitCoordinator:
     ):
         self.spec, self.store, self._event = spec, store.of_job(spec, records_checks=True), event
         self.loader = StepLoader(spec, store, event, load_retries)
+        self.lease = LeaseKeeper(store, spec.name, event, wall)
         self.wall = wall  # the controller's wall clock: holds and commit stamps
         self.committed: list[int] = []
         self._pending: dict[tuple[int, str], _Pending] = {}
@@ -197,20 +199,7 @@ class CommitCoordinator:
                     ranks = sorted(r.rank for r in receipts)
                     if ranks != list(range(world)) or any(r.world_size != world for r in receipts):
                         continue
-                    results = [
-                        UploadResult(
-                            step,
-                            r.rank,
-                            attempt,
-                            world,
-                            r.files,
-                            r.index,
-                            batch=r.batch,
-                            losses=[(s, loss) for s, loss in r.losses],
-                            meta=r.meta,
-                        )
-                        for r in receipts
-                    ]
+                    results = [UploadResult.from_receipt(step, attempt, world, r) for r in receipts]
                     self._event(
                         f"step {step}: every rank of group {attempt} had uploaded; committing it"
                     )
@@ -385,7 +374,14 @@ class CommitCoordinator:
         return list(bounds) if same and isinstance(bounds, list) else None
 
     def check_owner(self) -> None:
+        """Refuse a root that holds only other jobs' checkpoints, or one another running
+        job holds (CheckpointMismatchError); then hold it until `close`."""
         self.store.check_owner(self.spec)
+        self.lease.claim()
+
+    def close(self) -> None:
+        """The job has ended: its root is free for the next run."""
+        self.lease.release()
 
     def has_checkpoint(self) -> bool:
         """Whether `restore` has a step to load: a committed step of this job, or

@@ -66,6 +66,12 @@ class UploadResult:
     meta: dict[str, Any] | None = None
     """What of the rank's meta every rank agrees on (`reshard.shared_meta`), if known."""
 
+    @classmethod
+    def from_receipt(cls, step: int, attempt: str, world: int, r: Any) -> UploadResult:
+        """The result a rank's receipt (`manifest.Receipt`) read back from storage records."""
+        losses = [(s, loss) for s, loss in r.losses]
+        return cls(step, r.rank, attempt, world, r.files, r.index, batch=r.batch, losses=losses, meta=r.meta)  # fmt: skip
+
 
 @dataclass
 class _Job:

@@ -106,6 +106,11 @@ class ControllerActor:
             clock=clock,
             stacks=RayStacks(),
         )
+        # On this cluster, a lease on the checkpoint root is a live job's only while that
+        # job's controller runs: a rerun after a killed driver need not wait it out.
+        lease = self.controller.coordinator.lease
+        lease.cluster = ray.get_runtime_context().gcs_address
+        lease.alive = lambda job: find_controller(job) is not None
 
     def run(self) -> dict[str, Any]:
         try:

@@ -191,6 +191,7 @@ class Controller:
             finally:
                 if self.demand is not None:
                     self.demand.withdraw()
+                self.coordinator.close()
                 self.telemetry.close(self.state.name)  # every end: finished, failed, stopped
         self._publish()
         return self.state
