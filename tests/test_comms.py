@@ -1,7 +1,9 @@
 """Cutting a rank's communicators (`spotline.train.comms`), in one process: the gloo cut
 shuts only the connections it listed, a failing connection listing never replaces the
-step's error, the NCCL abort ends the process rather than hang, and a rank whose GPU hit
-a sticky CUDA error is never kept for the next group.
+step's error, the NCCL abort runs once on a thread of its own and is reported, not
+waited on, when it hangs, and a rank whose GPU hit a sticky CUDA error (or whose abort
+hung) is never kept for the next group. NCCL itself does not run here: the abort is
+an injected function.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 from spotline.controller.policies import classify
 from spotline.runtime.group import why_not_kept
 from spotline.runtime.progress import describe_failure
-from spotline.train.comms import GlooLinks, NcclAbort, comms_for
+from spotline.train.comms import Cut, GlooLinks, NcclAbort, comms_for
+from spotline.train.watch import CommsHung
 from spotline.train.process import sticky_cuda_error
 
 pytestmark = pytest.mark.unit
@@ -62,7 +65,7 @@ def test_a_stale_entry_whose_fd_number_was_reused_is_not_shut(pair):
     links = GlooLinks(0, connections=lambda: [stale])
     links.listeners = {("127.0.0.1", 29511)}
 
-    assert links.abort() == 0
+    assert links.abort().n == 0
     assert _talks(client, accepted) and _talks(accepted, client)
 
 
@@ -71,10 +74,10 @@ def test_the_connection_it_listed_is_shut(pair):
     links = GlooLinks(0, connections=lambda: [_listed(client)])
     links.listeners = {("127.0.0.1", accepted.getsockname()[1])}
 
-    assert links.abort() == 1
+    assert links.abort().n == 1
     accepted.settimeout(5)
     assert accepted.recv(4) == b""  # the peer sees the connection close
-    links.abort()  # again: safe
+    assert links.abort().n == 1  # again: safe, and says what the one cut did
 
 
 @pytest.mark.parametrize(
@@ -124,50 +127,73 @@ def test_a_listing_error_while_joining_still_publishes_for_the_peers():
 
 
 class _FakeGroup:
-    """A process group whose abort returns, or blocks until released."""
+    """A process group whose abort returns, or blocks until released; it records the
+    thread each abort ran on."""
 
     def __init__(self, hang: bool):
         self.hang = hang
         self.aborts = 0
+        self.threads: list[str] = []
         self.release = threading.Event()
 
     def abort(self) -> bool:
         self.aborts += 1
+        self.threads.append(threading.current_thread().name)
         if self.hang:
             self.release.wait()
         return True
 
 
-def test_nccl_abort_is_called_through_the_interface_once():
-    group, exits = _FakeGroup(hang=False), []
-    comms = NcclAbort(4, abort_groups=group.abort, exit_process=exits.append)
+def test_nccl_abort_is_called_through_the_interface_once_on_its_own_thread():
+    group = _FakeGroup(hang=False)
+    comms = NcclAbort(4, abort_groups=group.abort)
     comms.begin()
     comms.agree(None, 8, 1.0)  # nothing to agree on NCCL
-    assert comms.abort() == 1
-    assert comms.abort() == 0
-    assert group.aborts == 1 and exits == []
+    assert comms.abort() == Cut(1)
+    assert comms.abort() == Cut(1)  # the same abort's outcome, not a second abort
+    assert group.aborts == 1 and comms.hung is None
+    assert group.threads == ["spotline-abort-4"]  # not the caller's thread
     assert isinstance(comms_for("nccl", 4), NcclAbort)
 
 
-def test_an_nccl_abort_that_hangs_ends_the_process(caplog):
-    group, exits = _FakeGroup(hang=True), []
-    comms = NcclAbort(5, abort_groups=group.abort, exit_process=exits.append, timeout_s=0.05)
+def test_an_nccl_abort_that_hangs_is_reported_and_the_process_lives(caplog):
+    group = _FakeGroup(hang=True)
+    comms = NcclAbort(5, "node-abc", abort_groups=group.abort, timeout_s=0.05)
     try:
         with caplog.at_level(logging.CRITICAL, logger="spotline.comms"):
-            assert comms.abort() == 0
-        assert exits == [1]
-        assert "rank 5" in caplog.text and "ending its process" in caplog.text
+            cut = comms.abort()
+        assert cut.n == 0 and isinstance(cut.hung, CommsHung)
+        assert comms.hung is cut.hung and cut.hung.node == "node-abc"
+        said = str(cut.hung)
+        assert "rank 5 on node node-abc" in said and "SPOTLINE_COMM_ABORT_TIMEOUT_S" in said
+        assert "aborting its NCCL communicators" in said and "cordoned" in said
+        assert caplog.text.count("did not return") == 1
+        # A second caller (the restart asking while the step's abort hangs) gets the
+        # same verdict at once, and nothing more is said.
+        assert comms.abort().hung is cut.hung
+        assert caplog.text.count("did not return") == 1 and group.aborts == 1
     finally:
         group.release.set()
+
+
+def test_a_hung_abort_crosses_ray_as_itself_and_names_the_steps_error():
+    import pickle
+
+    hung = CommsHung(3, "node-abc", "aborting its NCCL communicators", 30.0, "KNOB")
+    step = RuntimeError("NCCL communicator was aborted on rank 3.\nmore")
+    back = pickle.loads(pickle.dumps(hung.after(step)))
+    assert isinstance(back, CommsHung) and (back.rank, back.node) == (3, "node-abc")
+    assert "after its step failed (RuntimeError: NCCL communicator was aborted" in str(back)
+    # Not taken for a hang of the step: it names no collective timeout of its own.
+    assert classify([back]).name == "transient"
+    assert why_not_kept(False, True, _RayTaskError(back), 2.0).startswith("hung: aborting")
 
 
 def test_an_nccl_abort_that_raises_is_reported_not_raised():
     def abort():
         raise ValueError("Invalid process group specified or has been destroyed.")
 
-    exits = []
-    assert NcclAbort(1, abort_groups=abort, exit_process=exits.append).abort() == 0
-    assert exits == []
+    assert NcclAbort(1, abort_groups=abort).abort() == Cut(0)
 
 
 _CUDA_HINTS = (

@@ -110,10 +110,23 @@ SPOTLINE_NOTICE_WATCHER_STOP_TIMEOUT_S = _env_float("SPOTLINE_NOTICE_WATCHER_STO
 # answers no connection, so it is seen at the first check; the wait covers a node whose
 # processes die a moment before its raylet.
 SPOTLINE_NODE_LOSS_WAIT_S = _env_float("SPOTLINE_NODE_LOSS_WAIT_S", 1.0)
-# How long a rank's abort of its NCCL communicators may take before the rank ends its
-# own process instead (`spotline.train.comms`): an abort that hangs would hold the rank,
-# and the peers and the next group waiting on it. A healthy abort takes about a second.
+# How long a rank's abort of its communicators (an NCCL abort, a gloo cut) may take
+# before the rank reports it hung (`spotline.train.comms`): the abort stays stuck on a
+# thread of its own, the process is never kept, and the controller cordons its node.
+# A healthy NCCL abort takes a second or a few (one per communicator, grouped).
 SPOTLINE_COMM_ABORT_TIMEOUT_S = _env_float("SPOTLINE_COMM_ABORT_TIMEOUT_S", 30.0)
+# The same for the destroy of a surviving rank's old process group when it re-forms
+# (recovery.in_place): past it, the re-form fails, and the node is cordoned.
+SPOTLINE_COMM_DESTROY_TIMEOUT_S = _env_float("SPOTLINE_COMM_DESTROY_TIMEOUT_S", 30.0)
+# How long a restart with recovery.in_place waits for a surviving rank's training to
+# end before it ends the rank's replica too, when recovery.reform_grace_s is not set, by
+# backend. A gloo cut is a socket shutdown: peers fail within moments. An NCCL abort
+# often takes seconds, and a hung one is reported at SPOTLINE_COMM_ABORT_TIMEOUT_S: the
+# NCCL grace is above it, so that a restart learns that an abort hung (and cordons the
+# node) rather than taking the rank for one still in its step. The wait ends as soon as
+# every surviving rank is free.
+SPOTLINE_REFORM_GRACE_GLOO_S = _env_float("SPOTLINE_REFORM_GRACE_GLOO_S", 2.0)
+SPOTLINE_REFORM_GRACE_NCCL_S = _env_float("SPOTLINE_REFORM_GRACE_NCCL_S", 40.0)
 # After a group is torn down, how long the controller waits for its devices to show as
 # free again before sizing the next group from what it sees (Ray frees them a moment
 # after the actors die).

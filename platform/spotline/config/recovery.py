@@ -56,11 +56,14 @@ class RecoverySpec(BaseModel):
     """Keep the processes of the ranks that survive a restart (a lost node, a notice, a
     grow): they re-form the process group at the new shape and restore there, instead
     of being ended and started again. A rank that hangs is never kept."""
-    reform_grace_s: float = Field(2.0, ge=0.0)
-    """How long a restart waits for a surviving rank's training to end (a collective
-    fails once a peer is gone) before it ends that rank's replica too, as without
-    `in_place`. On gloo a rank whose collective waits on another survivor, not on the
-    lost one, stays blocked until failure.collective_timeout_s: this bounds that wait."""
+    reform_grace_s: float | None = Field(None, ge=0.0)
+    """How long a restart waits for a surviving rank's training to end (its collective
+    fails once a peer is gone, or once the restart aborts its communicators) before it
+    ends that rank's replica too, as without `in_place`. Unset: by backend, 2 s on gloo
+    (a socket shutdown) and 40 s on NCCL (an abort of several communicators takes
+    seconds, and one that hangs is reported at 30 s and cordons its node), from
+    SPOTLINE_REFORM_GRACE_GLOO_S and SPOTLINE_REFORM_GRACE_NCCL_S. The wait ends as soon
+    as every surviving rank is free."""
 
     @field_validator("peer_memory")
     @classmethod

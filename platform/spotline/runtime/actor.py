@@ -55,7 +55,7 @@ from spotline.runtime.faults import Faults
 from spotline.runtime.peers import PeerReader, PeerSender
 from spotline.runtime.rendezvous import interface_of, worker_env
 from spotline.runtime.sealed import SealedJob
-from spotline.train.comms import Comms, comms_for
+from spotline.train.comms import Comms, CommsHung, Cut, comms_for
 from spotline.train.process import (
     Topology,
     backend_for,
@@ -107,13 +107,14 @@ class TrainWorker:
         self.local_rank = 0
         self._sigterm = None
         self._sigterm_reported = False
+        self._node_id = ray.get_runtime_context().get_node_id()  # for what it says
         self._sticky: str | None = None  # a sticky CUDA error this process hit (`run`)
+        self._hung: CommsHung | None = None  # its abort or destroy hung: never kept
         sigterm = [s for s in self.spec.preemption.sources if s.kind == "sigterm"]
         if sigterm:
             # Actor construction runs on the process's main thread, where Python
             # delivers signals; training runs on a worker thread and polls the source.
-            node = ray.get_runtime_context().get_node_id()
-            self._sigterm = make_source(sigterm[0], node_id=node)
+            self._sigterm = make_source(sigterm[0], node_id=self._node_id)
             self._sigterm.install()
         self._join(topo, attempt)
 
@@ -155,15 +156,13 @@ class TrainWorker:
         self._comms: Comms | None = None  # what cuts this rank's communicators (`setup`)
 
     def reform(self, topo: Topology, attempt: str) -> dict[str, Any]:
-        """Take rank `topo` of the next group (`attempt`) in this same process, after the
-        group this rank trained in ended (its run returned: it stopped at a step, or a
-        collective failed when a peer went). Drops the engine, the upload queue of the
-        old group and its process group, and keeps what a new process would have to
-        build again: the imports, the device and its context, the bound environment.
-        The group then sets this rank up as a new one (`setup`) and restores it, from
-        its own node's keeper where a peer copy is complete. Returns `info`."""
-        if self._sticky is not None:  # the group never keeps such a rank: a guard
-            raise RuntimeError(
+        """Take rank `topo` of the next group (`attempt`) in this process, once the group
+        it trained in ended (its run returned). Drops the engine, the old group's upload
+        queue and process group (a destroy that hangs raises CommsHung), keeps what a new
+        process would build again (imports, device and context, environment); the group
+        then sets it up and restores it. Returns `info`."""
+        if self._hung is not None or self._sticky is not None:  # never kept: guards
+            raise self._hung or RuntimeError(
                 f"rank {self.topo.rank} cannot re-form in its process: its GPU hit a "
                 f"sticky CUDA error ({self._sticky}) that only a new process clears"
             )
@@ -175,7 +174,11 @@ class TrainWorker:
             self.channel.close()
             self.channel = None
         self.uploader.close()
-        leave_distributed()
+        try:  # under a watchdog
+            leave_distributed(self.topo.rank, self._node_id)
+        except CommsHung as e:
+            self._hung = e
+            raise
         gc.collect()
         self._join(topo, attempt)
         return self.info()
@@ -279,7 +282,7 @@ class TrainWorker:
         if not rehearsal:
             self._clean_staging()
         store, self._store = self._store, None  # the process group owns it from here
-        self._comms = comms_for(backend_for(self.device), self.topo.rank)
+        self._comms = comms_for(backend_for(self.device), self.topo.rank, self._node_id)
         self._comms.begin()
         backend = init_distributed(
             self.topo,
@@ -296,8 +299,7 @@ class TrainWorker:
                 channel_path(self.spec, self.attempt, self.topo.rank), create=True
             )
         name, peak = device_peak(self.spec.parallel.precision_on(self.device), threads)
-        node = ray.get_runtime_context().get_node_id()
-        self.faults = Faults.for_rank(self.spec, self.topo.rank, node)  # tests only
+        self.faults = Faults.for_rank(self.spec, self.topo.rank, self._node_id)  # tests only
         self.trainer = Trainer(
             self.spec,
             self.topo,
@@ -428,24 +430,27 @@ class TrainWorker:
         try:
             return self._train(tr, target, interval, saved_through)
         except BaseException as e:
-            # This group is over: a peer still waiting on this rank fails now, not at
-            # the collective timeout, and stays good to re-form (`spotline.train.comms`).
-            # The cut never raises: the error reported and classified is the step's.
-            self.abort_comms(self.attempt)
+            # This group is over: peers waiting on this rank fail now, not at the timeout
+            # (`spotline.train.comms`). The cut never raises (a hung one names the error).
+            cut = self.abort_comms(self.attempt)
             self._sticky = sticky_cuda_error(str(e)) or self._sticky
             if self._sticky is not None:  # never kept: the group ends it (`hand_over`)
                 msg = "rank %d: sticky CUDA error (%s); its process ends with this group"
                 log.error(msg, self.topo.rank, self._sticky)
+            if cut.hung is not None and isinstance(e, Exception):
+                raise cut.hung.after(e) from e
             raise
 
-    @ray.method(concurrency_group="control")
-    def abort_comms(self, attempt: str) -> int:
-        """Abort this rank's communicators in group `attempt` (over) now, so that a
-        collective blocked in it or in a peer fails at once; `hand_over` asks every
-        rank it may keep. Returns how many were cut; never raises."""
+    @ray.method(concurrency_group="abort")
+    def abort_comms(self, attempt: str) -> Cut:
+        """Abort this rank's communicators in group `attempt` (over) now: a collective
+        blocked in it or in a peer fails at once (`hand_over` asks each rank it may
+        keep). Its own concurrency group: `progress` never waits behind it. Never raises."""
         if self._comms is None or attempt != self.attempt:  # already in a later group
-            return 0
-        return self._comms.abort()
+            return Cut()
+        cut = self._comms.abort()
+        self._hung = cut.hung or self._hung
+        return cut
 
     def _train(self, tr: Trainer, target: int, interval: int, saved_through: int) -> dict[str, Any]:
         while tr.step < target:

@@ -47,7 +47,9 @@ from spotline.runtime.rendezvous import decide_device
 from spotline.runtime.sealed import SealedJob
 from spotline.runtime.starter import Calls, GroupStart
 from spotline.runtime.survivors import Survivor, Survivors, adopt, end
-from spotline.train.process import Topology, sticky_cuda_error
+from spotline.train.comms import reform_grace_s
+from spotline.train.process import Topology, backend_for, sticky_cuda_error
+from spotline.train.watch import CommsHung
 
 log = logging.getLogger("spotline.group")
 
@@ -93,6 +95,8 @@ class RayWorkerGroup:
         """Ranks that joined from replicas started ahead (`standby.py`), at `start`."""
         self.left_behind: dict[int, str] = {}
         """Rank -> why `hand_over` could not keep it."""
+        self.comms_hung: dict[str, str] = {}
+        """node -> why, for each node where a rank's abort hung at `hand_over`."""
         self.actors: list[Any] = []
         self.sidecars: list[Any] = []  # one per rank, when a sidecar factory is given
         self._info: list[dict[str, Any]] = []
@@ -191,41 +195,53 @@ class RayWorkerGroup:
         self._start = None
         return True
 
-    def hand_over(self, leaving: set[str], grace_s: float) -> Survivors:
+    def hand_over(self, leaving: set[str], grace_s: float | None = None) -> Survivors:
         """The replicas of this ended group the next one may adopt: every rank of one
         alive, off the nodes of `leaving` (lost, noticed, cordoned), and with its run
-        returned within `grace_s` (a rank still blocked in a collective after that is
-        not kept, nor is its replica: they end with this group). They leave this group,
-        so `shutdown` ends only the rest."""
+        returned within `grace_s` (recovery.reform_grace_s; None: its backend's,
+        `comms.reform_grace_s`). A rank still blocked in a collective after that is not
+        kept, nor is its replica: they end with this group; nor is one whose abort hung
+        (`comms_hung` names its node, for the controller to cordon). They leave this
+        group, so `shutdown` ends only the rest."""
         import ray
 
         out = Survivors()
+        self.comms_hung = {}
         if not self._runs or len(self._info) != len(self.actors):
             return out  # the group never ran: nothing in it is known to be good
+        grace_s = reform_grace_s(backend_for(self.device), grace_s)
         stays = [k for k in range(len(self._runs)) if self._info[k]["node_id"] not in leaving]
         # A rank blocked in a collective fails now, on gloo and NCCL alike.
-        cuts = [self.actors[k].abort_comms.remote(self.attempt) for k in stays]
-        waited = [self._runs[k] for k in stays] + cuts
+        cuts = {self.actors[k].abort_comms.remote(self.attempt): k for k in stays}
+        waited = [self._runs[k] for k in stays] + list(cuts)
         done = set(ray.wait(waited, num_returns=len(waited), timeout=grace_s)[0])
+        hung: dict[int, BaseException] = {}
         for ref in done.intersection(cuts):  # read, so that Ray reports no unread error
             with contextlib.suppress(Exception):
-                ray.get(ref)
+                cut = ray.get(ref)
+                if getattr(cut, "hung", None) is not None:
+                    hung[cuts[ref]] = cut.hung
 
         def why_not(rank: int) -> str | None:
-            error = None
-            if self._runs[rank] in done:
+            error = hung.get(rank)
+            if error is None and self._runs[rank] in done:
                 try:
                     ray.get(self._runs[rank])
                 except Exception as e:  # noqa: BLE001 - judged by why_not_kept
                     error = e
             goes = self._info[rank]["node_id"] in leaving
-            return why_not_kept(goes, self._runs[rank] in done, error, grace_s)
+            returned = self._runs[rank] in done or rank in hung
+            return why_not_kept(goes, returned, error, grace_s)
 
         self.left_behind = {}
         for r in range(self.replicas):
             ranks = [s * self.replicas + r for s in range(self.pp)]
             whys = {k: why_not(k) for k in ranks}
             self.left_behind.update({k: w for k, w in whys.items() if w is not None})
+            for k, w in whys.items():  # an abort that hung: its node is to be cordoned
+                if w is not None and w.startswith(_HUNG):
+                    why = w.removeprefix(_HUNG)
+                    self.comms_hung[self._info[k]["node_id"]] = f"rank {k} there: {why}"
             if self.pgs[r] is None or any(whys.values()):
                 continue
             out.replicas.append(
@@ -466,15 +482,23 @@ class RayWorkerGroup:
         self._heard = {}
 
 
+_HUNG = "hung: "
+"""How `why_not_kept` starts the reason of a rank whose abort or destroy hung."""
+
+
 def why_not_kept(
     node_goes: bool, returned: bool, error: BaseException | None, grace_s: float
 ) -> str | None:
     """Why `hand_over` cannot keep a rank of an ended group, or None when it can: its
     run `returned` within `grace_s`, with `error` (None: it returned a result). A
     collective's error leaves the process good to re-form in; a sticky CUDA error does
-    not, and such a rank's process ends with its group."""
+    not, nor an abort that hung (`error` a CommsHung, however it came), and such a
+    rank's process ends with its group."""
     if node_goes:
         return "its node goes"
+    cause = failure_cause(error) if error is not None else None
+    if isinstance(cause, CommsHung):
+        return f"{_HUNG}{cause.short}"
     if not returned:
         return f"still in its step {grace_s:.0f}s after the failure"
     if error is None:

@@ -57,7 +57,7 @@ def start_worker(
 
     from spotline.runtime.actor import TrainWorker
 
-    cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
+    cls = ray.remote(concurrency_groups={"control": 1, "abort": 1})(TrainWorker)
     return cls.options(
         num_cpus=bundle.get("CPU", 0),
         num_gpus=bundle.get("GPU", 0) * (1 - gpu_fraction),

@@ -17,15 +17,23 @@ initialised (`comms_for`):
   to or from one of them, and each descriptor is checked to still be that connection
   before it is shut: nothing else the process holds (Ray's own connections, storage
   clients, a socket that reused a closed descriptor's number) is touched.
-- NCCL has its own abort (`ncclCommAbort`, through torch). `NcclAbort` runs it under a
-  watchdog: an abort that has not returned within SPOTLINE_COMM_ABORT_TIMEOUT_S ends
-  the process (a GPU whose abort hangs cannot be trusted to train again), rather than
-  leaving the rank, its peers and the next group waiting. It needs nothing agreed.
-  torch's `shrink_group` is not used: it is a collective of the survivors, who must
-  already know which ranks went, while a rank here aborts on its own, at once.
+- NCCL has its own abort (`ncclCommAbort` of every communicator, grouped, through
+  torch's `_abort_process_group`). It needs nothing agreed. torch's `shrink_group` is
+  not used: it is a collective of the survivors, who must already know which ranks
+  went, while a rank here aborts on its own, at once. torch's own watchdog is told to
+  leave the communicators to this abort (`settle_nccl_error_handling`).
 
-`abort` never raises: it runs in failure paths, where an error of its own would
-replace the error that ended the step (and change how the failure is classified).
+Every backend's abort runs once per group, on a thread of its own (never the thread
+that asked: the training thread, or the one the controller's calls run on), under a
+watchdog (SPOTLINE_COMM_ABORT_TIMEOUT_S). An abort that has not returned by then is
+reported, not waited on (`Cut.hung`, a `CommsHung`): that process holds a thread stuck
+in the backend, so it is never kept, its replica is ended, and the controller cordons
+its node. `abort` never raises: it runs in failure paths, where an error of its own
+would replace the error that ended the step (and change how the failure is classified).
+
+How long a restart waits for a surviving rank to be free follows its backend
+(`reform_grace_s`).
+
 Never here: Ray, the training loop, a decision about which ranks are kept.
 """
 
@@ -38,10 +46,12 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from spotline import constants
+from spotline.train.watch import CommsHung, Watch
 
 log = logging.getLogger("spotline.comms")
 
@@ -58,17 +68,87 @@ class Comms(Protocol):
         """Once every group of the rank's engine exists: swap with every other rank, in
         the rendezvous `store`, what the cut needs to know (collective: every rank)."""
 
-    def abort(self) -> int:
-        """Cut them now, so that every peer waiting on this rank fails at once. Returns
-        how many were cut (0: none, or it failed, said in the log). Never raises; safe
-        to call more than once and from any thread."""
+    def abort(self) -> Cut:
+        """Cut them now, so that every peer waiting on this rank fails at once: the
+        first call cuts, every later one waits for that same cut and returns what it
+        did. Never raises; safe from any thread."""
 
 
-def comms_for(backend: str, rank: int) -> Comms:
-    """The implementation for the process group `backend` this rank initialises."""
+@dataclass(frozen=True)
+class Cut:
+    """What a rank's abort did: `n` communicators or links cut (0: none, or it failed,
+    said in the log); `hung`: it had not returned within its watchdog."""
+
+    n: int = 0
+    hung: CommsHung | None = None
+
+
+def comms_for(backend: str, rank: int, node: str = "") -> Comms:
+    """The implementation for the process group `backend` this rank (on `node`, for
+    what it says) initialises."""
     if backend == "nccl":
-        return NcclAbort(rank)
-    return GlooLinks(rank)
+        return NcclAbort(rank, node)
+    return GlooLinks(rank, node=node)
+
+
+class _Watched:
+    """The abort every backend shares: `_cut` once, under a watchdog (see the module).
+    `timeout_s`: None reads SPOTLINE_COMM_ABORT_TIMEOUT_S at the abort."""
+
+    what = "cutting its communicators"
+
+    def __init__(self, rank: int, node: str = "", timeout_s: float | None = None) -> None:
+        self.rank = rank
+        self.node = node
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._watch: Watch | None = None
+        self.hung: CommsHung | None = None
+        """Set once the abort outran its watchdog: the process is not to be kept."""
+
+    def _cut(self) -> int:
+        raise NotImplementedError
+
+    def abort(self) -> Cut:
+        with self._lock:
+            if self._watch is None:
+                limit = self._timeout_s
+                if limit is None:
+                    limit = constants.SPOTLINE_COMM_ABORT_TIMEOUT_S
+                self._watch = Watch(self._cut, limit, f"spotline-abort-{self.rank}")
+            w = self._watch
+        try:
+            returned = w.wait()
+        except Exception as e:  # noqa: BLE001 - no thread to be had: never raises here
+            self._failed(e)
+            return Cut()
+        if not returned:
+            return Cut(0, self._hang(w.timeout_s))
+        if w.error is not None:
+            self._failed(w.error)
+            return Cut()
+        return Cut(int(w.value or 0))
+
+    def _hang(self, timeout_s: float) -> CommsHung:
+        with self._lock:
+            if self.hung is None:  # said once, by the first caller to see it
+                self.hung = CommsHung(
+                    self.rank, self.node, self.what, timeout_s, "SPOTLINE_COMM_ABORT_TIMEOUT_S"
+                )
+                log.critical("%s", self.hung)
+                with contextlib.suppress(Exception):
+                    for h in logging.getLogger().handlers + log.handlers:
+                        h.flush()
+            return self.hung
+
+    def _failed(self, e: BaseException) -> None:
+        log.warning(
+            "rank %d: %s failed (%s: %s); peers waiting on it fail at failure.collective_timeout_s",
+            self.rank,
+            self.what,
+            type(e).__name__,
+            e,
+        )
 
 
 # --- gloo -----------------------------------------------------------------------------
@@ -97,11 +177,19 @@ def _same_end(sock_addr: Any, listed: Any) -> bool:
         return False
 
 
-class GlooLinks:
+class GlooLinks(_Watched):
     """This rank's gloo links (see the module)."""
 
-    def __init__(self, rank: int, connections: Callable[[], list[Any]] = _tcp) -> None:
-        self.rank = rank
+    what = "cutting its gloo links"
+
+    def __init__(
+        self,
+        rank: int,
+        connections: Callable[[], list[Any]] = _tcp,
+        node: str = "",
+        timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(rank, node, timeout_s)
         self._connections = connections
         """This process's TCP connections, as psutil lists them (tests pass their own)."""
         self._before: set[tuple[str, int]] | None = None
@@ -159,7 +247,7 @@ class GlooLinks:
                 return True
         return False
 
-    def abort(self) -> int:
+    def _cut(self) -> int:
         """Shut every gloo connection of this rank, both ways."""
         n = 0
         try:
@@ -219,25 +307,21 @@ def _abort_nccl() -> bool:
     return abort_process_groups()
 
 
-class NcclAbort:
+class NcclAbort(_Watched):
     """This rank's NCCL communicators, aborted under a watchdog (see the module)."""
+
+    what = "aborting its NCCL communicators"
 
     def __init__(
         self,
         rank: int,
+        node: str = "",
         abort_groups: Callable[[], Any] = _abort_nccl,
-        exit_process: Callable[[int], Any] = os._exit,
         timeout_s: float | None = None,
     ) -> None:
-        self.rank = rank
+        super().__init__(rank, node, timeout_s)
         self._abort_groups = abort_groups
         """Aborts every process group of this process; falsy when there was none."""
-        self._exit = exit_process
-        self._timeout_s = (
-            constants.SPOTLINE_COMM_ABORT_TIMEOUT_S if timeout_s is None else timeout_s
-        )
-        self._lock = threading.Lock()
-        self._started = False
 
     def begin(self) -> None:
         """Nothing: NCCL's abort needs nothing known beforehand."""
@@ -245,54 +329,65 @@ class NcclAbort:
     def agree(self, store: Any, world_size: int, timeout_s: float) -> None:
         """Nothing to agree: each rank aborts its own communicators."""
 
-    def abort(self) -> int:
-        with self._lock:
-            if self._started:  # the first call aborts (or ends the process)
-                return 0
-            self._started = True
-        try:
-            return self._abort_watched()
-        except Exception as e:  # noqa: BLE001 - never replaces the error being handled
-            log.warning("rank %d: could not abort its NCCL communicators: %s", self.rank, e)
-            return 0
-
-    def _abort_watched(self) -> int:
-        outcome: list[Any] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                outcome.append(bool(self._abort_groups()))
-            except Exception as e:  # noqa: BLE001 - reported by the waiting thread
-                outcome.append(e)
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=f"spotline-nccl-abort-{self.rank}", daemon=True).start()
-        if not done.wait(self._timeout_s):
-            log.critical(
-                "rank %d: aborting its NCCL communicators did not return within %.0fs "
-                "(SPOTLINE_COMM_ABORT_TIMEOUT_S); ending its process rather than hanging: "
-                "the rank starts in a new process, and a GPU that hangs again here should "
-                "be drained",
-                self.rank,
-                self._timeout_s,
-            )
-            with contextlib.suppress(Exception):
-                for h in logging.getLogger().handlers + log.handlers:
-                    h.flush()
-            self._exit(1)
-            return 0
-        result = outcome[0]
-        if isinstance(result, Exception):
-            log.warning(
-                "rank %d: aborting its NCCL communicators failed (%s: %s); peers waiting "
-                "on it fail at failure.collective_timeout_s",
-                self.rank,
-                type(result).__name__,
-                result,
-            )
-            return 0
-        if result:
+    def _cut(self) -> int:
+        aborted = bool(self._abort_groups())
+        if aborted:
             log.warning("rank %d: its group is over; aborted its NCCL communicators", self.rank)
-        return int(result)
+        return int(aborted)
+
+
+# How torch's NCCL watchdog handles a failed or timed-out collective, by its own names
+# (the first one set wins, as torch reads them).
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+
+
+def settle_nccl_error_handling(env: MutableMapping[str, str]) -> str | None:
+    """Leave a failed NCCL communicator to this rank's abort: set torch's error handling
+    to 0 in `env` unless the user set a mode; returns what to warn about a mode that
+    works against in-place recovery (None: nothing to say).
+
+    Decided against torch 2.13 (ProcessGroupNCCL.hpp, `_abort_process_group` in
+    distributed_c10d.py). The modes: 0 handles nothing; 1 (torch's old default) aborts
+    the communicators and ends the process; 2 aborts them on torch's watchdog thread and
+    lets the error reach the step; 3 ends the process without aborting. In-place
+    recovery needs the process to live, which rules out 1 and 3. Under 2 torch's
+    watchdog and this rank's `NcclAbort` (from the failing step, or from the restart)
+    can abort the same communicators at the same moment from two threads, torch's
+    outside the NCCL group that `_abort_process_group` opens so that one abort cannot
+    wait on another; torch documents `_abort_process_group` for mode 0 for that reason.
+    So 0: one owner of the abort. What it costs: torch no longer breaks a collective
+    that never completes (its timeout is logged, and dumped where the flight recorder
+    is on); a rank blocked in one is woken by the restart's abort, or, in a hang, by the
+    controller's hang watch, which ends the group. Both are Spotline's own paths."""
+    name, raw = next(((n, env[n]) for n in NCCL_ERROR_HANDLING if env.get(n)), ("", ""))
+    if not name:
+        env[NCCL_ERROR_HANDLING[0]] = "0"
+        return None
+    mode = raw.strip()
+    unset = "unset it and Spotline sets 0 (one owner of the abort)"
+    if mode == "0":
+        return None
+    if mode == "2":
+        return (
+            f"{name}=2 is set: torch's NCCL watchdog then aborts a failed communicator on "
+            "its own thread while the rank's own abort may abort the same one at the same "
+            f"moment (torch documents its abort for mode 0); {unset}"
+        )
+    if mode in ("1", "3"):
+        return (
+            f"{name}={mode} is set: torch ends a rank's process at an NCCL error or "
+            "timeout, so recovery.in_place keeps no NCCL rank (each starts again in a new "
+            f"process); {unset}"
+        )
+    return f"{name}={raw!r} is not one of torch's modes (0, 1, 2, 3); {unset}"
+
+
+def reform_grace_s(backend: str, configured: float | None = None) -> float:
+    """How long a restart waits for a surviving rank's training to end before it ends
+    the rank's replica too: recovery.reform_grace_s when set (`configured`), else the
+    backend's, SPOTLINE_REFORM_GRACE_NCCL_S or SPOTLINE_REFORM_GRACE_GLOO_S."""
+    if configured is not None:
+        return configured
+    if backend == "nccl":
+        return constants.SPOTLINE_REFORM_GRACE_NCCL_S
+    return constants.SPOTLINE_REFORM_GRACE_GLOO_S

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from spotline import constants
 from spotline.compat.torch import set_default_group_timeout, stale_extension_locks
+from spotline.train.comms import settle_nccl_error_handling
+from spotline.train.watch import CommsHung, watched
 
 log = logging.getLogger("spotline.worker")
 
@@ -208,10 +210,11 @@ def init_distributed(
     `timeout_s`: how long one collective or rendezvous wait may take before the rank
     raises (failure.collective_timeout_s, the backstop behind hang detection).
 
-    On NCCL, torch's watchdog is told to abort a failed or timed-out communicator and
-    let the error reach the step (TORCH_NCCL_ASYNC_ERROR_HANDLING=2), not to end the
-    process (its default): a survivor keeps its process to re-form in. A value the user
-    set is kept."""
+    On NCCL, torch's watchdog is told to leave a failed communicator to this rank's own
+    abort (TORCH_NCCL_ASYNC_ERROR_HANDLING=0; `comms.settle_nccl_error_handling` says
+    why), not to end the process (its default): a survivor keeps its process to
+    re-form in. A value the user set is kept, with a warning where it works against
+    that."""
     deepspeed = import_deepspeed()
     clear_stale_build_locks(topo.rank)
     os.environ.update(
@@ -232,7 +235,9 @@ def init_distributed(
         kwargs["device_id"] = torch.device("cuda", local_rank)
     backend = backend_for(device)
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        said = settle_nccl_error_handling(os.environ)
+        if said is not None and topo.rank == 0:  # the same environment on every rank
+            log.warning("%s", said)
     if store is None:
         store = dist.TCPStore(
             master_addr,
@@ -281,13 +286,23 @@ def clear_stale_build_locks(rank: int) -> list[str]:
     return removed
 
 
-def leave_distributed() -> None:
+def leave_distributed(rank: int = 0, node: str = "", timeout_s: float | None = None) -> None:
     """Leave the process group this rank is in, and DeepSpeed's view of it, keeping the
     process: the next `init_distributed` joins a new group at a new rank and world
     size as a fresh process would. Call it once the engine built on the old group is
-    dropped."""
+    dropped. After an NCCL abort there is nothing left to destroy.
+
+    The destroy runs on a thread of its own under a watchdog (`timeout_s`, else
+    SPOTLINE_COMM_DESTROY_TIMEOUT_S): one that has not returned by then raises
+    CommsHung (naming `rank` and `node`), and the process is not to be used again."""
     from spotline.compat.deepspeed import forget_groups
 
     if dist.is_initialized():
-        dist.destroy_process_group()
+        limit = constants.SPOTLINE_COMM_DESTROY_TIMEOUT_S if timeout_s is None else timeout_s
+        w = watched(dist.destroy_process_group, limit, f"spotline-destroy-{rank}")
+        if w.hung:
+            what = "destroying its old process group"
+            raise CommsHung(rank, node, what, limit, "SPOTLINE_COMM_DESTROY_TIMEOUT_S")
+        if w.error is not None:
+            raise w.error
     forget_groups()
