@@ -310,10 +310,16 @@ class FakeGroup:
         return 1e9
 
     def hand_over(self, leaving, grace_s):
-        """The replicas off `leaving` go on (recovery.in_place); a fake has no process."""
-        self.left_behind = {}
+        """The replicas off `leaving` go on (recovery.in_place); a fake has no process.
+        The script's `abort_hung` (a node): a rank's abort hung there, so its replica
+        does not go on either."""
+        hung = self.script.pop("abort_hung", None)
+        why = "aborting its NCCL communicators did not return within 30s"
+        self.comms_hung = {hung: f"rank 0 there: {why}"} if hung else {}
+        self.left_behind = {0: f"hung: {why}"} if hung else {}
         self.handed = set(leaving)
-        self.survivors_out = FakeSurvivors([n for n in self.nodes if n not in leaving])
+        gone = set(leaving) | set(self.comms_hung)
+        self.survivors_out = FakeSurvivors([n for n in self.nodes if n not in gone])
         return self.survivors_out
 
     def shutdown(self):

@@ -18,6 +18,7 @@ it is handled at once. The worker group is injected: tests drive a fake one.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from spotline import constants
@@ -477,7 +478,8 @@ class Controller:
         if self.group is not None:
             self.coordinator.abandon(self.group.attempt)
         keep_off = set(self.cluster.cordoned) | set(self.inbox.doomed()) if leaving else set()
-        said = self.fleet.end(leaving, keep_off)
+        hung = partial(self.cordons.after_comms_hung, replicas_without=self.sizing.replicas_left)
+        said = self.fleet.end(leaving, keep_off, hung)
         for text in self.fleet.take_failures():
             self.say(text, logging.WARNING)
         if said is not None:

@@ -2,9 +2,10 @@
 
 A node is cordoned when ranks there hung `failure.cordon_after_hangs` times within
 `failure.hang_count_ttl_s`, or straggled past `failure.cordon_straggler_threshold`
-(the health book judges both), but only when the job could still run at
-`elastic.min_replicas` without it. A cordoned node gets no part of a new group and the
-autoscaler is asked for a replacement. A cordon lasts `failure.cordon_ttl_s`; before
+(the health book judges both), or once a rank there could not let go of its
+communicators (its abort or destroy outran its watchdog), but only when the job could
+still run at `elastic.min_replicas` without it. A cordoned node gets no part of a new
+group and the autoscaler is asked for a replacement. A cordon lasts `failure.cordon_ttl_s`; before
 every placement, when the job could not reach `elastic.min_replicas` without its
 cordoned nodes but could with them, the oldest cordons are lifted, with an event,
 rather than waiting for capacity that exists. The list (with when each cordon was
@@ -180,6 +181,25 @@ class Cordons:
         for node in due:
             n = len(self.hangs[node])
             self.cordon(node, f"a rank there hung {n} times within {within}", replicas_without)
+
+    def after_comms_hung(
+        self, hung: dict[str, str], replicas_without: Callable[[set[str]], int]
+    ) -> None:
+        """Cordon each node of `hung` (node -> why): a rank there could not let go of
+        its communicators (an abort or a destroy outran its watchdog,
+        `spotline.train.watch.CommsHung`). Once is enough: a GPU or a network that hangs
+        in an abort is not trusted with the next group."""
+        for node, why in hung.items():
+            if node in self.nodes:
+                continue
+            if not self.f.cordon:
+                self._event(
+                    f"node {node[:12]}: {why}; not cordoned (failure.cordon is off): drain "
+                    "it if it hangs again",
+                    logging.WARNING,
+                )
+                continue
+            self.cordon(node, why, replicas_without)
 
     # --- cordons ------------------------------------------------------------------------
 

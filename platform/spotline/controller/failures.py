@@ -3,7 +3,8 @@
 `Failures.judge` reads a failure of the live group the way the restart needs it: the
 nodes lost with it (read patiently when a process died: its node may be seen gone a
 moment after), its kind (`policies.classify`: a hang, a transient fault, the user's
-code, ...), whether a hang cordons a node (`cordons.Cordons.after_hang`), which nodes'
+code, ...), whether a hang cordons a node (`cordons.Cordons.after_hang`, and
+`after_comms_hung` for a rank whose abort of its communicators hung), which nodes'
 ranks go while the others may go on in their processes, and how many replicas the
 next group can expect. The loop records the verdict, ends the group and decides
 with `FailurePolicy`.
@@ -20,6 +21,7 @@ from spotline.controller.cordons import Cordons
 from spotline.controller.fleet import Fleet
 from spotline.controller.policies import FailureKind, classify
 from spotline.runtime.cluster import ClusterView
+from spotline.train.watch import CommsHung
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,14 @@ class Failures:
         hang = kind.name == "hang" and not lost
         if hang:  # may cordon a node: before the next size is counted
             self.cordons.after_hang(causes, step, self.replicas_left)
+        # A rank whose abort or destroy of its communicators hung: its node, whatever
+        # else went wrong.
+        hung = {
+            c.node: f"rank {c.rank} there: {c.short}"
+            for c in causes
+            if isinstance(c, CommsHung) and c.node and c.node not in lost
+        }
+        self.cordons.after_comms_hung(hung, self.replicas_left)
         what = "node loss" if lost else ("hang" if hang else "failure")
         keep = (lost or process_died) and not hang
         return Verdict(

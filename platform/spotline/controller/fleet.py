@@ -57,12 +57,19 @@ class Fleet:
         group.start(partition=partition, init=init, survivors=survivors)
         return group
 
-    def end(self, leaving: set[str] | None, avoid: set[str]) -> HandedOver | None:
+    def end(
+        self,
+        leaving: set[str] | None,
+        avoid: set[str],
+        on_hung: Callable[[dict[str, str]], None] | None = None,
+    ) -> HandedOver | None:
         """End the live group. `leaving` (with recovery.in_place): the nodes whose ranks
         go (lost, or named by a notice); the group's other good replicas, off those and
         off `avoid` (cordoned, noticed), are held for the next group with the ready
-        replicas started ahead. Returns what went on and why each other rank did not,
-        for the event log. None: everything ends, ranks held before included."""
+        replicas started ahead. `on_hung(node -> why)`: told, before the group ends, of
+        the nodes where a rank's abort hung. Returns what went on and why each other
+        rank did not, for the event log. None: everything ends, ranks held before
+        included."""
         said = None
         group = self.group
         if group is not None:
@@ -80,6 +87,9 @@ class Fleet:
                     + "".join(f"; rank {k} not: {why}" for k, why in sorted(behind.items())),
                     any(w.startswith("still") for w in behind.values()),
                 )
+                hung = getattr(group, "comms_hung", {})
+                if hung and on_hung is not None:  # while the group still counts
+                    on_hung(dict(hung))
             group.shutdown()
             self.group = None
         if leaving is None:
