@@ -395,8 +395,8 @@ def preflight(spec: JobSpec, local_cluster: bool = True) -> CheckpointStore:
     resolve_datasets(spec)  # before the owner check: the spec hash covers what it resolves
     store.check_credentials()
     try:
+        check_free(store, spec.name)  # a running job's first: it says the most
         store.check_owner(spec)
-        check_free(store, spec.name)
     except CheckpointMismatchError as e:
         raise SpecError(str(e)) from None
     store.check_writable()
