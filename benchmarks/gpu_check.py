@@ -22,13 +22,19 @@ keeper    (inside the mfu arm's eager run) the rank's peer copy of the trained 1
           model, put in a state keeper: the bytes it holds against the plan's figure
           for that rank, and the plan's keeper bytes per node for the preset on an
           8-GPU node.
+abort     one rank on one GPU: its NCCL communicators (two groups) aborted through
+          Spotline's abort under its watchdog (`spotline.train.comms`), then a new
+          group in the same process and an all-reduce there: the abort's seconds,
+          whether its watchdog fired, torch's error-handling mode in force, and the
+          seconds to destroy a healthy group under the destroy's watchdog.
 inplace   with two or more GPUs: a Spotline job of up to 3 replicas (pp=1, NCCL) on a
           local Ray cluster, one rank's process killed at step 30: the survivors must
           keep their PIDs and re-form in place; the seconds from the kill to training
-          again. With one GPU it is skipped, saying so.
+          again, and any abort that hung (with the node it cordoned). With one GPU it
+          is skipped, saying so.
 
     python benchmarks/gpu_check.py [--device gpu|cpu] [--tiny] [--steps N]
-                                   [--arms mfu,pipeline,backfill,inplace] [--json PATH]
+                                   [--arms mfu,pipeline,backfill,abort,inplace] [--json PATH]
 
 On this project's CPU machines: `--device cpu --tiny` runs every arm end to end on a
 tiny Llama (the figures then only show that the script works).
@@ -172,6 +178,54 @@ def keeper_bytes(trainer: Any, spec: Any) -> dict[str, Any]:
     }
 
 
+def _abort_rank(device: str, q) -> None:
+    try:
+        q.put((0, _abort_and_reform(device)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which records it
+        q.put((0, {"error": traceback.format_exc(limit=8)}))
+
+
+def _abort_and_reform(device: str) -> dict[str, Any]:
+    """One rank: a group (and a second one) that all-reduce, aborted as a failing rank
+    aborts them; then a new group in the same process, as a survivor re-forms."""
+    import torch
+    import torch.distributed as dist
+
+    from spotline.train.comms import comms_for
+    from spotline.train.process import Topology, backend_for, init_distributed, leave_distributed
+
+    topo, gpu = Topology(1, 1, 0), device == "gpu"
+    where = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    comms = comms_for(backend_for(device), 0, "local")
+    comms.begin()
+    backend = init_distributed(topo, "127.0.0.1", _free_port(), device, 0)
+    side = dist.new_group([0])
+    t = torch.ones(1 << 20, device=where)
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=side)
+    if gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    cut = comms.abort()
+    abort_s = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "backend": backend,
+        "error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+        "abort_s": abort_s,
+        "cut": cut.n,
+        "hung": str(cut.hung) if cut.hung else None,
+    }
+    leave_distributed(0, "local")  # after an NCCL abort: nothing left to destroy
+    init_distributed(topo, "127.0.0.1", _free_port(), device, 0)  # re-formed
+    t = torch.ones(4, device=where)
+    dist.all_reduce(t)
+    out["all_reduce_after"] = t.tolist() == [1.0] * 4
+    t0 = time.perf_counter()
+    leave_distributed(0, "local")  # a healthy group, destroyed under its watchdog
+    out["destroy_s"] = time.perf_counter() - t0
+    return out
+
+
 def run_ranks(world: int, args: argparse.Namespace, arm: str) -> dict[str, Any]:
     """`world` rank processes of one arm; rank 0's figures (or the first error)."""
     import torch.multiprocessing as mp
@@ -267,6 +321,24 @@ def arm_backfill(args: argparse.Namespace) -> dict[str, Any]:
     return {k: got[k] for k in keys} | {"steps": steps}
 
 
+def arm_abort(args: argparse.Namespace) -> dict[str, Any]:
+    """The abort and a re-form in one process, in a process of its own."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_abort_rank, args=(args.device, q))
+    p.start()
+    try:
+        return q.get(timeout=args.arm_timeout_s)[1]
+    except Exception:  # noqa: BLE001 - the rank hung: the arm failed
+        return {"error": f"no result within {args.arm_timeout_s} s"}
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+
+
 def arm_inplace(args: argparse.Namespace) -> dict[str, Any]:
     """Survivors keep their processes on NCCL (gloo with --device cpu)."""
     import signal
@@ -307,8 +379,10 @@ def arm_inplace(args: argparse.Namespace) -> dict[str, Any]:
             before = {w["pid"] for w in workers[:-1]}
             t0 = time.time()
             os.kill(victim["pid"], signal.SIGKILL)
+            events: list[str] = []
             while True:
                 st = run.status()
+                events += [str(e) for e in st.get("events") or []]
                 if st["step"] > kill_at + 2 and st["replicas"] and st["workers"]:
                     pids = {w["pid"] for w in st["workers"]}
                     if victim["pid"] not in pids:
@@ -327,6 +401,8 @@ def arm_inplace(args: argparse.Namespace) -> dict[str, Any]:
         "kill_to_training_s": back_s,
         "kept": [a.get("kept", 0) for a in result.attempts[1:]],
         "recoveries": result.recoveries,
+        "abort_hung": [e for e in events if "did not return within" in e],
+        "cordoned": (getattr(result, "health", None) or {}).get("cordoned") or {},
     }
 
 
@@ -334,6 +410,7 @@ ARMS = {
     "mfu": arm_mfu,
     "pipeline": arm_pipeline,
     "backfill": arm_backfill,
+    "abort": arm_abort,
     "inplace": arm_inplace,
 }
 
@@ -386,6 +463,17 @@ def render(report: dict[str, Any]) -> str:
             f"  backfill 2x4 fill {fill['fill']:.1%}, overrun {fill['overrun_fraction']:.1%}"
             f" of a step, slowdown {fill['slowdown']:.3f}x"
         )
+    abort = report.get("abort", {})
+    if "error" in abort:
+        lines.append(f"  abort failed: {abort['error'].strip().splitlines()[-1]}")
+    elif abort:
+        lines.append(
+            f"  abort    {abort['backend']} ({abort['error_handling'] or 'mode unset'}): "
+            f"{abort['cut']} cut in {abort['abort_s']:.2f}s"
+            + (f", HUNG: {abort['hung']}" if abort["hung"] else "")
+            + f"; re-formed and all-reduced: {abort['all_reduce_after']}; destroy "
+            f"{abort['destroy_s']:.2f}s"
+        )
     inplace = report.get("inplace", {})
     if "skipped" in inplace:
         lines.append(f"  inplace skipped: {inplace['skipped']}")
@@ -396,6 +484,7 @@ def render(report: dict[str, Any]) -> str:
             f"  inplace {inplace['ranks']} ranks ({inplace['backend']}): survivors kept their "
             f"PIDs: {inplace['survivors_kept_pids']}; kill -> training "
             f"{inplace['kill_to_training_s']:.1f}s"
+            + (f"; aborts that hung: {inplace['abort_hung']}" if inplace["abort_hung"] else "")
         )
     return "\n".join(lines)
 
@@ -407,7 +496,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--micro-batch-size", type=int, default=None)
-    ap.add_argument("--arms", default="mfu,pipeline,backfill,inplace")
+    ap.add_argument("--arms", default="mfu,pipeline,backfill,abort,inplace")
     ap.add_argument("--arm-timeout-s", type=float, default=400.0)
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args(argv)
