@@ -41,6 +41,7 @@ from spotline.checkpoint.peer import PeerCopy, rank_prefix
 from spotline.checkpoint.transfer import UploadResult, job_identity
 from spotline.checkpoint.uploads import NODE_FORMAT, NODE_PREFIX
 from spotline.config import load_spec
+from spotline.heap import collection_held
 from spotline.runtime.cluster import CordonList
 from spotline.runtime.demand import RayDemand, demand_bundles
 from spotline.runtime.group import RayWorkerGroup
@@ -183,18 +184,24 @@ class SimRanks:
         self.save_at = 0
         self.uploads: list[UploadResult] = []
         self.saves: list[tuple[int, float, int]] = []
+        self.steps: list[tuple[int, float, float, float]] = []  # trained, not yet reported
         self.write_storage = True
 
-    def publish(self, now: float) -> list[dict[str, Any]]:
-        """Every rank's report since the last poll (`TrainWorker.progress()`'s dict)."""
-        steps = []
+    def train(self, now: float) -> None:
+        """The ranks' own work until `now`, in their processes: steps, and a save (its
+        files written to storage) when one is due."""
         while (self.step + 1) * STEP_S <= now - self.t0:
             self.step += 1
             wall = time.time()
-            steps.append((self.step, 10.0 / (1 + self.step), STEP_S, wall))
+            self.steps.append((self.step, 10.0 / (1 + self.step), STEP_S, wall))
             if 0 < self.save_at <= self.step:
                 self.save(self.step)
                 self.save_at = 0
+
+    def publish(self, now: float) -> list[dict[str, Any]]:
+        """Every rank's report since the last poll (`TrainWorker.progress()`'s dict)."""
+        self.train(now)
+        steps, self.steps = self.steps, []
         saves, self.saves = self.saves, []
         uploads, self.uploads = self.uploads, []
         by_rank: dict[int, list] = {}
@@ -367,13 +374,16 @@ class SimGroup(RayWorkerGroup):
             self.ranks.save_at = max(self.ranks.save_at, save_at)
 
     def poll(self, timeout_s: float):
-        t0 = time.thread_time()
         self.sim_clock.sleep(timeout_s)  # the real poll waits about this long
-        reports = self.ranks.publish(self.sim_clock())
+        t0 = time.thread_time()
+        self.ranks.train(self.sim_clock())  # the ranks' own work, saves written
         self.sim_cpu_s += time.thread_time() - t0
-        progress = self._fold(reports)
-        progress.ranks = self._beats(reports)
-        return progress
+        # As the real poll takes its ranks' reports in: with automatic collection held.
+        with collection_held():
+            t0 = time.thread_time()
+            reports = self.ranks.publish(self.sim_clock())
+            self.sim_cpu_s += time.thread_time() - t0
+            return self._progress(reports)
 
     def wait_uploads(self, timeout_s: float) -> bool:
         return True

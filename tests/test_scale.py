@@ -230,8 +230,9 @@ def test_each_size_on_s3_runs_in_a_bucket_of_its_own_that_it_deletes(s3_bucket):
 
 
 def test_the_bursts_of_thousands_of_ranks_run_with_collection_held(tmp_path, monkeypatch):
-    """The poll, a manifest's JSON both ways and the peer offer build thousands of
-    containers at size; a collection in the middle of them scans the whole heap."""
+    """The poll's snapshot, a manifest's JSON both ways and the peer offer build
+    thousands of containers at size; a collection in the middle of them scans the whole
+    heap."""
     import spotline.checkpoint.manifest as manifest_mod
     import spotline.runtime.peers as peers_mod
 
@@ -245,7 +246,11 @@ def test_the_bursts_of_thousands_of_ranks_run_with_collection_held(tmp_path, mon
 
         return call
 
-    monkeypatch.setattr(scale_sim.SimGroup, "poll", recording("poll", scale_sim.SimGroup.poll))
+    # The poll's snapshot, built from its reports (its wait runs with collection on:
+    # tests/test_heap.py watches for that).
+    monkeypatch.setattr(
+        scale_sim.SimGroup, "_progress", recording("poll", scale_sim.SimGroup._progress)
+    )
     for name, fn in (("write", "_dump_signed"), ("read", "_load_signed")):
         real = getattr(manifest_mod, fn)
         mine = (lambda raw, *a: "data_position" in raw) if name == "write" else (

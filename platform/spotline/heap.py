@@ -8,6 +8,14 @@ collection of the whole heap (with S3's client and torch loaded, it costs more t
 poll of 8,192 ranks itself; benchmarks/README.md has the figures). Held back, they die by
 reference count when the burst ends; collections resume after it, with the counts it
 left, and find only what outlived it.
+
+Held only around the CPU-bound part of such work: building the poll's snapshot from
+the reports `ray.wait` already brought in, a manifest's JSON either way, the peer-memory
+offer from holdings already received. Never across a wait on Ray or storage (the ranks'
+wait, a write, a keeper's call with its timeout, `ray.nodes()`): the cycles that do form
+meanwhile (botocore's clients, tracebacks of failed calls) would pile up for as long as
+the wait lasts, and a burst held that long is no burst. tests/test_heap.py watches the
+controller's loop for a wait made while collection is held.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from collections.abc import Iterator
 _lock = threading.Lock()
 _depth = 0  # bursts in progress, on any thread
 _resume = False  # whether collection was on when the first of them began
+_mine = threading.local()  # this thread's bursts in progress
 
 
 @contextlib.contextmanager
@@ -34,10 +43,17 @@ def collection_held() -> Iterator[None]:
             _resume = gc.isenabled()
             gc.disable()
         _depth += 1
+    _mine.depth = getattr(_mine, "depth", 0) + 1
     try:
         yield
     finally:
+        _mine.depth -= 1
         with _lock:
             _depth -= 1
             if _depth == 0 and _resume:
                 gc.enable()
+
+
+def held() -> bool:
+    """Whether this thread is inside a block that holds automatic collection back."""
+    return getattr(_mine, "depth", 0) > 0

@@ -77,12 +77,13 @@ class Intake:
 
     def poll(self) -> Progress:
         """One collection of the ranks' progress: losses, saves, commits, figures; then
-        the hang watch. Automatic collection waits until it is taken in (`spotline.heap`)."""
+        the hang watch. The group holds automatic collection back only while it builds
+        the snapshot (`spotline.heap`): the wait for the ranks, the commits' writes to
+        storage and the keepers' calls run with it on."""
         clock, health = self.clock, self.health
         t0 = clock()
-        with collection_held():
-            progress = self.group.poll(constants.SPOTLINE_POLL_INTERVAL_S)
-            self.take(progress, clock() - t0)
+        progress = self.group.poll(constants.SPOTLINE_POLL_INTERVAL_S)
+        self.take(progress, clock() - t0)
         fig = self.telemetry.fig
         hang = health.hang(clock(), list(fig.step_seconds), fig.blocked_s)
         if hang is not None:
@@ -100,26 +101,31 @@ class Intake:
 
     def take(self, p: Progress, elapsed: float) -> None:
         """A poll of the live group: its figures to telemetry, its saves and finished
-        uploads to the commit coordinator, its notices to the inbox."""
+        uploads to the commit coordinator, its notices to the inbox. What the books make
+        of thousands of ranks' reports is a burst of containers, taken with automatic
+        collection held (`spotline.heap`); then what may wait (a commit's writes to
+        storage, the keepers' calls) runs with it on."""
         group, rec = self.group, self.rec
         now = self.clock()
-        if p.steps:
-            self.step = p.steps[-1][0]
-        attempt = rec.attempts[-1]
-        rec.take_losses(attempt.attempt, [(s, loss) for s, loss, _, _ in p.steps])
-        self.telemetry.take_steps(p, group.replicas, now)
-        self.health.take(p.ranks, self.step, now)
-        for step in sorted(p.saves):
-            self.coordinator.expect(step, group.attempt, group.world_size)
-        self._saves_skipped(p.skipped_saves, sorted(p.saves))
+        with collection_held():
+            if p.steps:
+                self.step = p.steps[-1][0]
+            attempt = rec.attempts[-1]
+            rec.take_losses(attempt.attempt, [(s, loss) for s, loss, _, _ in p.steps])
+            self.telemetry.take_steps(p, group.replicas, now)
+            self.health.take(p.ranks, self.step, now)
+            for step in sorted(p.saves):
+                self.coordinator.expect(step, group.attempt, group.world_size)
+            self._saves_skipped(p.skipped_saves, sorted(p.saves))
+            self.telemetry.take_memory(p, group.replicas)
+            self.telemetry.account(
+                p, elapsed, group, now, self.bubbles, self.backfill, self.partitions,
+                attempt.start_step,
+            )  # fmt: skip
         for done in self.coordinator.receive(p.uploads):
             self.committed(done)
         for notice in p.notices:
             self.notify(notice)
-        self.telemetry.take_memory(p, group.replicas)
-        self.telemetry.account(
-            p, elapsed, group, now, self.bubbles, self.backfill, self.partitions, attempt.start_step
-        )
         self.export_counts()
         self.recovery.take(p.peer, group, p.steps)
 

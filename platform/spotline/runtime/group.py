@@ -32,6 +32,7 @@ from typing import Any
 
 from spotline.checkpoint import CheckpointStore, CorruptCheckpointError, Manifest
 from spotline.config.schema import JobSpec
+from spotline.heap import collection_held
 from spotline.runtime.placement import usable_nodes
 from spotline.runtime.progress import (
     PROCESS_DIED,
@@ -335,9 +336,29 @@ class RayWorkerGroup:
         refs = list(self._polls.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         ready_set = set(ready)
+        answered = [rank for rank, ref in self._polls.items() if ref in ready_set]
+        # Thousands of reports, and what they fold to, are a burst of containers: automatic
+        # collection waits while they are taken in (`spotline.heap`). Only the answered
+        # reports are taken, which `ray.wait` has already brought to this node: nothing
+        # in the block waits on Ray.
+        with collection_held():
+            progress, failed = self._take_reports(answered)
+        try:
+            if failed is not None:
+                self._raise_failure("training", *failed, list(self._runs), self._rank_of())
+            self._check_runs()
+        except WorkerFailure as e:
+            e.progress = progress  # the living ranks' losses and uploads still count
+            raise
+        return progress
+
+    def _take_reports(
+        self, answered: list[int]
+    ) -> tuple[Progress, tuple[int, BaseException] | None]:
+        """The progress the `answered` ranks' reports make, and the first rank whose
+        progress call raised (with what it raised)."""
         reports: list[dict[str, Any]] = []
         failed: tuple[int, BaseException] | None = None
-        answered = [rank for rank, ref in self._polls.items() if ref in ready_set]
         for rank, (report, error) in zip(
             answered, collect([self._polls[r] for r in answered]), strict=True
         ):
@@ -348,15 +369,12 @@ class RayWorkerGroup:
                 reports.append(report)
             else:
                 failed = failed or (rank, error)
+        return self._progress(reports), failed
+
+    def _progress(self, reports: list[dict[str, Any]]) -> Progress:
+        """The snapshot a poll's reports make: what they carried, and every rank's beat."""
         progress = self._fold(reports)
         progress.ranks = self._beats(reports)
-        try:
-            if failed is not None:
-                self._raise_failure("training", *failed, list(self._runs), self._rank_of())
-            self._check_runs()
-        except WorkerFailure as e:
-            e.progress = progress  # the living ranks' losses and uploads still count
-            raise
         return progress
 
     def _beats(self, reports: list[dict[str, Any]]) -> list[RankBeat]:
