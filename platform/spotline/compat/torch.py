@@ -40,7 +40,10 @@ tree_leaves = _torch.attribute("torch.utils._pytree", "tree_leaves")
 def abort_process_groups() -> bool:
     """Abort every process group of this process (NCCL: `ncclCommAbort` of each
     communicator, grouped so that one abort cannot wait on another) and forget them, so
-    that `init_process_group` can start a new default group. False: there was none."""
+    that `init_process_group` can start a new default group. False: there was none.
+    torch documents it for TORCH_NCCL_ASYNC_ERROR_HANDLING=0, which a rank sets
+    (`spotline.train.comms.settle_nccl_error_handling`); it may block, so ranks call it
+    under a watchdog, on a thread of its own."""
     if not _c10d.is_initialized():
         return False
     _c10d._abort_process_group()
