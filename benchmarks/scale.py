@@ -17,7 +17,8 @@ reading every receipt), the manifest's bytes, a restore's and a reshard's plan (
 controller's part: list, read and verify the manifest; and one rank's: parse it and
 plan its reads), the peer-memory offer from every keeper's holdings, and the RSS.
 Each figure's growth exponent is fitted over the sizes (numpy.polyfit on log-log),
-and over the three largest.
+and over the three largest. A figure with a goal at 4,096 ranks is printed with the goal
+and, when 4,096 was run, whether its figure there met it.
 
 `--ray` also measures the Ray part on as many stand-in worker actors as fit here
 (the real group's poll, a request round, placement of one bundle per rank, the demand
@@ -388,9 +389,18 @@ def table(sizes: list[int], figs: dict[str, dict]) -> str:
             cells.append(cell)
         e, top = f["exponent"], f["exponent_top"]
         exp = f"{e:.2f} / {top:.2f}" if e is not None and top is not None else "-"
-        goal = f"< {_fmt(GOALS[name])}" if name in GOALS else ""
+        goal = f"< {_fmt(GOALS[name])}{_verdict(name, sizes, f['values'])}" if name in GOALS else ""
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {exp} | {goal} |")
     return "\n".join(lines)
+
+
+def _verdict(name: str, sizes: list[int], values: list[float | None]) -> str:
+    """': met' or ': NOT met' for the figure at 4,096 ranks against its goal; '' when
+    4,096 was not run."""
+    at = values[sizes.index(4096)] if 4096 in sizes else None
+    if at is None:
+        return ""
+    return ": met" if at < GOALS[name] else ": NOT met"
 
 
 def _fmt(v: float) -> str:
