@@ -112,6 +112,7 @@ class Watch:
         import psutil
         import ray
 
+        from spotline.compat.ray import call_on_actor
         from spotline.runtime.keeper import keeper_name
 
         keepers: dict[str, tuple[Any, int]] = {}
@@ -135,7 +136,7 @@ class Watch:
                     if node not in keepers:
                         with contextlib.suppress(ValueError):  # not started yet
                             handle = ray.get_actor(keeper_name(self.run.spec.name, node))
-                            pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+                            pid = ray.get(call_on_actor(handle, lambda _: os.getpid()))
                             keepers[node] = (handle, pid)
                 for node, (handle, pid) in keepers.items():
                     # The keeper's own high-water mark, asked every ASK_EVERY samples:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spotline.chaos.cluster import NODE_DEATH_CONFIG
+from spotline.compat.ray import drain_for_preemption, start_node
 
 MAX_SPOT_NODES = 3
 SPOT_NODE = {"CPU": 2, "GPU": 1, "spot_gpu": 1}
@@ -89,7 +90,7 @@ class AutoscalingTestCluster:
     worker_env: dict[str, str] = field(default_factory=dict)
     """In the environment of every node's processes (the fake provider's nodes inherit
     the head's), so every worker has it."""
-    extra_nodes: dict = field(default_factory=dict)  # node id -> ray._private.node.Node
+    extra_nodes: dict = field(default_factory=dict)  # node id -> its Ray node (`start_node`)
 
     @classmethod
     def start(cls, worker_env: dict[str, str]) -> AutoscalingTestCluster:
@@ -159,11 +160,10 @@ class AutoscalingTestCluster:
         """A spot node that joins by itself, started as the fake provider starts the
         ones it launches (its processes carry the cluster's marker and its node id);
         returns its node id."""
-        import ray
 
         node_id = uuid.uuid4().hex + uuid.uuid4().hex[:24]  # 28 bytes, as Ray's
 
-        params = ray._private.parameter.RayParams(
+        self.extra_nodes[node_id] = start_node(
             node_ip_address="127.0.0.1",
             gcs_address=self.address,
             min_worker_port=0,
@@ -179,9 +179,6 @@ class AutoscalingTestCluster:
                 _MARK: self.mark,
                 "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id,
             },
-        )
-        self.extra_nodes[node_id] = ray._private.node.Node(
-            params, head=False, shutdown_at_exit=False, spawn_reaper=False
         )
         return node_id
 
@@ -269,14 +266,5 @@ def wait_for(pred, what: str, timeout: float):
 def drain_node(node_id: str, seconds: float) -> None:
     """A spot preemption notice as Ray's autoscaler and KubeRay give it: the GCS drains
     the node with a deadline `seconds` from now."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
-
-    gcs = ray._private.worker.global_worker.gcs_client
-    accepted, why = gcs.drain_node(
-        node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "spot preemption (test)",
-        int((time.time() + seconds) * 1000),
-    )
+    accepted, why = drain_for_preemption(node_id, "spot preemption (test)", time.time() + seconds)
     assert accepted, why

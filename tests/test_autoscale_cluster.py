@@ -8,7 +8,6 @@ cannot hold, as a GPU bundle is on a real cluster, while no worker needs CUDA.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import spotline
 from cluster_fixture import AutoscalingTestCluster, drain_node, wait_for
 from conftest import CLUSTER_ENV, tiny_spec
 from spotline import testing
+from spotline.compat.ray import draining_nodes, requested_resources
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -62,11 +62,7 @@ def _spot_nodes() -> list[dict[str, Any]]:
 
 def _pending_requests() -> list[dict[str, float]]:
     """The resource requests the autoscaler is asked to satisfy (`request_resources`)."""
-    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
-    return json.loads(raw) if raw else []
+    return requested_resources()
 
 
 def _spec(tmp_path: Path, name: str, **over: Any):
@@ -318,9 +314,8 @@ def test_a_lost_node_is_left_behind_and_the_job_grows_back_on_its_replacement(
 
         # The replacement: Ray's autoscaler's own, or one launched by hand as the cloud
         # would, where the fake provider still counts the dead node.
-        import ray
 
-        draining = ray._private.worker.global_worker.gcs_client.get_draining_nodes()
+        draining = draining_nodes(timeout_s=10)
         usable = [n for n in _spot_nodes() if n["NodeID"] not in {*draining, victim}]
         if len(usable) < MAX_REPLICAS:
             autoscaling_cluster.add_spot_node()

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -167,14 +168,13 @@ def test_a_build_lock_a_killed_build_left_is_removed_and_a_live_builds_is_kept(
 
 @pytest.mark.unit
 def test_ray_seam_without_a_cluster(monkeypatch) -> None:
-    from ray._private import ray_constants
-    from ray._private.parameter import RayParams
+    import ray
     from ray.tune.schedulers import PopulationBasedTraining
 
     from spotline.compat import ray as seam
 
     seam.listen_on_loopback_only()
-    assert ray_constants.ENABLE_RAY_CLUSTER is False
+    assert ray.util.get_node_ip_address() == "127.0.0.1"  # no cluster: Ray's own answer
     assert isinstance(seam.local_gcs_addresses(), set)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     assert seam.address_from_environment("auto") == "127.0.0.1:1"
@@ -186,9 +186,41 @@ def test_ray_seam_without_a_cluster(monkeypatch) -> None:
     pbt = PopulationBasedTraining(hyperparam_mutations={"train.lr": [0.1, 0.2]})
     assert seam.pbt_hyperparam_mutations(pbt) == {"train.lr": [0.1, 0.2]}
     head = seam.head_with_system_config({"num_cpus": 1}, {"health_check_period_ms": 1000})
-    params = RayParams(**head)
-    assert params._system_config == {"health_check_period_ms": 1000}
-    assert params.num_cpus == 1
+    assert head == {"num_cpus": 1, "_system_config": {"health_check_period_ms": 1000}}
+    assert seam.prometheus_discovery_file().endswith(".json")
+    group = {
+        "groupName": "cpu",
+        "rayStartParams": {"num-cpus": "3"},
+        "template": {"spec": {"containers": [{}]}},
+    }
+    assert seam.kuberay_group_resources(group, is_head=False)["CPU"] == 3
+
+
+# A private name of Ray: a module or attribute with one leading underscore on a dotted
+# path that starts at `ray` (its private package, a private function of its internal_kv),
+# a name imported from Ray with one, or an attribute Ray adds to every actor class (its
+# `__ray_` names).
+_RAY_PRIVATE = re.compile(
+    r"\bray(?:\.\w+)*\._(?!_)\w|__ray_\w+__|from ray[\w.]* import [^\n]*\b_[a-z]"
+)
+
+
+@pytest.mark.unit
+def test_no_private_ray_name_is_used_outside_the_seam() -> None:
+    """The package, its tests, benchmarks and job entrypoints reach Ray's private names
+    only through `spotline.compat.ray`, so that a new Ray fails at one import, naming
+    what went, and nowhere else."""
+    root = Path(__file__).resolve().parents[1]
+    seam = root / "platform" / "spotline" / "compat"
+    found = []
+    for folder in ("platform", "tests", "benchmarks", "jobs"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.is_relative_to(seam):
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if _RAY_PRIVATE.search(line):
+                    found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert found == [], "use (or add) a function of spotline.compat.ray:\n" + "\n".join(found)
 
 
 @pytest.mark.unit
@@ -245,9 +277,31 @@ def test_ray_seam_on_a_running_cluster(ray_session, tmp_path) -> None:
     env = seam.upload_working_dir_if_needed({"working_dir": str(tmp_path / "mod")})
     assert env["working_dir"].startswith("gcs://")
 
+    assert seam.package_stored(env["working_dir"], address)
+    assert seam.delete_package(env["working_dir"]) is True
+    assert not seam.package_stored(env["working_dir"])
+
     coordinator = seam.autoscaling_coordinator()
     ray.get(seam.request_resources(coordinator, "spotline:seam-test", [{"CPU": 1.0}], 5.0))
     ray.get(seam.cancel_request(coordinator, "spotline:seam-test"))
+    assert isinstance(seam.requested_resources(), list)
+
+    assert (Path(seam.session_dir()) / "logs").is_dir()
+    assert psutil.Process(seam.gcs_server_pid()).name().startswith("gcs_server")
+
+    @ray.remote(num_cpus=0, concurrency_groups={"control": 1})
+    class Probe:
+        def __init__(self) -> None:
+            self.marker = "probe-marker-1234"
+
+    probe = Probe.remote()
+    got = seam.call_on_actor(
+        probe, lambda self, n: (self.marker, n), 3, concurrency_group="control"
+    )
+    assert ray.get(got) == ("probe-marker-1234", 3)
+    assert b"probe-marker-1234" not in seam.gcs_actor_records()  # state, not arguments
+    assert seam.remote_name(Probe).endswith("Probe")
+    ray.kill(probe)
 
 
 def _optimizer_seams(out) -> None:

@@ -136,11 +136,9 @@ def test_kuberay_head_and_gpu_spot_workers(kuberay: list[dict[str, Any]]) -> Non
 def _group_resources(group: dict[str, Any], is_head: bool) -> dict[str, int]:
     """What the KubeRay autoscaler believes a pod of `group` offers, read by Ray's own
     parser of the RayCluster (rayStartParams, then the container's limits)."""
-    from ray.autoscaler._private.kuberay.autoscaling_config import (
-        _get_ray_resources_from_group_spec,
-    )
+    from spotline.compat.ray import kuberay_group_resources
 
-    return _get_ray_resources_from_group_spec(group, is_head)
+    return kuberay_group_resources(group, is_head)
 
 
 def test_kuberay_gpu_spot_group_scales_from_zero_on_demand(
@@ -298,12 +296,12 @@ def test_grafana_dashboard_references_only_exported_series() -> None:
 
 
 def test_prometheus_scrapes_rays_service_discovery_file() -> None:
-    from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
+    from spotline.compat.ray import prometheus_discovery_file
 
     cfg = yaml.safe_load((INFRA / "prometheus" / "prometheus.yml").read_text())
     (job,) = cfg["scrape_configs"]
     files = [f for sd in job["file_sd_configs"] for f in sd["files"]]
-    assert files == [f"/tmp/ray/{PROMETHEUS_SERVICE_DISCOVERY_FILE}"]
+    assert files == [f"/tmp/ray/{prometheus_discovery_file()}"]
 
 
 def test_every_series_is_declared_once() -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import _free_port
 from spotline.checkpoint import CheckpointStore
+from spotline.compat.ray import session_dir
 
 pytestmark = pytest.mark.ray
 
@@ -163,7 +164,6 @@ def test_secrets_never_reach_logs_artifacts_manifests_or_the_entrypoint(
     ray_session, ray_head, s3_bucket, tmp_path
 ):
     """A job with credentials in checkpoint.storage_options, run here and submitted."""
-    import ray
     from ray.job_submission import JobSubmissionClient
 
     import spotline
@@ -214,7 +214,7 @@ print("ENTRYPOINT", JobSubmissionClient({ray_head!r}).get_job_info(handle.submis
     assert any(k.endswith("summary.json") for k in texts)
     found = [f"{where}: {n[:6]}..." for where, t in texts.items() for n in needles if n in t]
     # Ray's own session logs: the shared cluster's and the head's.
-    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    session = Path(session_dir())
     found += _grep_tree(session / "logs", needles)
     found += _grep_tree(Path(f"/tmp/sl-head-{os.getpid()}"), needles)
     client = JobSubmissionClient(ray_head)

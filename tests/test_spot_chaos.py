@@ -25,7 +25,7 @@ from cluster_fixture import drain_node
 from conftest import CLUSTER_ENV, init_local_ray, inject_faults, tiny_spec
 from spotline.chaos.cluster import NODE_DEATH_CONFIG
 from spotline.checkpoint import CheckpointStore
-from spotline.compat.ray import head_with_system_config
+from spotline.compat.ray import draining_nodes, head_with_system_config
 from spotline.testing import wait_for
 
 pytestmark = pytest.mark.chaos
@@ -77,10 +77,9 @@ class SpotCluster:
         stderr: the nodes a test starts on are set-up, not what it tests."""
         import ray
 
-        gcs = ray._private.worker.global_worker.gcs_client
         for attempt in range(1, tries + 1):
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            draining = set(gcs.get_draining_nodes())
+            draining = set(draining_nodes(timeout_s=10))
             for n in list(self.spot):
                 if n.node_id not in alive or n.node_id in draining or n.dead_processes():
                     self.remove(n)

@@ -12,16 +12,16 @@ pytestmark = pytest.mark.unit
 
 
 def test_auto_looks_at_every_local_cluster_when_there_are_several(monkeypatch):
-    from ray._private import services
+    from spotline.compat import ray as seam
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(services, "find_gcs_addresses", lambda: {"127.0.0.1:7", "127.0.0.1:5"})
+    monkeypatch.setattr(seam, "local_gcs_addresses", lambda: {"127.0.0.1:7", "127.0.0.1:5"})
     assert cluster.cluster_candidates("auto") == ["127.0.0.1:5", "127.0.0.1:7"]
     # One cluster, or an address given (the flag or RAY_ADDRESS): Ray's own choice.
     assert cluster.cluster_candidates("10.0.0.1:6379") == ["10.0.0.1:6379"]
-    monkeypatch.setattr(services, "find_gcs_addresses", lambda: {"127.0.0.1:5"})
+    monkeypatch.setattr(seam, "local_gcs_addresses", lambda: {"127.0.0.1:5"})
     assert cluster.cluster_candidates("auto") == ["auto"]
-    monkeypatch.setattr(services, "find_gcs_addresses", lambda: {"127.0.0.1:7", "127.0.0.1:5"})
+    monkeypatch.setattr(seam, "local_gcs_addresses", lambda: {"127.0.0.1:7", "127.0.0.1:5"})
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:7")
     assert cluster.cluster_candidates("auto") == ["auto"]
 

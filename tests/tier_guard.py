@@ -127,19 +127,15 @@ def _guard_processes() -> None:
 
 
 def _guard_ray(ray: Any) -> None:
-    import ray.actor
-    import ray.remote_function
+    from spotline.compat.ray import remote_name, start_points
 
     _guard(ray, "init", lambda *a, **k: "started Ray: ray.init()", RAY)
 
-    def actor(cls: Any, *a: Any, **k: Any) -> str:
-        return f"started a Ray actor: {getattr(cls, '__ray_metadata__', cls)!r}"
+    def starting(kind: str) -> Callable[..., str]:
+        return lambda remote, *a, **k: f"started a Ray {kind}: {remote_name(remote)}"
 
-    def task(fn: Any, *a: Any, **k: Any) -> str:
-        return f"started a Ray task: {getattr(fn, '_function_name', fn)}"
-
-    _guard(ray.actor.ActorClass, "_remote", actor, RAY)
-    _guard(ray.remote_function.RemoteFunction, "_remote", task, RAY)
+    for kind, (owner, method) in start_points().items():
+        _guard(owner, method, starting(kind), RAY)
 
 
 def _guard_deepspeed(deepspeed: Any) -> None:

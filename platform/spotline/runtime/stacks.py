@@ -194,7 +194,7 @@ def flight_record(dump=_torch_dump, env: dict[str, str] | None = None) -> dict[s
 
 
 def _rank_flight_record(worker: Any) -> dict[str, Any]:
-    """Runs on a rank's actor through `__ray_call__`: its flight record."""
+    """Runs on a rank's actor (`compat.ray.call_on_actor`): its flight record."""
     return flight_record()
 
 
@@ -279,11 +279,13 @@ class RayStacks:
         actors = getattr(group, "actors", None) or []
         if getattr(group, "device", "") != "gpu" or not actors:
             return {}
+        from spotline.compat.ray import call_on_actor
+
         out = {}
         for r in ranks:
             if r < len(actors) and actors[r] is not None:
-                method = actors[r].__ray_call__.options(concurrency_group="control")
-                out[method.remote(_rank_flight_record)] = r
+                ref = call_on_actor(actors[r], _rank_flight_record, concurrency_group="control")
+                out[ref] = r
         return out
 
     @staticmethod
