@@ -29,14 +29,11 @@ def _credentials() -> tuple[str, str]:
 
 def _gcs_holds(needles: list[str]) -> dict[str, bool]:
     """Which of `needles` Ray's GCS holds: its actor table, and its server's memory."""
-    import ray
-    from ray._private import state
+    from spotline.compat.ray import gcs_actor_records, gcs_server_pid
 
-    accessor = state.state._global_state_accessor
-    table = b"".join(accessor.get_actor_table(None, None))
-    listed = json.dumps(state.actors(), default=str).encode()
-    pid = ray._private.worker._global_node.all_processes["gcs_server"][0].process.pid
-    found = {n: n.encode() in table or n.encode() in listed for n in needles}
+    records = gcs_actor_records()
+    pid = gcs_server_pid()
+    found = {n: n.encode() in records for n in needles}
     with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
         for line in maps:
             m = re.match(r"([0-9a-f]+)-([0-9a-f]+) (\S+)", line)
@@ -198,7 +195,7 @@ def test_every_node_that_starts_a_process_of_the_job_removes_its_copy_of_the_sec
         tmp_path, [[["checkpoint", "storage_options", "secret"], secret]]
     )
     # Uploaded as a submitted job's runtime_env is (an actor's may name only URIs).
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from spotline.compat.ray import upload_py_modules_if_needed
 
     env = upload_py_modules_if_needed(
         {"py_modules": [str(tmp_path / module)]}, include_gitignore=False
@@ -213,3 +210,71 @@ def test_every_node_that_starts_a_process_of_the_job_removes_its_copy_of_the_sec
     assert not copy.exists()
     ray.kill(looker)
     ray.kill(worker)
+
+
+def test_a_submitted_drivers_secrets_package_leaves_the_cluster_once_read(
+    ray_session, tmp_path: Path
+) -> None:
+    """`spotline submit` hands a job's secrets to its driver in a package of the job's
+    runtime_env: Ray uploads it to the GCS and unpacks it where the driver starts. Once
+    the driver has read it, no process of the job gets it, Ray's copy on the driver's
+    node is gone, and the GCS no longer holds the upload."""
+    import importlib.util
+    import os
+
+    import ray
+
+    from spotline.compat.ray import (
+        job_driver_environment,
+        package_stored,
+        session_dir,
+        upload_py_modules_if_needed,
+    )
+    from spotline.config.redact import write_secrets_package
+    from spotline.runtime.sealed import take_secrets_package
+
+    class Driver:
+        """A submitted job's entrypoint: started with the job's runtime_env, and handed
+        it as Ray's job supervisor hands it, to give the job's processes."""
+
+        def take(self, module: str) -> tuple[list, str, dict]:
+            found = importlib.util.find_spec(module)
+            folder = str(next(iter(found.submodule_search_locations)))
+            secrets = take_secrets_package(module)
+            (name,) = job_driver_environment({})
+            return secrets, folder, json.loads(os.environ[name])["runtime_env"]
+
+    class Looker:
+        def finds(self, module: str) -> bool:
+            return importlib.util.find_spec(module) is not None
+
+    _, secret = _credentials()
+    given = [[["checkpoint", "storage_options", "secret"], secret]]
+    module = write_secrets_package(tmp_path, given)
+    env = upload_py_modules_if_needed(
+        {"py_modules": [str(tmp_path / module)]}, include_gitignore=False
+    )
+    (uri,) = env["py_modules"]
+    assert package_stored(uri)
+    handed = {
+        **env,
+        "env_vars": {
+            **job_driver_environment(env),
+            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,  # as a driver has it
+        },
+    }
+    driver = ray.remote(Driver).options(num_cpus=0, runtime_env=handed).remote()
+    secrets, folder, job_env = ray.get(driver.take.remote(module))
+    assert secrets == given
+    # Ray's unpacked copy on the driver's node (this one), and the upload in the GCS.
+    assert Path(folder).is_relative_to(session_dir()) and not Path(folder).parent.exists()
+    assert not package_stored(uri)
+    # What the driver gives its job: a process of the job finds no package.
+    assert uri not in job_env.get("py_modules", [])
+    looker = ray.remote(Looker).options(num_cpus=0, runtime_env=job_env).remote()
+    assert ray.get(looker.finds.remote(module)) is False
+    runtime = Path(session_dir()) / "runtime_resources"
+    left = [p for p in runtime.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert left == []
+    ray.kill(driver)
+    ray.kill(looker)

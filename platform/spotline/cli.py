@@ -26,7 +26,6 @@ from spotline.config.redact import (
     install_log_redaction,
     join_secrets,
     masked_paths,
-    read_secrets_package,
     register_secrets,
 )
 from spotline.config.redact import redact as _redact
@@ -58,8 +57,10 @@ def _job_from_args(args):
         except ValueError:
             raise SpecError("--spec-b64 is not a base64-encoded JSON job spec") from None
         if args.secrets_module:
+            from spotline.runtime.sealed import take_secrets_package
+
             try:
-                raw = join_secrets(raw, read_secrets_package(args.secrets_module))
+                raw = join_secrets(raw, take_secrets_package(args.secrets_module))
             except ValueError as e:
                 raise SpecError(str(e)) from None
         missing = masked_paths(raw)

@@ -360,8 +360,8 @@ class Job:
             if secrets:
                 # Not on the command line (`ray job list`, the dashboard and `ps` show it),
                 # and not in runtime_env env_vars (Ray's runtime-env agent logs them): a
-                # one-use package that Ray uploads with the job, which the entrypoint
-                # reads once and deletes.
+                # one-use package that Ray uploads with the job: the entrypoint reads it
+                # once, and it leaves the cluster (`take_secrets_package`).
                 module = write_secrets_package(Path(tmp), secrets)
                 runtime_env["py_modules"] = [
                     *runtime_env.get("py_modules", []),

@@ -12,20 +12,63 @@ stay in the object store (see the README for what an operator can still see).
 This is the one way a spec or a store reaches an actor. Never pass `model_dump_json()`
 or a `CheckpointStore` (which pickles its options in clear) as an actor argument.
 
-Opening one also removes this node's copy of the secrets package a submitted job's
-driver read its secrets from (`forget_secrets_packages`): Ray unpacks it on every node
-that starts a process of the job, and no actor needs it.
+A submitted job's driver reads its secrets from a one-use package that `spotline submit`
+uploads with the job (`take_secrets_package`); the package then leaves the cluster
+before any process of the job starts. Opening a SealedJob also removes any copy of it
+left on the actor's node (`forget_secrets_packages`), for a package that reached a
+node some other way.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
+import shutil
+from pathlib import Path
 from typing import Any
 
 from spotline.checkpoint import CheckpointStore
 from spotline.config.loader import register_spec_secrets
-from spotline.config.redact import forget_secrets_packages, join_secrets, split_secrets
+from spotline.config.redact import (
+    forget_secrets_packages,
+    join_secrets,
+    read_secrets_package,
+    split_secrets,
+)
 from spotline.config.schema import JobSpec
+
+log = logging.getLogger("spotline.secrets")
+
+
+def take_secrets_package(module: str) -> list[list[Any]]:
+    """The secrets a submitted job's driver was given in package `module`, read once.
+    Then the package leaves the cluster: out of the runtime_env the job's processes get
+    (no other node ever unpacks it), off this node (Ray's unpacked copy, not only the
+    file), and out of the GCS (the uploaded archive, which Ray would otherwise keep
+    for the job's life). Call it before the driver connects to Ray."""
+    from spotline.compat import ray as ray_internals
+
+    found = importlib.util.find_spec(module)
+    folder = Path(next(iter(found.submodule_search_locations))) if found else None
+    secrets = read_secrets_package(module)  # removes the file; says so when absent
+    if folder is None:
+        return secrets
+    # Ray unpacks a py_module into a folder of its own, named as the upload.
+    uri = ray_internals.drop_job_py_module(folder.parent.name)
+    if uri is None:
+        return secrets  # not a package Ray handed this job: only the file was there
+    shutil.rmtree(folder.parent, ignore_errors=True)
+    try:
+        ray_internals.delete_package(uri, ray_internals.bootstrap_address())
+    except Exception as e:  # noqa: BLE001 - said once; the job goes on
+        log.warning(
+            "the package %s that brought this job's secrets could not be deleted from "
+            "Ray's GCS (%s): it goes when the job ends",
+            uri,
+            type(e).__name__,
+        )
+    return secrets
 
 
 class SealedJob:
