@@ -1,6 +1,7 @@
-"""Peer memory within its budget, on a real local Ray cluster: the plan's per-node figure
+"""Peer memory within its budget, on real Ray clusters: the plan's per-node figure
 against what the keepers hold, the degrade order at a short budget, a slow keeper
-never forgotten, and a rank's host memory bounded when uploads fall behind saves."""
+never forgotten, a rank's host memory bounded when uploads fall behind saves, and two
+node losses in a row restored from peers at the tightest budget the plan says fits."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ from collections import defaultdict
 import psutil
 import pytest
 
-from conftest import tiny_spec
-from spotline.testing import wait_for
-
-pytestmark = pytest.mark.ray
+from conftest import init_local_ray, tiny_spec
+from spotline.testing import SpotCluster, SpotClusterConfig, wait_for
 
 
 def _events(run, **wait) -> tuple[object, list[str]]:
@@ -41,6 +40,7 @@ def _held_by_step(job: str) -> dict[tuple[str, int], dict[int, int]]:
     return out
 
 
+@pytest.mark.ray
 def test_the_plans_keeper_bytes_per_node_match_what_the_keeper_holds(ray_session, tmp_path):
     import spotline
     from spotline.planning.peer_memory import node_peer_memory
@@ -76,25 +76,30 @@ def test_the_plans_keeper_bytes_per_node_match_what_the_keeper_holds(ray_session
     assert plan.buddy == 0 and abs(measured - plan.own) <= 0.1 * plan.own, (measured, plan)
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize(
-    ("share_of_one_copy", "level"),
-    [(1.5, "one kept step, on own and buddy nodes"), (0.5, "no peer snapshots")],
+    ("copies", "level"),
+    [(2.5, "one kept step, on own and buddy nodes"), (1.5, "no peer snapshots")],
 )
 def test_a_short_budget_degrades_in_order_and_the_job_trains_on(
-    ray_session, tmp_path, share_of_one_copy, level
+    ray_session, tmp_path, copies, level
 ):
+    """A budget of `copies` copies of the node's state (and the keeper's heap): two and
+    a half hold one kept step and the next arriving, one and a half hold none."""
     import spotline
+    from spotline import constants
     from spotline.planning.peer_memory import node_peer_memory
 
     base = tiny_spec(tmp_path, "peer-short")
     one = node_peer_memory(base, 2, ranks_per_node=4, node_ram=None).own
+    budget = int(one * copies) + constants.SPOTLINE_KEEPER_HEAP_BYTES
     spec = tiny_spec(
         tmp_path,
         "peer-short",
         **{
             "train.steps": 40,
             "recovery.peer_interval_steps": 2,
-            "recovery.peer_memory": str(int(one * share_of_one_copy)),
+            "recovery.peer_memory": str(budget),
         },
     )
     result, events = _events(spotline.Job(spec).start())
@@ -108,6 +113,7 @@ def test_a_short_budget_degrades_in_order_and_the_job_trains_on(
         assert result.peer_memory["copies"] >= 5 and not result.peer_memory["errors"]
 
 
+@pytest.mark.ray
 def test_a_slow_keeper_is_never_forgotten_and_its_copies_go_with_the_job(
     ray_session, tmp_path, monkeypatch
 ):
@@ -162,6 +168,7 @@ def test_a_slow_keeper_is_never_forgotten_and_its_copies_go_with_the_job(
             time.sleep(0.2)
 
 
+@pytest.mark.ray
 def test_uploads_slower_than_saves_skip_checkpoints_and_hold_host_memory(ray_session, tmp_path):
     """Saves every 2 steps, uploads at 5 MB/s: without a bound each rank would queue a
     host snapshot per save; with it, a periodic save while one uploads is skipped on
@@ -211,3 +218,108 @@ def test_uploads_slower_than_saves_skip_checkpoints_and_hold_host_memory(ray_ses
     snap = max(rank_copy_bytes(spec, 2))
     grew = [max(xs) - xs[0] for xs in rss.values() if len(xs) > 4]
     assert grew and max(grew) < 6 * snap + 64e6, (grew, snap)
+
+
+# --- two losses in a row at the tightest budget -------------------------------------------
+
+
+@pytest.fixture
+def three_nodes():
+    """Three one-slot spot nodes (`spotline.testing`), off the suite's local cluster,
+    which is put back after."""
+    import ray
+
+    had = ray.is_initialized()
+    ray.shutdown()
+    cluster = SpotCluster(SpotClusterConfig(nodes=3, slots=1, cpus=1.0))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+        if had:
+            init_local_ray()
+
+
+def _keepers(st: dict) -> dict:
+    """Each live keeper's own account (`StateKeeper.memory`), by node."""
+    import ray
+
+    out = {}
+    for f in (st.get("peer_memory") or {}).get("nodes") or []:
+        with contextlib.suppress(Exception):  # a lost node's keeper is gone
+            out[f["node"]] = ray.get(ray.get_actor(f["keeper"]).memory.remote(), timeout=10)
+    return out
+
+
+@pytest.mark.chaos
+def test_two_losses_in_a_row_restore_from_peers_at_the_tightest_budget_the_plan_fits(
+    three_nodes, tmp_path
+):
+    """One rank a node on three nodes, no commit to fall back to, recovery.peer_memory at
+    what `spotline plan` says a node needs: a node goes, the two left restore from peer
+    memory and keep copies of their own; another goes, and the last one restores from
+    peer memory again. No keeper refused a copy, none held more than its budget, and
+    their processes' measured memory stayed within it."""
+    from spotline.planning.plan import make_plan
+
+    over = {
+        "model.d_model": 128,
+        "parallel.pipeline_stages": 1,
+        "resources.stages": [{"resources": {"spot_gpu": 1}}],
+        "resources.ranks_per_node": 1,
+        "elastic.min_replicas": 1,
+        "elastic.max_replicas": 3,
+        "elastic.wait_for_capacity_s": 60,
+        "train.global_batch_size": 12,
+        "train.steps": 100_000,
+        "checkpoint.interval_steps": 100_000,
+        "recovery.peer_interval_steps": 4,
+    }
+    plan = make_plan(tiny_spec(tmp_path, "peer-twice", **over), node=(1, None)).peer_memory
+    budget = plan.full  # the tightest that fits: two steps, buddies, every shape
+    spec = tiny_spec(tmp_path, "peer-twice", **over, **{"recovery.peer_memory": str(budget)})
+    run = three_nodes.run(spec, adapt=False)
+    try:
+        for replicas in (3, 2, 1):
+
+            def copies(st, replicas=replicas):
+                """This group restored from peers (after a loss), and copies of 8 steps
+                past where it started went out."""
+                pm = st.get("peer_memory") or {}
+                restores = pm.get("restores") or []
+                start = restores[-1]["step"] if restores else 0
+                return (
+                    st["replicas"] == replicas
+                    and len(restores) == 3 - replicas
+                    and (pm.get("newest_step") or 0) >= start + 8
+                )
+
+            st = wait_for(run, copies, f"peer copies at {replicas} replica(s)", 240)
+            if replicas == 1:
+                break
+            node = next(w["node_id"] for w in st["workers"] if w["rank"] == replicas - 1)
+            three_nodes.lose(three_nodes.cluster.number(node))
+        held = _keepers(st)
+        result = run.stop()
+    finally:
+        with contextlib.suppress(Exception):
+            run.stop()
+    ran = [a for a in result.attempts if a["device"]]  # a group lost while it started: none
+    assert len(ran) == 3, result.attempts
+    second, third = ran[1], ran[2]
+    print("peer-twice", budget, plan.render(), result.peer_memory, held, sep="\n")
+    for a in (second, third):
+        assert a["restored_via"] == "peer memory" and a["restored_bytes"] > 0, a
+    assert third["restored_attempt"] == second["attempt"]
+    assert [r["step"] for r in result.peer_memory["restores"]] == [
+        second["restored_from"],
+        third["restored_from"],
+    ]
+    assert not result.peer_memory["errors"], result.peer_memory
+    assert held and all(m["peak"] <= budget and m["budget"] == budget for m in held.values())
+    for m in held.values():
+        # Its process measured: the copies' maps and the object store's pages it mapped
+        # (both shared memory), and its own heap's growth, within what it counted.
+        start, peak = m["rss_start"], m["rss_peak"]
+        assert peak["anon"] - start["anon"] <= m["heap"], m
+        assert peak["anon_shmem"] - start["anon"] - start["shmem"] <= m["peak"] <= budget, m

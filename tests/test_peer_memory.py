@@ -21,6 +21,13 @@ from spotline.runtime.keeper import KeeperFull, StateKeeper
 
 pytestmark = pytest.mark.unit
 
+
+@pytest.fixture(autouse=True)
+def _no_keeper_heap(monkeypatch):
+    """The figures here are bytes of copies alone; `test_the_keepers_heap_is_counted`
+    puts the keeper process's working heap back."""
+    monkeypatch.setattr(constants, "SPOTLINE_KEEPER_HEAP_BYTES", 0)
+
 FULL = {
     "fp32": torch.arange(8, dtype=torch.float32) / 7,
     "exp_avg": torch.linspace(-1, 1, 8),
@@ -603,3 +610,16 @@ def test_a_read_copies_its_bytes_out_without_the_keepers_lock():
     go.set()
     reader.join(30)
     assert out == [b"\x01" * 8] and held.region is None  # closed once the read was out
+
+
+def test_the_keepers_heap_is_counted_beside_its_copies(monkeypatch):
+    from spotline.planning.peer_memory import LEVELS
+
+    monkeypatch.setattr(constants, "SPOTLINE_KEEPER_HEAP_BYTES", 1000)
+    assert [lv.need(100, 80) for lv in LEVELS] == [1540, 1360, 1200, 0]
+    keeper = StateKeeper(1000 + 3 * 100, 2)
+    _put(keeper, "g1", 0, 1, 100, 1)
+    _put(keeper, "g1", 0, 2, 100, 1)
+    assert keeper.peak_nbytes() == 1000 + 3 * 100
+    with pytest.raises(KeeperFull):  # a third room and its transit: over by 100
+        _put(keeper, "g1", 1, 2, 100, 2)

@@ -315,10 +315,14 @@ class PeerRecovery:
     ) -> PeerOffer | None:
         """The newest step the previous attempt (of `attempts`, `snapshot.Attempt`s) left
         complete in live keepers: its own copies, else the step it started from when that
-        came from peer memory (the same line of steps). Never another lineage's. The
+        came from peer memory (the same line of steps); a group that never ran is passed
+        over. Never another lineage's. The
         keepers of `leaving` nodes (doomed by a notice) do not count: a step restored
         after a notice is one whose copies reached the nodes that stay."""
-        prev = attempts[-1] if attempts else None
+        # A group lost while it started (it never ran: no device) left no copies of its
+        # own, and restored nothing: the line goes on from the group before it.
+        ran = [a for a in attempts if a.device] or attempts
+        prev = ran[-1] if ran else None
         if self.peers is None or prev is None or not prev.attempt:
             return None
         lineage = [prev] + [a for a in attempts if a.attempt == prev.restored_attempt]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from spotline import constants
 from spotline.config.schema import JobSpec
 from spotline.models import layer_tensor_sizes, model_def
 from spotline.planning.memory_model import ADAM_BYTES, MASTER_BYTES, precision
@@ -52,13 +53,18 @@ class PeerLevel:
         return (own + (buddy if self.buddy else 0)) if self.steps else 0
 
     def held(self, own: int, buddy: int) -> int:
-        """Bytes in the keeper's own memory at this level: `steps` copies (what its
-        process reserves from Ray)."""
-        return self.steps * self.copy(own, buddy)
+        """Bytes in the keeper's own memory at this level: `steps` copies and its
+        working heap (what its process reserves from Ray)."""
+        if not self.steps:
+            return 0
+        return self.steps * self.copy(own, buddy) + constants.SPOTLINE_KEEPER_HEAP_BYTES
 
     def need(self, own: int, buddy: int) -> int:
-        """Bytes the node holds for its keeper at this level: `steps` copies, and the
-        copy arriving once more in Ray's object store until the keeper has it."""
+        """Bytes the node holds for its keeper at this level: `steps` copies, the copy
+        arriving once more in Ray's object store until the keeper has it, and the
+        keeper's working heap."""
+        if not self.steps:
+            return 0
         return self.held(own, buddy) + self.copy(own, buddy)
 
     def restore(self, source: int, own: int, buddy: int) -> int:
@@ -70,7 +76,7 @@ class PeerLevel:
             return 0
         reading = source + 2 * min(source, KEEPER_THREADS * READ_PIECE)
         window = source + 2 * self.copy(own, buddy) if self.steps >= 2 else 0
-        return max(reading, window)
+        return max(reading, window) + constants.SPOTLINE_KEEPER_HEAP_BYTES
 
     def describe(self) -> str:
         if not self.steps:

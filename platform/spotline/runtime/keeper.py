@@ -16,6 +16,7 @@ budget counts what the node really holds for the keeper:
   node (the sender's `put` for the node's own ranks, the pulled copy for its buddy's)
   until it is in;
 - reads on their way to a restoring rank (a copy each, until the read returns);
+- the process's working heap beyond its copies (`SPOTLINE_KEEPER_HEAP_BYTES`);
 - the step offered for a restore (`hold`): it is pinned, never pruned, until the group
   that restored from it has a settled step of its own here, or its room is needed for
   that group's copies (the restore has read it by then: the group trains and sends);
@@ -33,12 +34,16 @@ else (the node's training ranks pay for neither).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import resource
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from spotline import constants
 from spotline.checkpoint.peer import PeerCopy
 from spotline.units import human_bytes
 
@@ -54,18 +59,60 @@ class KeeperFull(RuntimeError):
     """A copy that would take a keeper over its budget (recovery.peer_memory)."""
 
 
-def _rss() -> int:
-    """This process's resident memory now (Linux /proc; 0 where it cannot be read)."""
+def _rss() -> dict[str, int]:
+    """This process's resident memory now, by kind (Linux /proc; zeros where it cannot
+    be read): `anon`, its own (the copies' rooms, the heap), and `shmem`, pages of Ray's
+    object store it mapped while copies arrived (the store's memory, counted there)."""
+    out = {"anon": 0, "shmem": 0, "file": 0}
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * mmap.PAGESIZE
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("RssAnon", "RssShmem", "RssFile"):
+                    out[key[3:].lower()] = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return 0
+        pass
+    return out
 
 
 def _rss_peak() -> int:
     """This process's resident high-water mark (the kernel's: no moment is missed)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _let_go(blobs: list[Any]) -> None:
+    """Unmap this process's pages of `blobs` that lie in shared mappings (a copy's
+    bytes in Ray's object store, or a file), once they are copied: their bytes stay
+    where they are, and the keeper's resident memory stops counting the store's pages
+    it read through (they are the store's, counted there). Pages of private memory are
+    never touched."""
+    page = mmap.PAGESIZE
+    spans = []
+    for blob in blobs:
+        mv = memoryview(blob).cast("B")
+        if mv.nbytes < page:
+            continue
+        at = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+        lo, hi = -(-at // page) * page, (at + mv.nbytes) // page * page
+        if hi > lo:
+            spans.append((lo, hi))
+    if not spans:
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            shared = [
+                (int(a, 16), int(b, 16))
+                for a, b, perms in (
+                    (*line.split(" ", 1)[0].split("-"), line.split(" ", 2)[1]) for line in f
+                )
+                if perms[3] == "s"
+            ]
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError, IndexError, ValueError):
+        return  # not Linux: the store's pages stay counted in the keeper's RSS
+    for lo, hi in spans:
+        if any(a <= lo and hi <= b for a, b in shared):
+            madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
 @dataclass
@@ -95,7 +142,12 @@ class StateKeeper:
     """Peer copies of ranks' snapshots, in this process's memory (see the module)."""
 
     def __init__(
-        self, budget: int | None = None, steps: int = 2, node: str = "", reserved: int = 0
+        self,
+        budget: int | None = None,
+        steps: int = 2,
+        node: str = "",
+        reserved: int = 0,
+        heap: int | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._copies: dict[tuple[str, int, int], _Held] = {}
@@ -107,8 +159,11 @@ class StateKeeper:
         self.reserved = reserved  # what the controller reserved from Ray for it
         self._transit = 0  # bytes of copies arriving, still in the object store
         self._reading = 0  # bytes of reads copied out, on their way to a reader
-        self._peak = 0  # the most counted at once: held, arriving and read
+        self.heap = constants.SPOTLINE_KEEPER_HEAP_BYTES if heap is None else heap
+        """Its process's working heap beyond the copies, counted against the budget."""
+        self._peak = 0  # the most counted at once: held, arriving, read, and the heap
         self._rss0 = _rss()
+        self._rss_peak = dict(self._rss0)  # per kind, sampled as each copy is in
 
     # --- the level, the budget, and what a restore may read --------------------------
 
@@ -178,6 +233,9 @@ class StateKeeper:
             if region is not None:
                 region.close()
             raise
+        with self._lock:
+            self._sample()  # the copy is in and its transit still mapped: the most
+        _let_go(list(blobs.values()))
         with self._lock:
             self._transit -= size
             held = self._copies.get(key)
@@ -278,6 +336,7 @@ class StateKeeper:
             return found.region[at + start : at + start + length]
         finally:
             with self._lock:
+                self._sample()
                 found.readers -= 1
                 self._reading -= 2 * length
                 if found.dropped and not found.readers:
@@ -297,8 +356,9 @@ class StateKeeper:
 
     def memory(self) -> dict[str, Any]:
         """What this keeper counts and what its process measures: bytes held, the peak
-        it counted, its budget and reservation, and its resident memory now and at its
-        highest, with where it started (its process before any copy)."""
+        it counted, its budget and reservation, and its resident memory by kind now, at
+        its start (its process before any copy) and at its highest as each copy was in
+        (`rss_hwm`: the kernel's high-water mark of all of it)."""
         with self._lock:
             return {
                 "node": self.node,
@@ -306,12 +366,24 @@ class StateKeeper:
                 "peak": self._peak,
                 "budget": self.budget,
                 "reserved": self.reserved,
+                "heap": self.heap,
                 "steps": self.steps,
                 "pinned": sorted(self._pins),
                 "rss": _rss(),
-                "rss_peak": _rss_peak(),
                 "rss_start": self._rss0,
+                "rss_peak": self._sample(),
+                "rss_hwm": _rss_peak(),
             }
+
+    def _sample(self) -> dict[str, int]:
+        """Take this moment's resident memory into its per-kind peaks; the peaks."""
+        now = _rss()
+        for kind, n in now.items():
+            self._rss_peak[kind] = max(self._rss_peak.get(kind, 0), n)
+        self._rss_peak["anon_shmem"] = max(
+            self._rss_peak.get("anon_shmem", 0), now["anon"] + now["shmem"]
+        )
+        return dict(self._rss_peak)
 
     def _drop(self, key: tuple[str, int, int]) -> None:
         h = self._copies.pop(key)
@@ -323,8 +395,9 @@ class StateKeeper:
         return sum(h.size for h in self._copies.values())
 
     def _count(self) -> int:
-        """What the budget counts now: the rooms held, copies in transit, reads out."""
-        return self._held() + self._transit + self._reading
+        """What the budget counts now: the rooms held, copies in transit, reads out, and
+        the process's working heap."""
+        return self._held() + self._transit + self._reading + self.heap
 
 
 __all__ = ["KeeperFull", "StateKeeper", "keeper_name"]

@@ -128,6 +128,9 @@ class PeerMemory:
         for f in self.fits:
             f["need"] = level.need(f["own"], f["buddy"])
             f["reserve"] = level.held(f["own"], f["buddy"])
+            if f["node"] in self._keepers:
+                f["keeper"] = self._keepers[f["node"]].name
+                f["reserved"] = self._keepers[f["node"]].reserved
         return level
 
     def place(
