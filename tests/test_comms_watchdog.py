@@ -10,6 +10,7 @@ controller runs against the fakes of `controller_fakes`.
 
 from __future__ import annotations
 
+import logging
 import runpy
 import threading
 
@@ -272,3 +273,24 @@ def test_with_cordons_off_a_hung_abort_is_said_and_nothing_is_cordoned(tmp_path)
     assert ctl.run()["state"] == "finished"
     assert not len(ctl.fake_cluster.cordoned)
     assert _said(ctl, "node node-0", "not cordoned (failure.cordon is off)")
+
+
+def test_an_abort_that_fails_is_said_once_whoever_asks(caplog):
+    def abort():
+        raise RuntimeError("NCCL error: invalid usage")
+
+    comms = NcclAbort(2, "node-7", abort_groups=abort, timeout_s=5.0)
+    with caplog.at_level(logging.WARNING, logger="spotline.comms"):
+        assert comms.abort() == comms.abort() == Cut()  # the step's path, the restart's
+    assert caplog.text.count("failed (RuntimeError: NCCL error: invalid usage)") == 1
+    assert comms.hung is None
+
+
+def test_an_abort_without_a_thread_to_run_on_fails_instead_of_hanging(monkeypatch):
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    comms = NcclAbort(2, "node-7", abort_groups=lambda: True, timeout_s=5.0)
+    assert comms.abort() == comms.abort() == Cut()
+    assert comms.hung is None

@@ -103,6 +103,7 @@ class _Watched:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._watch: Watch | None = None
+        self._said = False  # a failed abort's warning
         self.hung: CommsHung | None = None
         """Set once the abort outran its watchdog: the process is not to be kept."""
 
@@ -117,12 +118,7 @@ class _Watched:
                     limit = constants.SPOTLINE_COMM_ABORT_TIMEOUT_S
                 self._watch = Watch(self._cut, limit, f"spotline-abort-{self.rank}")
             w = self._watch
-        try:
-            returned = w.wait()
-        except Exception as e:  # noqa: BLE001 - no thread to be had: never raises here
-            self._failed(e)
-            return Cut()
-        if not returned:
+        if not w.wait():
             return Cut(0, self._hang(w.timeout_s))
         if w.error is not None:
             self._failed(w.error)
@@ -142,6 +138,10 @@ class _Watched:
             return self.hung
 
     def _failed(self, e: BaseException) -> None:
+        with self._lock:  # said once, by the first caller to see it
+            said, self._said = self._said, True
+        if said:
+            return
         log.warning(
             "rank %d: %s failed (%s: %s); peers waiting on it fail at failure.collective_timeout_s",
             self.rank,

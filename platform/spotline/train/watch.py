@@ -95,7 +95,11 @@ class Watch:
             if self._deadline is not None:
                 return
             self._deadline = time.monotonic() + self.timeout_s
-        threading.Thread(target=self._run, name=self._name, daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name=self._name, daemon=True).start()
+        except BaseException as e:  # noqa: BLE001 - no thread to be had: the call failed
+            self.error = e
+            self._done.set()
 
     def wait(self) -> bool:
         """Start it if it has not started; True once it returned or raised (`value`,
