@@ -10,15 +10,24 @@ it runs the job with no preemption, alternating arms in one invocation:
 
   on       the default: peer snapshots (k measured) and in-place recovery
   off      recovery.peer_snapshots: false, recovery.in_place: false
-  budget   `on` with recovery.peer_memory at 1.5 copies of the busiest node's share:
-           one kept step (the first degrade level)
+  budget   `on` with recovery.peer_memory at what one kept step needs on the busiest
+           node (the first degrade level)
+  restore  `on`, with one rank's process killed once copies are kept: the group
+           restores from peer memory in place; the keepers' peaks are read from just
+           before the kill to the new group's first settled copy
 
-and reads, every half second while each job trains (from /proc; each keeper's own
-high-water mark of the bytes it held is asked every five seconds):
+and reads, every half second while each job trains (ranks' RSS from /proc; each
+keeper's own account, `StateKeeper.memory`, every five seconds):
 
-- keeper_bytes_ratio: the most a node's keeper held (its own count of bytes, and its
-  process's resident memory above where it started) over that node's share of the
-  state, one copy of its own ranks' and its buddy's (goal <= 2.2);
+- keeper_bytes_ratio: the most a node's keeper counted at once (its copies' rooms, the
+  copy arriving in Ray's object store, reads on their way out, its working heap) over
+  that node's share of the state: one copy of its own ranks' and its buddy's;
+- keeper_rss_own_ratio: the keeper process's resident memory above its start (its
+  copies' maps, the store's pages a copy arrives through, its heap), at its highest and
+  at the end, over the node's OWN state (one copy of its own ranks'): what holding
+  peers' copies costs a node against what it trains;
+- restore_own_ratio: the same measured from just before a rank is killed to the new
+  group's first settled copy (the restore's peak), beside the plan's figure for it;
 - rank_rss_ratio: a rank's peak resident memory over its state bytes (what its
   checkpoint holds). On CPU the live model, gradients and optimizer are host memory
   too, so the table also gives the peak of `on` over `off` per state byte: what
@@ -32,7 +41,7 @@ high-water mark of the bytes it held is asked every five seconds):
     python benchmarks/peer_memory.py [--steps N] [--pairs 3] [--warmup-steps 30]
         [--only pp1 pp2] [--json PATH]
 
-About 15 minutes on 2 cores at the defaults.
+About 18 minutes on 2 cores at the defaults.
 """
 
 from __future__ import annotations
@@ -89,13 +98,13 @@ def spec_for(shape: str, arm: str, steps: int, tmp: Path, budget: int | None = N
 
 
 class Watch:
-    """Samples the ranks' and the keepers' memory while a job runs."""
+    """Samples the ranks' memory while a job runs, and asks its keepers for theirs."""
 
     def __init__(self, run: Any):
         self.run = run
         self.rank_rss: dict[int, int] = defaultdict(int)  # pid -> peak
-        self.keeper_bytes: dict[str, int] = defaultdict(int)  # node -> peak held
-        self.keeper_rss: dict[str, list[int]] = defaultdict(list)  # node -> samples
+        self.keepers: dict[str, dict[str, Any]] = {}  # node -> its newest account
+        self.fits: dict[str, dict[str, Any]] = {}  # node -> own, buddy, keeper name
         self.nodes: dict[str, list[int]] = {}  # node -> ranks
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -108,18 +117,25 @@ class Watch:
         self._stop.set()
         self._thread.join()
 
-    def _loop(self) -> None:
-        import psutil
+    def ask(self, reset: bool = False) -> dict[str, dict[str, Any]]:
+        """Every keeper of the latest placement's account, by node (`reset`: its peaks
+        start again from now)."""
         import ray
 
-        from spotline.compat.ray import call_on_actor
-        from spotline.runtime.keeper import keeper_name
+        out = {}
+        for node, f in self.fits.items():
+            with contextlib.suppress(Exception):  # a keeper gone, or not started yet
+                handle = ray.get_actor(f["keeper"])
+                out[node] = ray.get(handle.memory.remote(reset), timeout=5)
+        return out
 
-        keepers: dict[str, tuple[Any, int]] = {}
+    def _loop(self) -> None:
+        import psutil
+
         tick = 0
         while not self._stop.is_set():
             tick += 1
-            with contextlib.suppress(Exception):  # a job between states, a keeper gone
+            with contextlib.suppress(Exception):  # a job between states
                 st = self.run.status()
                 if st["step"] >= 2:  # optimizer state exists
                     for w in st.get("workers") or []:
@@ -129,34 +145,56 @@ class Watch:
                         self.nodes.setdefault(w["node_id"], [])
                         if w["rank"] not in self.nodes[w["node_id"]]:
                             self.nodes[w["node_id"]].append(w["rank"])
-                # This job's keepers only (an earlier arm's may still be going away), by
-                # name on its workers' nodes: Ray's state API needs a dashboard, and the
-                # cluster here runs none.
-                for node in self.nodes:
-                    if node not in keepers:
-                        with contextlib.suppress(ValueError):  # not started yet
-                            handle = ray.get_actor(keeper_name(self.run.spec.name, node))
-                            pid = ray.get(call_on_actor(handle, lambda _: os.getpid()))
-                            keepers[node] = (handle, pid)
-                for node, (handle, pid) in keepers.items():
-                    # The keeper's own high-water mark, asked every ASK_EVERY samples:
-                    # a call into it at each sample would slow the `on` arm alone.
-                    if tick % ASK_EVERY == 0:
-                        held = ray.get(handle.peak_nbytes.remote(), timeout=5)
-                        self.keeper_bytes[node] = max(self.keeper_bytes[node], held)
-                    with contextlib.suppress(psutil.Error):
-                        self.keeper_rss[node].append(psutil.Process(pid).memory_info().rss)
+                for f in (st.get("peer_memory") or {}).get("nodes") or []:
+                    if f.get("keeper"):
+                        self.fits[f["node"]] = f
+                # A keeper keeps its own high-water marks: asked every ASK_EVERY samples,
+                # a call into it at each sample would slow the `on` arm alone.
+                if tick % ASK_EVERY == 0:
+                    self.keepers.update(self.ask())
             self._stop.wait(SAMPLE_S)
+
+
+def _rss_above(m: dict[str, Any], key: str = "rss_peak") -> int:
+    """A keeper's resident memory (its heap and shared maps) above its process's start."""
+    rss, start = m[key], m["rss_start"]
+    now = rss["anon_shmem"] if "anon_shmem" in rss else rss["anon"] + rss["shmem"]
+    return now - start["anon"] - start["shmem"]
+
+
+def _restore_window(w: Watch, run: Any) -> dict[str, dict[str, Any]]:
+    """Kill rank 0's process once copies are kept; the keepers' accounts from just
+    before it to the new group's first settled copy after its restore from peers."""
+    import signal
+
+    from spotline.testing import wait_for
+
+    st = wait_for(run, lambda s: ((s.get("peer_memory") or {}).get("copies") or 0) >= 3, "copies")
+    w.ask(reset=True)
+    pid = next(x["pid"] for x in st["workers"] if x["rank"] == 0)
+    os.kill(pid, signal.SIGKILL)
+
+    def settled_after(s: dict[str, Any]) -> bool:
+        pm = s.get("peer_memory") or {}
+        restores = pm.get("restores") or []
+        return bool(restores) and (pm.get("newest_step") or 0) > restores[-1]["step"]
+
+    wait_for(run, settled_after, "a copy after the restore from peers", 300)
+    time.sleep(2 * SAMPLE_S)  # its settle reaches the keepers
+    return w.ask()
 
 
 def run_arm(shape: str, arm: str, steps: int, tmp: Path, budget: int | None = None) -> dict:
     import spotline
-    from spotline.planning.peer_memory import rank_copy_bytes
+    from spotline.planning.peer_memory import node_peer_memory, rank_copy_bytes
 
     spec = spec_for(shape, arm, steps, tmp, budget)
     t0 = time.time()
     run = spotline.Job(spec).start()
+    window: dict[str, dict[str, Any]] = {}
     with Watch(run) as w:
+        if arm == "restore":
+            window = _restore_window(w, run)
         result = run.wait(verbose=False)
     wall = time.time() - t0
     pp, replicas = SHAPES[shape]
@@ -171,20 +209,34 @@ def run_arm(shape: str, arm: str, steps: int, tmp: Path, budget: int | None = No
         "rank_state_bytes": max(copy),
         "peer_memory": result.peer_memory,
     }
-    if arm != "off" and w.keeper_bytes:
-        ring = sorted(w.nodes)
-        share = {}
-        for i, node in enumerate(ring):
-            own = sum(copy[r] for r in w.nodes[node])
-            buddy = sum(copy[r] for r in w.nodes[ring[i - 1]]) if len(ring) > 1 else 0
-            share[node] = own + buddy
+    if arm == "restore":
+        out["restores"] = (result.peer_memory or {}).get("restores")
+        plan = node_peer_memory(spec, replicas, SLOTS, None)
+        out["plan_restore_own_ratio"] = plan.restore_peak / plan.own
+    if arm != "off" and w.keepers:
+        fits = {n: f for n, f in w.fits.items() if n in w.keepers}
         out["keeper_bytes_ratio"] = max(
-            w.keeper_bytes[n] / share[n] for n in share if n in w.keeper_bytes
+            w.keepers[n]["peak"] / (f["own"] + f["buddy"]) for n, f in fits.items()
         )
-        out["keeper_rss_ratio"] = max(
-            (max(xs) - xs[0]) / share[n] for n, xs in w.keeper_rss.items() if n in share and xs
+        out["keeper_rss_own_ratio"] = max(
+            _rss_above(w.keepers[n]) / f["own"] for n, f in fits.items()
         )
-        out["node_share_bytes"] = max(share.values())
+        out["keeper_rss_own_end"] = max(
+            _rss_above(w.keepers[n], "rss") / f["own"] for n, f in fits.items()
+        )
+        out["keeper_rss_over_counted"] = max(
+            _rss_above(w.keepers[n]) / w.keepers[n]["peak"] for n in fits
+        )
+        out["node_share_bytes"] = max(f["own"] + f["buddy"] for f in fits.values())
+        out["node_own_bytes"] = max(f["own"] for f in fits.values())
+        out["buddy_own"] = max(f["buddy"] / f["own"] for f in fits.values())
+        if window:
+            out["restore_own_ratio"] = max(
+                _rss_above(window[n]) / fits[n]["own"] for n in window if n in fits
+            )
+            out["restore_counted_own_ratio"] = max(
+                window[n]["peak"] / fits[n]["own"] for n in window if n in fits
+            )
     return out
 
 
@@ -226,6 +278,7 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from spotline import constants
     from spotline.units import human_bytes
 
     tmp = Path(tempfile.mkdtemp(prefix="spotline-peermem-"))
@@ -248,10 +301,14 @@ def main() -> int:
             shares = [r["node_share_bytes"] for r in runs if r["shape"] == shape and r["arm"] == "on" and "node_share_bytes" in r]  # fmt: skip
             if not shares:
                 raise SystemExit(f"no keeper was read in any `on` arm of {shape}")
-            budget = int(1.5 * shares[-1])
+            # One kept step needs two copies of the share and the keeper's heap; two kept
+            # steps, three: half way between keeps one.
+            budget = int(2.5 * shares[-1]) + constants.SPOTLINE_KEEPER_HEAP_BYTES
             r = run_arm(shape, "budget", args.steps, tmp, budget)
             runs.append(r)
             print(f"[peer_memory] {shape} budget {human_bytes(budget)}: done", flush=True)
+            runs.append(run_arm(shape, "restore", args.steps, tmp))
+            print(f"[peer_memory] {shape} restore: {runs[-1].get('restores')}", flush=True)
     finally:
         import ray
 
@@ -259,22 +316,32 @@ def main() -> int:
         c.shutdown()
     figures: dict[str, Any] = {"runs": runs, "shapes": {}}
     print()
-    print("shape  keeper bytes / node share   keeper RSS / share   rank RSS / state   "
-          "(on - off) RSS / state   on / off steps per min (pairs)")  # fmt: skip
+    print("shape  keeper counted / share   keeper RSS / own: peak, end   restore RSS / own "
+          "(plan)   rank RSS / state   (on - off) / state   on / off (pairs)")  # fmt: skip
     for shape in args.only:
         mine = [r for r in runs if r["shape"] == shape]
-        on = [r for r in mine if r["arm"] == "on"]
+        on = [r for r in mine if r["arm"] == "on" and "keeper_bytes_ratio" in r]
         off = [r for r in mine if r["arm"] == "off"]
         budget = [r for r in mine if r["arm"] == "budget"]
-        pairs = [a["steps_per_min"] / b["steps_per_min"] for a, b in zip(on, off, strict=False)]
-        state = on[0]["rank_state_bytes"]
+        restore = [r for r in mine if r["arm"] == "restore"]
+        pairs = [
+            a["steps_per_min"] / b["steps_per_min"]
+            for a, b in zip([r for r in mine if r["arm"] == "on"], off, strict=False)
+        ]
+        state = mine[0]["rank_state_bytes"]
+        rs = restore[0] if restore else {}
         f = {
             # Over the `on` arms whose keepers were read (a run too short for a read has none).
-            "keeper_bytes_ratio": max(
-                r["keeper_bytes_ratio"] for r in on if "keeper_rss_ratio" in r
-            ),
-            "keeper_rss_ratio": max(r["keeper_rss_ratio"] for r in on if "keeper_rss_ratio" in r),
+            "keeper_bytes_ratio": max(r["keeper_bytes_ratio"] for r in on),
             "keeper_bytes_ratio_budget": budget[0].get("keeper_bytes_ratio") if budget else None,
+            "keeper_rss_own_ratio": max(r["keeper_rss_own_ratio"] for r in on),
+            "keeper_rss_own_end": max(r["keeper_rss_own_end"] for r in on),
+            "keeper_rss_over_counted": max(r["keeper_rss_over_counted"] for r in on),
+            "buddy_over_own": max(r["buddy_own"] for r in on),
+            "restore_own_ratio": rs.get("restore_own_ratio"),
+            "restore_counted_own_ratio": rs.get("restore_counted_own_ratio"),
+            "plan_restore_own_ratio": rs.get("plan_restore_own_ratio"),
+            "restores": rs.get("restores"),
             "rank_rss_ratio": max(r["rank_rss_peak"] for r in on) / state,
             "rank_rss_over_off": (
                 statistics.median(r["rank_rss_peak"] for r in on)
@@ -289,18 +356,20 @@ def main() -> int:
         figures["shapes"][shape] = f
         print(
             f"{shape:5}  {f['keeper_bytes_ratio']:.2f} (budget arm "
-            f"{f['keeper_bytes_ratio_budget'] or 0:.2f})             "
-            f"{f['keeper_rss_ratio']:.2f}                 {f['rank_rss_ratio']:.2f}"
-            f"               {f['rank_rss_over_off']:+.2f}                   "
-            f"{spread(pairs)}"
+            f"{f['keeper_bytes_ratio_budget'] or 0:.2f})       "
+            f"{f['keeper_rss_own_ratio']:.2f}, {f['keeper_rss_own_end']:.2f}                  "
+            f"{f['restore_own_ratio'] or 0:.2f} ({f['plan_restore_own_ratio'] or 0:.2f})"
+            f"            {f['rank_rss_ratio']:.2f}            {f['rank_rss_over_off']:+.2f}"
+            f"               {spread(pairs)}"
         )
     # The headline figures: the worst shape.
     shapes = figures["shapes"].values()
-    figures["keeper_bytes_ratio"] = max(f["keeper_bytes_ratio"] for f in shapes)
-    figures["rank_rss_ratio"] = max(f["rank_rss_ratio"] for f in shapes)
+    for key in ("keeper_bytes_ratio", "keeper_rss_own_ratio", "rank_rss_ratio"):
+        figures[key] = max(f[key] for f in shapes)
     figures["recovery_on_vs_off"] = min(f["recovery_on_vs_off"] for f in shapes)
     print(
-        f"\nkeeper_bytes_ratio {figures['keeper_bytes_ratio']:.2f} (goal <= 2.2), "
+        f"\nkeeper_rss_own_ratio {figures['keeper_rss_own_ratio']:.2f} (counted: "
+        f"{figures['keeper_bytes_ratio']:.2f} of own + buddy), "
         f"rank_rss_ratio {figures['rank_rss_ratio']:.2f} (goal <= 3), "
         f"recovery_on_vs_off {figures['recovery_on_vs_off']:.3f} (goal >= 0.98)"
     )

@@ -15,7 +15,12 @@ only when k moves by more than a quarter.
 
 A step every rank has in all its keepers is settled: the keepers drop older steps
 and other groups' copies (`spotline.runtime.keeper`). The copies' measured sizes are
-held against each node's budget once per group.
+held against each node's budget once per group. A keeper's refusal (over its budget)
+is said once per node, and a later loss says the newer copies were not kept.
+
+The step offered for a restore is pinned in the keepers as soon as it is chosen, so
+that nothing (the new group's placement, retention) drops it before the restore has
+read it; it stands in for the new group's settled step until that group settles one.
 
 The copy restored after a failure is the newest step the failed group left complete
 in live keepers (`spotline.checkpoint.peer`), when it is at least as new as the newest

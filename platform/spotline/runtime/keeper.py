@@ -354,13 +354,14 @@ class StateKeeper:
         with self._lock:
             return self._peak
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self, reset: bool = False) -> dict[str, Any]:
         """What this keeper counts and what its process measures: bytes held, the peak
         it counted, its budget and reservation, and its resident memory by kind now, at
         its start (its process before any copy) and at its highest as each copy was in
-        (`rss_hwm`: the kernel's high-water mark of all of it)."""
+        (`rss_hwm`: the kernel's high-water mark of all of it). `reset`: the peaks start
+        again from now once read (what one moment, such as a restore, adds)."""
         with self._lock:
-            return {
+            out = {
                 "node": self.node,
                 "held": self._held(),
                 "peak": self._peak,
@@ -374,6 +375,10 @@ class StateKeeper:
                 "rss_peak": self._sample(),
                 "rss_hwm": _rss_peak(),
             }
+            if reset:
+                self._peak, self._rss_peak = self._count(), {}
+                self._sample()
+            return out
 
     def _sample(self) -> dict[str, int]:
         """Take this moment's resident memory into its per-kind peaks; the peaks."""
