@@ -279,6 +279,8 @@ class PeerMemory:
         asks = {
             getattr(every[n].handle, method).remote(*a): n for n, a in args.items() if n in every
         }
+        if not asks:
+            return {}
         ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=ASK_TIMEOUT_S)
         out: dict[str, Any] = dict.fromkeys(asks.values())
         for ref in ready:
@@ -326,7 +328,8 @@ class PeerMemory:
                     self._gone(key)
                 continue
             self._quiet.discard(node)
-            out += [(every[key].name, PeerCopy.from_dict(c)) for c in got]
+            name = getattr(every[key], "name", None) or keeper_name(self.spec.name, node)
+            out += [(name, PeerCopy.from_dict(c)) for c in got]
         return out
 
     def offer(
