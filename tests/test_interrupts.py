@@ -100,7 +100,56 @@ def test_a_signal_before_the_job_started_ends_the_command_at_once(keep_handlers)
     it.install()
     with pytest.raises(KeyboardInterrupt):
         it.handle(signal.SIGTERM)
-    assert (it.code, it.ended_at_once()) == (143, "terminated by SIGTERM")
+    assert (it.code, it.ended_at_once()) == (143, "terminated by SIGTERM")  # not a job
+    it.install()
+    it.for_job = True  # `spotline run`, before its controller started
+    with pytest.raises(KeyboardInterrupt):
+        it.handle(signal.SIGTERM)
+    assert (
+        it.ended_at_once() == "terminated by SIGTERM before the job started: nothing was committed"
+    )
+    it.restore()
+
+
+def test_a_signal_while_the_controller_starts_is_the_runs_stop_once_it_exists(keep_handlers):
+    it = Interrupts()
+    it.install()
+    it.for_job = True
+    it.starting_job()
+    it.handle(signal.SIGTERM)  # returns: the run does not exist yet
+    run = FakeRun(latest=None)
+    it.started(run)
+    assert run.asked == [("SIGTERM to the driver", constants.SPOTLINE_DRIVER_STOP_GRACE_S)]
+    with pytest.raises(KeyboardInterrupt):
+        it.handle(signal.SIGTERM)
+    assert len(run.asked) == 1 and it.code == 143
+    it.restore()
+
+
+def test_a_second_signal_while_the_controller_starts_ends_it_saying_nothing_committed(
+    keep_handlers,
+):
+    it = Interrupts()
+    it.install()
+    it.for_job = True
+    it.starting_job()
+    it.handle(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        it.handle(signal.SIGINT)
+    assert it.ended_at_once() == "interrupted again before the job started: nothing was committed"
+    run = FakeRun()
+    it.started(run)  # had the start gone on, the run would not be asked to stop again
+    assert run.asked == []
+    it.restore()
+
+
+def test_a_started_run_with_no_signal_is_not_asked_to_stop(keep_handlers):
+    it = Interrupts()
+    it.install()
+    it.starting_job()
+    run = FakeRun()
+    it.started(run)
+    assert run.asked == [] and it.run is run and not it.starting
     it.restore()
 
 

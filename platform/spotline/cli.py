@@ -79,16 +79,20 @@ def _job_from_args(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    # Credentials in a URI argument (s3://KEY:SECRET@bucket) are masked wherever a
-    # message, log line or library error echoes them, with or without their URI.
-    register_secrets(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(argv)
-    debug = args.debug or os.environ.get("SPOTLINE_DEBUG", "") not in ("", "0")
-    install_log_redaction()
-    state_ray_auth_mode(args)
+    # First: a signal at any moment from here ends in a commit or in a line saying that
+    # nothing was committed.
     _interrupts.install()
+    debug = os.environ.get("SPOTLINE_DEBUG", "") not in ("", "0")
+    args = None
     try:
+        parser = build_parser()
+        # Credentials in a URI argument (s3://KEY:SECRET@bucket) are masked wherever a
+        # message, log line or library error echoes them, with or without their URI.
+        register_secrets(list(sys.argv[1:] if argv is None else argv))
+        args = parser.parse_args(argv)
+        debug = debug or args.debug
+        install_log_redaction()
+        state_ray_auth_mode(args)
         with _json_on_stdout(args):
             return _dispatch(args)
     except Exception as e:
@@ -420,9 +424,10 @@ def _check_uri_args(args) -> None:
 def _dispatch(args) -> int:
     _check_uri_args(args)
     if args.cmd == "run":
+        _interrupts.for_job = True
         job = _job_from_args(args)
-        _interrupts.run = job.start(address=args.address)
-        result = _interrupts.run.wait()  # events on stderr with --json -
+        run = job.start(address=args.address, signals=_interrupts)
+        result = run.wait()  # events on stderr with --json -
         if _shown(args):
             print(result.summary())
         _write_json(args, result.__dict__)

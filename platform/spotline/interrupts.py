@@ -9,6 +9,12 @@ status says `stopped` at that step. Any other one ends the command at once, as a
 KeyboardInterrupt, so that every cleanup still runs (Ray's local cluster is shut down
 at exit); after that a third SIGTERM is not caught at all.
 
+From the moment the driver starts the job's controller (`starting`) until the run is
+handed over (`started`), a first signal is kept and handed to the run as its stop, so
+no signal in that window ends the driver with a job running and nothing committed.
+Before that window nothing runs on the cluster: a signal ends the command at once, and
+its line says that nothing was committed.
+
 The front's only: it lives in the driver's main thread and never reaches the cluster
 itself (the JobRun does).
 """
@@ -36,13 +42,17 @@ class Interrupts:
         self.run: Any = None
         """The job running in this driver (a `JobRun`), once its controller started."""
         self.seen: list[int] = []
+        self.starting = False
+        """The job's controller is being started: a first signal waits for the run."""
+        self.for_job = False
+        """This command runs a job (`spotline run`), so its line says what was committed."""
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
         """Handle both signals from now on (only the main thread may)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        self.seen = []
+        self.seen, self.run, self.starting, self.for_job = [], None, False, False
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self.handle)
 
@@ -54,12 +64,30 @@ class Interrupts:
     def handle(self, signum: int, frame: Any = None) -> None:
         self.seen.append(signum)
         name = SIGNALS[signum][0]
-        if self.run is not None and len(self.seen) == 1:
-            self.run.stop_soon(f"{name} to the driver", constants.SPOTLINE_DRIVER_STOP_GRACE_S)
+        if len(self.seen) == 1 and self.run is not None:
+            self._stop(self.run)
             return
+        if len(self.seen) == 1 and self.starting:
+            return  # the run's stop, once it exists (`started`)
         if signum == signal.SIGTERM:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # one more ends the process
         raise KeyboardInterrupt(name)
+
+    def starting_job(self) -> None:
+        """The driver is about to start the job's controller: from now on a first
+        signal is the run's stop, kept until `started` hands it over."""
+        self.starting = True
+
+    def started(self, run: Any) -> None:
+        """The job's controller runs `run`: a signal that came while it started is its
+        stop now."""
+        self.run, self.starting = run, False
+        if len(self.seen) == 1:
+            self._stop(run)
+
+    def _stop(self, run: Any) -> None:
+        name = SIGNALS[self.seen[0]][0]
+        run.stop_soon(f"{name} to the driver", constants.SPOTLINE_DRIVER_STOP_GRACE_S)
 
     @property
     def code(self) -> int:
@@ -71,9 +99,10 @@ class Interrupts:
         """The line for a command that a signal ended at once."""
         last = self.seen[-1] if self.seen else signal.SIGINT
         how = "terminated by SIGTERM" if last == signal.SIGTERM else "interrupted"
-        if self.run is None:
-            return how  # no job ran in this driver
         again = " again" if len(self.seen) > 1 else ""
+        if self.run is None:  # no job ran in this driver
+            return f"{how}{again} before the job started: nothing was committed" if (
+                self.for_job) else how  # fmt: skip
         return f"{how}{again}: the job was ended at once; {self.run.resume_hint()}"
 
     def stopped(self, result: JobResult) -> str:

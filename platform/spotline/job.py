@@ -312,8 +312,12 @@ class Job:
         node = node_shape(spec, local_cluster)
         return make_plan(spec, device, rate, node, bandwidth, unchecked, on_host)
 
-    def start(self, address: str | None = None) -> JobRun:
-        """Preflight (before any worker starts), then start the controller actor."""
+    def start(self, address: str | None = None, signals: Any = None) -> JobRun:
+        """Preflight (before any worker starts), then start the controller actor.
+
+        `signals` (the CLI's `Interrupts`) is told just before the controller starts
+        (`starting_job()`) and as soon as its run exists (`started(run)`), so that a
+        SIGTERM at any moment in between becomes the run's stop with a commit."""
         from spotline.controller.actor import start_controller
         from spotline.preflight import preflight
 
@@ -323,7 +327,11 @@ class Job:
         if local:
             time_cpu_step_here(self.spec)  # one prediction in plan and run (see it)
         connect_ray(address)
+        if signals is not None:
+            signals.starting_job()
         run = JobRun(self.spec, start_controller(self.spec, store))
+        if signals is not None:
+            signals.started(run)
         job_index.record(self.spec, store.uri, address)  # `spotline status NAME` once it ends
         return run
 

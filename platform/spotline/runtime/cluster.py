@@ -72,10 +72,21 @@ def connect_ray(address: str | None) -> None:
     # the driver prints the controller's events, and failures arrive grouped by rank.
     if address is None and not os.environ.get("RAY_ADDRESS"):
         address = "local"
-    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-    for sig, handler in chosen.items():
-        if callable(handler):
-            signal.signal(sig, handler)
+    try:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    except SystemExit as e:
+        # Ray's own handler, in place while it starts, ends the process on a SIGTERM
+        # with SystemExit(SIGTERM), which no command reports: the handler chosen
+        # before answers it instead (the CLI's says that nothing was committed).
+        chosen_term = chosen.get(signal.SIGTERM)
+        if e.code == signal.SIGTERM and callable(chosen_term):
+            signal.signal(signal.SIGTERM, chosen_term)
+            chosen_term(signal.SIGTERM, None)
+        raise
+    finally:
+        for sig, handler in chosen.items():
+            if callable(handler):
+                signal.signal(sig, handler)
 
 
 def cluster_candidates(address: str | None) -> list[str | None]:
