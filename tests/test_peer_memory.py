@@ -1,7 +1,9 @@
 """Peer memory without Ray: a rank's peer copy is exactly its checkpoint's files, a
-keeper holds and serves them within its level and budget, the newest step every rank
-left complete is found (and never a step mixed from two groups), and k follows what
-the copies cost the job's pace."""
+keeper holds and serves them within its level and budget (which counts what the node
+holds), the newest step every rank left complete is found (and never a step mixed
+from two groups), and the step a restore reads stays until it is read, through two
+losses in a row at the tightest budget the plan fits. The controller's side: k, and
+what it says, is `test_peer_recovery.py`."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from spotline.checkpoint.layout import FORMAT, RankSnapshot, write_rank
 from spotline.checkpoint.peer import PEER_KEY, PeerCopy, newest_complete, peer_copy
 from spotline.checkpoint.reshard import Plan
 from spotline.config import load_spec
-from spotline.controller.recovery import MEASURE, PeerBook, peer_interval
 from spotline.runtime.keeper import KeeperFull, StateKeeper
 
 pytestmark = pytest.mark.unit
@@ -27,6 +28,7 @@ def _no_keeper_heap(monkeypatch):
     """The figures here are bytes of copies alone; `test_the_keepers_heap_is_counted`
     puts the keeper process's working heap back."""
     monkeypatch.setattr(constants, "SPOTLINE_KEEPER_HEAP_BYTES", 0)
+
 
 FULL = {
     "fp32": torch.arange(8, dtype=torch.float32) / 7,
@@ -194,83 +196,6 @@ def test_a_keeper_at_one_step_holds_one_copy_and_refuses_one_over_its_budget(tmp
     assert _steps(keeper) == [("g1", 0, 6)]
     read = keeper.read("g1", 6, "a-g1/rank_00000/meta.json", 0, 5)
     assert read == (tmp_path / "s6" / "r0" / "meta.json").read_bytes()[:5]
-
-
-def test_k_is_the_smallest_interval_within_the_cost_budget():
-    assert peer_interval(0.02, 1.0, 0.02) == 1
-    assert peer_interval(0.021, 1.0, 0.02) == 2
-    assert peer_interval(0.5, 0.1, 0.02) == 250
-    assert peer_interval(0.5, 0.0, 0.02) == 1
-
-
-def _pace(first: int, last: int, t0: float, step_s: float = 0.5, slow: dict | None = None):
-    """(step, loss, seconds, wall end) of steps first..last, each `step_s` of wall time
-    unless `slow` gives it more."""
-    out, t = [], t0
-    for step in range(first, last + 1):
-        t += (slow or {}).get(step, step_s)
-        out.append((step, 2.0, step_s, t))
-    return out
-
-
-def _copy(step: int, started: float, ended: float, world: int = 2, **extra) -> list[dict]:
-    taken = [{"step": step, "rank": r, "blocked_s": 0.01, "taken": True, "started": started}
-             for r in range(world)]  # fmt: skip
-    sent = [{"step": step, "rank": r, "nbytes": 100 + r, "total_s": ended - started,
-             "ended": ended, "kept_by": 2, "keepers": 2, "with_save": False} | extra
-            for r in range(world)]  # fmt: skip
-    return taken + sent
-
-
-def test_the_book_prices_a_copy_by_what_it_slowed_the_jobs_steps(monkeypatch):
-    monkeypatch.setattr(constants, "SPOTLINE_PEER_WARM_STEPS", 10)
-    book = PeerBook(_spec())
-    assert book.run_every() == MEASURE
-    # The group's ten warm-up steps take 2 s each and are nobody's pace. Then steps of
-    # 0.5 s; the measuring copy begins after step 11 (wall 20.5) and ends at 21.2: step
-    # 12 took 0.9 s instead of 0.5, so the job lost 0.4 s to it.
-    warm = _pace(1, 10, 0.0, step_s=2.0)
-    pace = _pace(11, 15, warm[-1][3], slow={12: 0.9})
-    # Three steady steps untouched by the copy are no pace yet: not priced.
-    assert book.take(_copy(11, 20.5, 21.2), 2, warm + pace) is None
-    assert book.costs == [] and book.k is None
-    later = _pace(16, 30, pace[-1][3])
-    # k: 0.4 s of a 0.5 s step at a 1% budget: every 80 steps.
-    assert book.take([], 2, later) == 80
-    assert book.costs == [pytest.approx(0.4)] and book.base_step_s == pytest.approx(0.5)
-    assert book.settled == 11 and book.rank_bytes == {0: 100, 1: 101}
-    # A copy that costs a little more moves k by less than a quarter: nothing to ask.
-    t = later[-1][3]
-    assert book.take(_copy(31, t, t + 0.1), 2, _pace(31, 40, t, slow={31: 0.95})) is None
-    assert book.k == 80
-    summary = book.summary()
-    assert summary["every_steps"] == 80 and summary["copies"] == 2
-    # A copy a rank skipped (its upload thread still busy with a save) is not a copy.
-    skipped = [{"step": 46, "rank": r, "taken": False} for r in (0, 1)]
-    assert book.take(skipped, 2, []) is None and book.skipped == 2
-
-
-def test_a_checkpoints_own_files_count_as_copies_but_never_price_k():
-    book = PeerBook(_spec())
-    pace = _pace(1, 20, 0.0, slow={11: 9.0})
-    assert book.take(_copy(10, 5.0, 14.0, with_save=True), 2, pace) is None
-    assert book.copies == 1 and book.costs == [] and book.k is None
-    # Not kept by every keeper: the step is a copy, but nothing older may be dropped.
-    book.take(
-        _copy(20, 100.0, 100.1)[:2] + [dict(r, kept_by=1) for r in _copy(20, 0, 0)[2:]], 2, []
-    )
-    assert book.copies == 2 and book.settled == 10
-
-
-def test_fixed_and_disabled_intervals():
-    fixed = PeerBook(_spec(peer_interval_steps=3))
-    assert fixed.run_every() == 3
-    assert fixed.take(_copy(3, 1.0, 5.0, world=1), 1, _pace(1, 20, 0.0)) is None
-    assert fixed.run_every() == 3
-    off = PeerBook(_spec(peer_snapshots=False))
-    assert off.run_every() == 0 and off.summary() is None
-    with pytest.raises(Exception, match="peer_interval_steps is 0"):
-        _spec(peer_interval_steps=0)
 
 
 def test_a_peer_only_copy_is_written_and_handed_over_but_never_uploaded(tmp_path: Path):
