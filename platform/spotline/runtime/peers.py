@@ -84,8 +84,8 @@ class PeerMemory:
         self._cls = keeper_cls
         self._keepers: dict[str, _Keeper] = {}  # node id -> its keeper now
         self._retiring: dict[str, _Keeper] = {}  # node id -> the one it replaced
-        """Keepers started again with a larger reservation leave their predecessor up
-        while it holds a restore's source: it goes once the new group settles a step."""
+        """Keepers started again with another reservation leave their predecessor up
+        while it holds a restore's source: it goes once the restore has read it."""
         self._generation = 0
         self.pinned: tuple[str, int] | None = None
         """(attempt, step) offered for the restore under way, pinned in the keepers."""
@@ -355,9 +355,8 @@ class PeerMemory:
 
     def settle(self, attempt: str, step: int) -> None:
         """Every rank of `attempt` has `step` in all its keepers: they drop older steps
-        and other groups' copies (without waiting for them). A restore's source is no
-        longer needed once the group that restored from it settles a step: the keepers
-        kept aside for it go."""
+        and other groups' copies (without waiting for them), a restore's source
+        included once the group that restored from it settles a step."""
         for k in self._all().values():
             with contextlib.suppress(Exception):  # a lost keeper holds nothing to drop
                 k.handle.settle.remote(attempt, step)
@@ -372,8 +371,14 @@ class PeerMemory:
             self._retiring.pop(node, None)
 
     def retain(self, attempts: list[str]) -> None:
-        """Keep only the copies of `attempts` (the group that runs, and the one it
-        restored from until it has its own): no later restore may read another's."""
+        """The group restored: keep only the copies of `attempts` (the group that runs,
+        and the one it restored from until it has its own): no later restore may read
+        another's. A keeper kept aside for the restore goes now: beside its node's new
+        keeper it would take the node over its budget (the new one may use all of it),
+        so on that node the source's copies go once the restore has read them."""
+        for k in self._retiring.values():
+            _kill(k)
+        self._retiring = {}
         if self.pinned is not None and self.pinned[0] not in attempts:
             self._release()
         self._ask_all("retain", list(attempts))
