@@ -20,10 +20,8 @@ controller's loop for a wait made while collection is held.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import threading
-from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0  # bursts in progress, on any thread
@@ -31,27 +29,39 @@ _resume = False  # whether collection was on when the first of them began
 _mine = threading.local()  # this thread's bursts in progress
 
 
-@contextlib.contextmanager
-def collection_held() -> Iterator[None]:
-    """Hold back automatic collection while the block runs. Safe to nest and to enter
-    from several threads at once: collection resumes when the last block leaves, and
-    only if it was on when the first one entered (a program that turned it off keeps it
-    off)."""
-    global _depth, _resume
-    with _lock:
-        if _depth == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _depth += 1
-    _mine.depth = getattr(_mine, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _Held:
+    """The one block object: entering it allocates nothing the collector tracks, so
+    that entering it right after a burst ended (one step of the poll after another)
+    does not itself set off the young collection that the burst's leftovers would
+    make costly."""
+
+    def __enter__(self) -> None:
+        global _depth, _resume
+        with _lock:
+            if _depth == 0:
+                _resume = gc.isenabled()
+                gc.disable()
+            _depth += 1
+        _mine.depth = getattr(_mine, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _depth
         _mine.depth -= 1
         with _lock:
             _depth -= 1
             if _depth == 0 and _resume:
                 gc.enable()
+
+
+_HELD = _Held()
+
+
+def collection_held() -> _Held:
+    """Hold back automatic collection while the block (`with collection_held():`)
+    runs. Safe to nest and to enter from several threads at once: collection resumes
+    when the last block leaves, and only if it was on when the first one entered (a
+    program that turned it off keeps it off)."""
+    return _HELD
 
 
 def held() -> bool:
