@@ -264,6 +264,15 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
 
+def said(r: dict[str, Any]) -> str:
+    """One arm's figures as it ends (the table comes at the end of every shape)."""
+    keys = ("keeper_bytes_ratio", "keeper_rss_own_ratio", "keeper_rss_own_end",
+            "keeper_rss_over_counted", "restore_own_ratio", "restore_counted_own_ratio",
+            "plan_restore_own_ratio")  # fmt: skip
+    got = ", ".join(f"{k} {r[k]:.2f}" for k in keys if r.get(k) is not None)
+    return f"{r['steps_per_min']:.0f} steps/min" + (f"; {got}" if got else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -294,10 +303,7 @@ def main() -> int:
                 for arm in order:
                     r = run_arm(shape, arm, args.steps, tmp)
                     runs.append(r)
-                    print(
-                        f"[peer_memory] {shape} {arm}: {r['steps_per_min']:.0f} steps/min",
-                        flush=True,
-                    )
+                    print(f"[peer_memory] {shape} {arm}: {said(r)}", flush=True)
             shares = [r["node_share_bytes"] for r in runs if r["shape"] == shape and r["arm"] == "on" and "node_share_bytes" in r]  # fmt: skip
             if not shares:
                 raise SystemExit(f"no keeper was read in any `on` arm of {shape}")
@@ -306,9 +312,10 @@ def main() -> int:
             budget = int(2.5 * shares[-1]) + constants.SPOTLINE_KEEPER_HEAP_BYTES
             r = run_arm(shape, "budget", args.steps, tmp, budget)
             runs.append(r)
-            print(f"[peer_memory] {shape} budget {human_bytes(budget)}: done", flush=True)
+            print(f"[peer_memory] {shape} budget {human_bytes(budget)}: {said(r)}", flush=True)
             runs.append(run_arm(shape, "restore", args.steps, tmp))
-            print(f"[peer_memory] {shape} restore: {runs[-1].get('restores')}", flush=True)
+            r = runs[-1]
+            print(f"[peer_memory] {shape} restore {r.get('restores')}: {said(r)}", flush=True)
     finally:
         import ray
 

@@ -164,7 +164,7 @@ def test_a_refusal_is_said_once_and_a_later_loss_says_no_copy_was_kept():
     assert offer.step == 4 and peers.pinned == [("g1", 4)]  # pinned before any placement
     (why,) = [s for s in said if "restoring" in s]
     assert "the keepers did not take step 12" in why and "KeeperFull" in why
-    assert "lost together" not in why and why.endswith("if a keeper refused them")
+    assert "lost together" not in why and why.endswith("if a keeper refused it")
 
 
 def test_a_kept_step_gone_from_live_memory_is_a_rank_and_its_buddy_lost_together():

@@ -321,9 +321,9 @@ class PeerRecovery:
         """The newest step the previous attempt (of `attempts`, `snapshot.Attempt`s) left
         complete in live keepers: its own copies, else the step it started from when that
         came from peer memory (the same line of steps); a group that never ran is passed
-        over. Never another lineage's. The
-        keepers of `leaving` nodes (doomed by a notice) do not count: a step restored
-        after a notice is one whose copies reached the nodes that stay."""
+        over. Never another lineage's. The keepers of `leaving` nodes (doomed by a
+        notice) do not count: a step restored after a notice is one whose copies reached
+        the nodes that stay. The step offered is pinned in the keepers at once."""
         # A group lost while it started (it never ran: no device) left no copies of its
         # own, and restored nothing: the line goes on from the group before it.
         ran = [a for a in attempts if a.device] or attempts
@@ -368,8 +368,8 @@ class PeerRecovery:
             step, why = book.unkept
             self._event(
                 f"no peer copy newer than {then.removesuffix(' from peer memory')} was kept: "
-                f"the keepers did not take step {step} and later ones ({why}); restoring "
-                f"{then}. Raise recovery.peer_memory if a keeper refused them",
+                f"the keepers did not take step {step} ({why}); restoring {then}. Raise "
+                "recovery.peer_memory if a keeper refused it",
                 logging.WARNING,
             )
 
