@@ -197,6 +197,8 @@ class StateKeeper:
         size = sum(sizes.values())
         key = (c.attempt, c.rank, c.step)
         with self._lock:
+            if key in self._copies:  # the same copy again: the new one replaces it
+                self._drop(key)
             self._prune(c.attempt, c.rank, arriving=c.step)
             if self._over(size):
                 # The group sending copies has restored: a restore's source now only
