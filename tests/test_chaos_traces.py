@@ -338,7 +338,11 @@ def test_a_checkpoint_interval_far_above_the_loss_spacing_is_named_with_what_cos
 
     spec = load_spec(
         QUICKSTART,
-        {"checkpoint.interval_steps": 5000, "recovery.peer_snapshots": False},
+        {
+            "checkpoint.interval_steps": 5000,
+            "recovery.peer_snapshots": False,
+            "recovery.peer_cost_budget": 0.03,
+        },
     )
     loss = EventReport(at=30.0, kind="loss", node=0, node_id="n0", hit=True, step=90)
     loss.steps_lost = 90
@@ -346,6 +350,7 @@ def test_a_checkpoint_interval_far_above_the_loss_spacing_is_named_with_what_cos
     assert "checkpoint.interval_steps 5000 loses up to 5000 steps" in line
     assert "90 step(s) were lost" in line
     assert "recovery.peer_snapshots: true would lose at most k steps" in line
+    assert "recovery.peer_cost_budget, 3% of training" in line  # the job's own budget
     assert "checkpoint.interval_steps 9 " in line  # a tenth of the ~90 steps between losses
 
 
@@ -414,3 +419,37 @@ def test_the_first_resume_skips_a_group_that_never_started():
     assert first_resume([failed_start, trained]) is None
     assert first_resume([failed_start, trained, {"losses": [], "restored_from": 2}]) == 2
     assert first_resume([trained, {"losses": [], "restored_from": None}]) == 0
+
+
+def test_the_verdict_names_its_two_goodputs_and_the_rehearsals_node_death_timing():
+    from spotline.chaos.report import render_verdict
+
+    loss = {"at": 12.0, "kind": "loss", "node": 1, "hit": True, "steps_lost": 4}
+    loss["training_again_s"] = 5.5
+    f = {
+        "verdict": "PASS",
+        "job": "quickstart",
+        "trace": {"name": "gentle", "about": "one loss", "duration_s": 40},
+        "nodes": 3,
+        "reasons": ["every check passed"],
+        "exact_resume": True,
+        "compared_steps": 100,
+        "identical_steps": 100,
+        "goodput": 0.93,
+        "committed_steps": 90,
+        "chaos": {"to_last_commit_s": 30.0, "state": "finished", "steps": 100, "first_step_s": 8},
+        "reference": {"to_last_commit_s": 28.0},
+        "steps_lost": 4,
+        "events": [loss],
+        "settings": [],
+        "changes": [],
+        "footprint": "small",
+    }
+    text = render_verdict(f)
+    assert "**committed-step goodput**: 93.0%" in text
+    assert "`device_time.png` is where the job's device time went" in text
+    assert "3 failed health checks 1s apart, where Ray's default is 5 checks 3s apart" in text
+    # No loss in the trace: nothing to say about how soon a loss is seen.
+    f["events"] = [{**loss, "kind": "notice", "hit": True, "committed_step": 10}]
+    f["events"][0].update(notice_to_commit_s=1.0, deadline_s=30)
+    assert "health checks" not in render_verdict(f)

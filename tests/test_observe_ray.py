@@ -164,7 +164,7 @@ def test_report_writes_non_empty_pngs(observed, tmp_path):
     import matplotlib.image as mpimg
 
     names = sorted(p.name for p in out.glob("*.png"))
-    assert names == ["bubbles.png", "goodput.png", "loss.png", "step_time.png"]
+    assert names == ["bubbles.png", "device_time.png", "loss.png", "step_time.png"]
     for p in out.glob("*.png"):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         img = mpimg.imread(p)

@@ -102,7 +102,7 @@ def test_report_writes_each_plot(tmp_path):
     paths = write_report(_summary(), _trace(), tmp_path)
     assert sorted(p.name for p in paths) == [
         "bubbles.png",
-        "goodput.png",
+        "device_time.png",
         "loss.png",
         "step_time.png",
     ]
@@ -177,11 +177,11 @@ def test_watching_a_job_that_ends_shows_how_it_ended(tmp_path):
 
 
 def test_the_goodput_chart_speaks_in_human_units_and_names():
-    from spotline.report import PART_NAMES, goodput_figure
+    from spotline.report import PART_NAMES, device_time_figure
 
     s = _summary()
     s["ledger"]["device_s"] = {**s["ledger"]["device_s"], "startup_other": 900.0}
-    fig = goodput_figure(s)
+    fig = device_time_figure(s)
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert "useful compute" in labels and "start-up and other" in labels

@@ -269,7 +269,7 @@ def write_report(s: dict[str, Any], trace: dict[str, Any] | None, out: Path) -> 
     figures = {
         "loss.png": loss_figure(s),
         "step_time.png": step_time_figure(s),
-        "goodput.png": goodput_figure(s),
+        "device_time.png": device_time_figure(s),
     }
     if trace:
         figures["bubbles.png"] = timeline_figure(trace)
@@ -492,7 +492,7 @@ def device_time_unit(total_s: float) -> tuple[str, float]:
     return "device-seconds", 1.0
 
 
-def goodput_figure(s: dict[str, Any]):
+def device_time_figure(s: dict[str, Any]):
     """The goodput ledger as a waterfall: the total, then where each part of it went, in
     a unit that reads (device-seconds, -minutes or -hours), with the share of each."""
     from spotline.metrics.ledger import PARTS

@@ -1,9 +1,7 @@
 """A pytest plugin: your job on a local cluster of simulated spot nodes, and the faults a
 cloud brings, in your own test suite.
 
-    # conftest.py (or a test module)
-    pytest_plugins = ["spotline.testing"]
-
+    # found by pytest once Spotline is installed (entry point `pytest11`: spotline)
     from spotline.testing import assert_exact_resume, assert_no_lost_commit
 
     def test_my_job_survives_a_notice(spot_cluster, tmp_path):

@@ -32,6 +32,20 @@ NODE_DEATH_CONFIG = {"health_check_period_ms": 1000, "health_check_failure_thres
 dead after three failed health checks a second apart, about 6 s here (Ray's default, five
 3 s apart, about 16 s). A trace's next `join` waits for it: the cluster counts its nodes
 first."""
+RAY_DEFAULT_NODE_DEATH = {"health_check_period_ms": 3000, "health_check_failure_threshold": 5}
+
+
+def node_death_note() -> str:
+    """What the rehearsal's node-death timing does to the figures of a loss, in words."""
+    ours, ray = NODE_DEATH_CONFIG, RAY_DEFAULT_NODE_DEATH
+    return (
+        f"this rehearsal's Ray declares a killed node dead after "
+        f"{ours['health_check_failure_threshold']} failed health checks "
+        f"{ours['health_check_period_ms'] / 1000:g}s apart, where Ray's default is "
+        f"{ray['health_check_failure_threshold']} checks {ray['health_check_period_ms'] / 1000:g}s "
+        "apart (about 6 s against 16 s): on a cluster with Ray's defaults, a loss without "
+        "notice is declared later, and its 'training again' time may be that much longer"
+    )
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spotline.chaos.cluster import node_death_note
+
 FIGURES = "chaos.json"
 VERDICT = "verdict.md"
 EVENTS = "events.log"
@@ -88,7 +90,8 @@ def render_verdict(f: dict[str, Any]) -> str:
             if f.get("first_differing_step") is not None
             else f" ({f['compared_steps']} steps compared, {f['identical_steps']} bit for bit)"
         ),
-        f"- **goodput**: {_pct(f['goodput'])} (committed steps per second of training, "
+        f"- **committed-step goodput**: {_pct(f['goodput'])} (committed steps per second of "
+        "training, "
         f"against the uninterrupted run's: {f['committed_steps']} steps in "
         f"{_s(chaos['to_last_commit_s'])} here, {_s(ref['to_last_commit_s'])} uninterrupted)"
         + (
@@ -112,6 +115,12 @@ def render_verdict(f: dict[str, Any]) -> str:
         lines.append(f"| {e['at']:.1f}s | {kind} | {e['node']} | {cost} |")
     if f.get("unreplayed_events"):
         lines.append(f"\n{f['unreplayed_events']} event(s) not replayed: the job had finished.")
+    if any(e["kind"] in ("loss", "gone") and e["hit"] for e in f["events"]):
+        lines.append(f"\nTimes of a loss: {node_death_note()}.")
+    lines.append(
+        "\n`device_time.png` is where the job's device time went (useful compute, bubbles, "
+        "restarts): its ledger, not the committed-step goodput above."
+    )
     lines += ["", "## What the job's settings cost", ""]
     lines += [f"- {s}" for s in f["settings"]] or ["- nothing measurable under this trace"]
     lines += ["", "## Changed to run here", ""]
@@ -206,7 +215,7 @@ def timeline_figure(f: dict[str, Any]):
     ax_nodes.invert_yaxis()
     ax_nodes.set_title(
         f"{f['job']} under trace {f['trace']['name']}: {f['verdict']} "
-        f"(goodput {_pct(f['goodput'])}, {f['steps_lost']} step(s) lost)"
+        f"(committed-step goodput {_pct(f['goodput'])}, {f['steps_lost']} step(s) lost)"
     )
     handles = [
         Patch(color="lightsteelblue", label="node up"),

@@ -341,7 +341,8 @@ def settings_costs(
             line += f"; here {sum(lost)} step(s) were lost to {len(lost)} loss(es)"
         line += (
             "; recovery.peer_snapshots: true would lose at most k steps (a peer copy every "
-            "k steps, measured to cost 2% of training)"
+            f"k steps, k chosen to cost at most recovery.peer_cost_budget, "
+            f"{spec.recovery.peer_cost_budget:.0%} of training)"
         )
         spacing = _steps_between_losses(losses, steps_per_s)
         if spacing and interval > spacing / 10:
