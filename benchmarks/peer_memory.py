@@ -92,6 +92,8 @@ def spec_for(shape: str, arm: str, steps: int, tmp: Path, budget: int | None = N
     raw["checkpoint"]["staging_dir"] = str(tmp / "staging")
     on = arm != "off"
     raw["recovery"] = {"peer_snapshots": on, "in_place": on}
+    if arm == "restore":  # the one rank killed on purpose
+        raw["failure"]["max_failures"] = 1
     if budget is not None:
         raw["recovery"]["peer_memory"] = str(budget)
     return load_spec(raw)
