@@ -104,7 +104,8 @@ class Intake:
         uploads to the commit coordinator, its notices to the inbox. What the books make
         of thousands of ranks' reports is a burst of containers, taken with automatic
         collection held (`spotline.heap`); then what may wait (a commit's writes to
-        storage, the keepers' calls) runs with it on."""
+        storage, the trackers' figures, backfill's calls, the keepers' calls) runs with
+        it on."""
         group, rec = self.group, self.rec
         now = self.clock()
         with collection_held():
@@ -118,14 +119,13 @@ class Intake:
                 self.coordinator.expect(step, group.attempt, group.world_size)
             self._saves_skipped(p.skipped_saves, sorted(p.saves))
             self.telemetry.take_memory(p, group.replicas)
-            self.telemetry.account(
-                p, elapsed, group, now, self.bubbles, self.backfill, self.partitions,
-                attempt.start_step,
-            )  # fmt: skip
         for done in self.coordinator.receive(p.uploads):
             self.committed(done)
         for notice in p.notices:
             self.notify(notice)
+        self.telemetry.account(
+            p, elapsed, group, now, self.bubbles, self.backfill, self.partitions, attempt.start_step
+        )
         self.export_counts()
         self.recovery.take(p.peer, group, p.steps)
 
