@@ -306,11 +306,24 @@ class PeerMemory:
         does not answer in time is left out of this answer and kept. The keepers of
         `leaving` nodes (a preemption notice dooms them) are not asked: a restore must
         not read from a node that may vanish under it."""
+        return self._parse(self._holdings(leaving))
 
-        out: list[tuple[str, PeerCopy]] = []
+    def _holdings(self, leaving: set[str]) -> list[tuple[str, str, Any]]:
+        """(key, keeper name, answer) of every keeper not on a `leaving` node, asked at
+        once: its copies' descriptions, the exception it raised, or None (no answer)."""
         every = self._all()
         asked = {key: () for key in every if key.split(":")[0] not in leaving}
-        for key, got in self._ask("holdings", asked).items():
+        got = self._ask("holdings", asked)
+        return [
+            (key, getattr(every[key], "name", None) or keeper_name(self.spec.name, key), a)
+            for key, a in got.items()
+        ]
+
+    def _parse(self, answers: list[tuple[str, str, Any]]) -> list[tuple[str, PeerCopy]]:
+        """The copies in the keepers' answers; a dead keeper is forgotten, a silent one
+        said once and kept."""
+        out: list[tuple[str, PeerCopy]] = []
+        for key, name, got in answers:
             node = key.split(":")[0]
             if got is None:
                 if node not in self._quiet:
@@ -328,7 +341,6 @@ class PeerMemory:
                     self._gone(key)
                 continue
             self._quiet.discard(node)
-            name = getattr(every[key], "name", None) or keeper_name(self.spec.name, node)
             out += [(name, PeerCopy.from_dict(c)) for c in got]
         return out
 
@@ -341,10 +353,13 @@ class PeerMemory:
         leaving: set[str] = frozenset(),
     ) -> PeerOffer | None:
         """The newest step (or step `at`) group `attempt` left complete in the live
-        keepers of nodes that are not `leaving`. Automatic collection waits meanwhile:
-        thousands of ranks' holdings are a burst of containers (`spotline.heap`)."""
+        keepers of nodes that are not `leaving`. The keepers are asked with automatic
+        collection on; it waits while their answers are folded: thousands of ranks'
+        holdings are a burst of containers (`spotline.heap`)."""
+        answers = self._holdings(leaving)
         with collection_held():
-            return newest_complete(self.spec, self.held(leaving), attempt, world, partition, at)
+            held = self._parse(answers)
+            return newest_complete(self.spec, held, attempt, world, partition, at)
 
     def hold(self, attempt: str, step: int) -> None:
         """Step `step` of group `attempt` is offered for the next restore: every keeper
