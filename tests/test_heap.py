@@ -170,11 +170,6 @@ def test_the_controller_loop_waits_on_nothing_while_collection_is_held(
     assert held_waits == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="runtime/peers.py: PeerMemory.offer still asks the keepers (self.held) inside "
-    "its hold; the holdings belong before it, newest_complete inside",
-)
 def test_the_peer_offer_asks_the_keepers_with_collection_on(benchmarks_on_path):
     """The offer folds thousands of ranks' holdings with collection held; the keepers'
     call that brings them (`PeerMemory._ask`, with its timeout) runs with it on."""
