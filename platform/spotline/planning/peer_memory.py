@@ -9,7 +9,7 @@ own ranks and of the ranks on the node before it in the ring (its buddies), each
 holds the copy arriving twice (its room in the keeper, its bytes in Ray's object store
 until the keeper has them), and around a restore the step restored from stays pinned
 until the new group's first copy has settled. The figure is the most over every
-replica count the job may shrink to, since a node's share grows as nodes go.
+replica count the job runs at, since a node's share grows as nodes go.
 
 The levels, in the order a job degrades through them when the budget is short:
 two kept steps with buddies, one kept step with buddies, one kept step on the rank's
@@ -96,6 +96,10 @@ def fit_level(own: int, buddy: int, budget: int | None) -> PeerLevel:
     return next(lv for lv in LEVELS if lv.need(own, buddy) <= budget)
 
 
+PLAN_MARGIN = 0.01
+"""What the plan adds to each predicted copy: the files a rank writes differ from the
+prediction by a little either way (its meta file, headers), and a budget the plan says
+fits must hold the copies as measured."""
 RNG_META_BYTES = 34_000
 """A rank's meta file holds its RNG states (Python, NumPy, torch) as JSON: about this."""
 ENTRY_BYTES = 500
@@ -150,9 +154,9 @@ def _busiest(per_rank: list[int], stages: int, replicas: int, per_node: int) -> 
 
 @dataclass(frozen=True)
 class NodePeerMemory:
-    """The busiest node's keeper over the shapes the job runs at: at its start, and at
-    each replica count it may shrink to after losing nodes (a node's share of the state
-    grows as the ring gets shorter), with the restores between them."""
+    """The busiest node's keeper over the shapes the job runs at: every replica count in
+    its elastic range (a node's share of the state grows as the ring gets shorter), with
+    the restores between them."""
 
     own: int
     """Bytes of one copy of its own ranks' state, at the planned replicas."""
@@ -163,7 +167,7 @@ class NodePeerMemory:
     level: PeerLevel
     shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Replica count -> (own, buddy) of the busiest node, for every count the job may
-    run at from the planned one down."""
+    run at (predicted, with PLAN_MARGIN)."""
 
     def _worst(self, level: PeerLevel) -> tuple[int, int, int]:
         """(steady, restore, replicas where steady peaks) at `level`."""
@@ -219,14 +223,18 @@ def node_peer_memory(
     node_ram: int | None,
     bounds: list[int] | None = None,
 ) -> NodePeerMemory:
-    """The busiest node's keeper from `replicas` down to the fewest the job runs at,
-    `ranks_per_node` ranks on a node; the level is the fullest that fits every shape
-    and every restore between them."""
+    """The busiest node's keeper at every replica count the job runs at (it starts at
+    `replicas`, shrinks as nodes go, grows as they come), `ranks_per_node` ranks on a
+    node; the level is the fullest that fits every shape and every restore between
+    them."""
     stages = spec.parallel.pipeline_stages
-    counts = [r for r in spec.replica_counts() if r <= replicas] or [replicas]
+
+    def predicted(r: int) -> list[int]:  # a prediction: rounded up, never under the copy
+        return [math.ceil(b * (1 + PLAN_MARGIN)) for b in rank_copy_bytes(spec, r, bounds)]
+
     shapes = {
-        r: _busiest(rank_copy_bytes(spec, r, bounds), stages, r, ranks_per_node)
-        for r in sorted(set(counts) | {replicas}, reverse=True)
+        r: _busiest(predicted(r), stages, r, ranks_per_node)
+        for r in sorted(set(spec.replica_counts()) | {replicas}, reverse=True)
     }
     own, buddy = shapes[replicas]
     budget = spec.recovery.peer_budget_bytes(node_ram)
