@@ -115,6 +115,24 @@ def _let_go(blobs: list[Any]) -> None:
             madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
+def _let_go_store() -> None:
+    """Unmap this process's pages of every shared mapping but its own copies' maps
+    (those are `/dev/zero` maps): Ray's object store, where copies arrived and where
+    answers to restores' reads were written. Their bytes stay in the store; the
+    keeper's resident memory stops counting pages that are the store's."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = [line.split() for line in f]
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    for cols in lines:
+        if len(cols) < 6 or cols[1][3] != "s" or cols[5] == "/dev/zero":
+            continue
+        lo, hi = (int(x, 16) for x in cols[0].split("-"))
+        madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
 @dataclass
 class _Held:
     """One rank's copy of one step: its description and its bytes, in one memory map."""
@@ -196,6 +214,7 @@ class StateKeeper:
         sizes = {p: memoryview(b).nbytes for p, b in blobs.items()}
         size = sum(sizes.values())
         key = (c.attempt, c.rank, c.step)
+        _let_go_store()  # the pages earlier copies and answers left mapped here
         with self._lock:
             if key in self._copies:  # the same copy again: the new one replaces it
                 self._drop(key)
