@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from spotline.checkpoint import CheckpointMismatchError, CheckpointStore, Manifest
-from spotline.checkpoint.coordinator import CommitCoordinator
 from spotline.checkpoint.transfer import UploadResult
-from test_commit_integrity import KEY, KEY_ENV, Group, _commit, _spec, _upload
+from test_commit_integrity import KEY, KEY_ENV, Group, _commit, _coordinator, _spec, _upload
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -36,11 +35,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.unit
 
 STRAY = 99_999_999
-
-
-def _coordinator(spec, store) -> tuple[CommitCoordinator, list[str]]:
-    log: list[str] = []
-    return CommitCoordinator(spec, store, lambda msg, *a: log.append(msg)), log
 
 
 def _renumbered(store: CheckpointStore, step: int, to: int, key: bytes | None, **extra) -> bytes:
