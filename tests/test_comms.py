@@ -20,8 +20,8 @@ from spotline.controller.policies import classify
 from spotline.runtime.group import why_not_kept
 from spotline.runtime.progress import describe_failure
 from spotline.train.comms import Cut, GlooLinks, NcclAbort, comms_for
-from spotline.train.watch import CommsHung
 from spotline.train.process import sticky_cuda_error
+from spotline.train.watch import CommsHung
 
 pytestmark = pytest.mark.unit
 
