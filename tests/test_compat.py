@@ -173,6 +173,7 @@ def test_ray_seam_without_a_cluster(monkeypatch) -> None:
 
     from spotline.compat import ray as seam
 
+    assert seam.head_node_resource().startswith("node:")  # only the head offers it
     seam.listen_on_loopback_only()
     assert ray.util.get_node_ip_address() == "127.0.0.1"  # no cluster: Ray's own answer
     assert isinstance(seam.local_gcs_addresses(), set)
@@ -199,9 +200,10 @@ def test_ray_seam_without_a_cluster(monkeypatch) -> None:
 # A private name of Ray: a module or attribute with one leading underscore on a dotted
 # path that starts at `ray` (its private package, a private function of its internal_kv),
 # a name imported from Ray with one, or an attribute Ray adds to every actor class (its
-# `__ray_` names).
+# `__ray_` names), or one of its internal resource names (the head node's, say).
 _RAY_PRIVATE = re.compile(
-    r"\bray(?:\.\w+)*\._(?!_)\w|__ray_\w+__|from ray[\w.]* import [^\n]*\b_[a-z]"
+    r"\bray(?:\.\w+)*\._(?!_)\w|__ray_\w+__|__internal_\w+__"
+    r"|from ray[\w.]* import [^\n]*\b_[a-z]"
 )
 
 

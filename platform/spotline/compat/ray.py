@@ -69,6 +69,7 @@ _PREEMPTION = _ray.attribute("ray.core.generated.autoscaler_pb2", "DrainNodeReas
 _py_modules = _ray.module("ray._private.runtime_env.py_modules", "upload_py_modules_if_needed")
 _working_dir = _ray.module("ray._private.runtime_env.working_dir", "upload_working_dir_if_needed")
 _env_constants = _ray.module("ray._private.runtime_env.constants", "RAY_JOB_CONFIG_JSON_ENV_VAR")
+_common = _ray.module("ray._common.constants", "HEAD_NODE_RESOURCE_NAME")
 
 _COORDINATOR = "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator"
 _PRIORITY = "ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator"
@@ -232,6 +233,12 @@ def start_points() -> dict[str, tuple[Any, str]]:
         "actor": (_actor.ActorClass, "_remote"),
         "task": (_remote_function.RemoteFunction, "_remote"),
     }
+
+
+def head_node_resource() -> str:
+    """The resource only the head node offers (`node:__internal_head__` in Ray 2.60): a
+    bundle that asks for a sliver of it is placed on the head."""
+    return str(_common.HEAD_NODE_RESOURCE_NAME)
 
 
 def remote_name(remote: Any) -> str:

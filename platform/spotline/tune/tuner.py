@@ -42,7 +42,9 @@ def head_resources() -> Any:
     """The trial driver's placement: the head node, no CPU or device."""
     from ray import tune
 
-    return tune.PlacementGroupFactory([{"CPU": 0, "node:__internal_head__": 0.001}])
+    from spotline.compat.ray import head_node_resource
+
+    return tune.PlacementGroupFactory([{"CPU": 0, head_node_resource(): 0.001}])
 
 
 def default_concurrency(spec: JobSpec, have: dict[str, float] | None = None) -> int:
